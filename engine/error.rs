@@ -1,0 +1,166 @@
+//! Typed errors, one enum per concern. Each variant names the thing at fault and, where there is
+//! one, the expected and the found value.
+
+use std::path::PathBuf;
+
+/// Errors of the GPU layer: adapter selection, device creation, buffer limits, validation.
+#[derive(Debug, thiserror::Error)]
+pub enum GpuError {
+    /// No wgpu adapter was found at all.
+    #[error("no GPU adapter found (backends from WGPU_BACKEND: {backends}); on Linux install Mesa's lavapipe: apt-get install mesa-vulkan-drivers libvulkan1")]
+    NoAdapter {
+        /// The backends that were searched.
+        backends: String,
+    },
+    /// `WGPU_ADAPTER_NAME` was set but matched no adapter.
+    #[error("WGPU_ADAPTER_NAME={wanted:?} matches no adapter; found: {found:?}")]
+    AdapterNameNotFound {
+        /// The requested substring.
+        wanted: String,
+        /// Names of the adapters that exist.
+        found: Vec<String>,
+    },
+    /// `request_device` failed.
+    #[error("device request failed: {0}")]
+    RequestDevice(String),
+    /// A buffer would exceed the device's limits.
+    #[error("buffer {name:?} needs {needed} bytes, the device allows at most {limit}")]
+    BufferTooLarge {
+        /// The buffer's label.
+        name: String,
+        /// Requested size in bytes.
+        needed: u64,
+        /// The limit in bytes.
+        limit: u64,
+    },
+    /// wgpu reported a validation or out-of-memory error inside an error scope.
+    #[error("GPU error during {during}: {message}")]
+    Validation {
+        /// What was being done.
+        during: String,
+        /// wgpu's message.
+        message: String,
+    },
+    /// Mapping a buffer for readback failed.
+    #[error("buffer readback failed: {0}")]
+    Readback(String),
+}
+
+/// Errors while loading a model directory.
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// `config.json` (or the index) is not valid JSON of the expected form.
+    #[error("invalid {file}: {message}")]
+    BadJson {
+        /// The file name.
+        file: String,
+        /// serde's message.
+        message: String,
+    },
+    /// A config field has a value this engine cannot run.
+    #[error("config field {field}: expected {expected}, found {found}")]
+    BadConfig {
+        /// The field name.
+        field: String,
+        /// What is supported.
+        expected: String,
+        /// What the file says.
+        found: String,
+    },
+    /// The model family is recognised but not implemented.
+    #[error("unsupported model: {what}")]
+    Unsupported {
+        /// What is unsupported.
+        what: String,
+    },
+    /// No weights file was found in the directory.
+    #[error("no model.safetensors or model.safetensors.index.json in {dir}")]
+    NoWeights {
+        /// The directory.
+        dir: PathBuf,
+    },
+    /// A safetensors file is malformed.
+    #[error("invalid safetensors file {path}: {message}")]
+    BadSafetensors {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// A required tensor is absent.
+    #[error("missing tensor {name} (looked for {candidates:?})")]
+    MissingTensor {
+        /// The logical name.
+        name: String,
+        /// The full names tried.
+        candidates: Vec<String>,
+    },
+    /// A tensor has the wrong shape.
+    #[error("tensor {name}: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        /// The tensor.
+        name: String,
+        /// Expected shape.
+        expected: Vec<usize>,
+        /// Shape in the file.
+        found: Vec<usize>,
+    },
+    /// A tensor has a dtype this engine does not load.
+    #[error("tensor {name}: dtype {found} is not supported (expected F32, BF16 or F16)")]
+    UnsupportedDtype {
+        /// The tensor.
+        name: String,
+        /// The dtype in the file.
+        found: String,
+    },
+    /// A GPU error while uploading.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}
+
+/// Errors while running the model.
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    /// A token id is outside the vocabulary.
+    #[error("token id {id} at position {index} is out of range (vocab size {vocab})")]
+    TokenOutOfRange {
+        /// The id.
+        id: u32,
+        /// Its index in the input.
+        index: usize,
+        /// The vocabulary size.
+        vocab: usize,
+    },
+    /// The input is empty.
+    #[error("empty input: at least one token is needed")]
+    EmptyInput,
+    /// The session's context is full.
+    #[error("context full: {needed} positions needed, session capacity is {capacity}")]
+    ContextFull {
+        /// Positions the step needs.
+        needed: usize,
+        /// The session's capacity.
+        capacity: usize,
+    },
+    /// Sampling parameters are invalid.
+    #[error("invalid sampling parameter {name}: {value} ({expected})")]
+    BadParam {
+        /// The parameter.
+        name: &'static str,
+        /// Its value.
+        value: String,
+        /// What is allowed.
+        expected: &'static str,
+    },
+    /// A GPU error.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}

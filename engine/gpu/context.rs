@@ -1,0 +1,291 @@
+//! Device selection and the caches every model on a device shares.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use crate::error::GpuError;
+use crate::kernels::{PipelineKey, Shader};
+
+/// How a storage binding of group 0 is accessed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// `var<storage, read>`
+    Read,
+    /// `var<storage, read_write>`
+    ReadWrite,
+}
+
+/// The storage bindings of a kernel's group 0, in binding order starting at 1 (binding 0 is
+/// always the per-dispatch uniform, bound with a dynamic offset).
+pub type IoSpec = &'static [Access];
+
+/// Bytes reserved per dispatch in the uniform arena; every kernel's `Params` fits.
+pub const PARAMS_SLOT: u64 = 256;
+
+/// A wgpu device with the layouts, shader modules and pipelines built on it.
+pub struct GpuContext {
+    /// The device.
+    pub device: wgpu::Device,
+    /// Its queue.
+    pub queue: wgpu::Queue,
+    /// What the adapter says about itself.
+    pub info: wgpu::AdapterInfo,
+    /// The limits the device was created with.
+    pub limits: wgpu::Limits,
+    weights_layout: wgpu::BindGroupLayout,
+    io_layouts: Mutex<HashMap<IoSpec, wgpu::BindGroupLayout>>,
+    modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
+    pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+}
+
+impl GpuContext {
+    /// Open the adapter chosen by `WGPU_BACKEND` / `WGPU_ADAPTER_NAME` (else the default
+    /// high-performance adapter) and create a device with WebGPU's default limits, raised only
+    /// where the adapter allows and the engine benefits (binding and buffer sizes).
+    pub fn new() -> Result<Self, GpuError> {
+        pollster::block_on(Self::new_async())
+    }
+
+    async fn new_async() -> Result<Self, GpuError> {
+        let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
+        let backends = format!("{:?}", desc.backends);
+        let instance = wgpu::Instance::new(desc);
+        let adapter = match std::env::var("WGPU_ADAPTER_NAME") {
+            Ok(wanted) if !wanted.is_empty() => {
+                let adapters = instance.enumerate_adapters(wgpu::Backends::all()).await;
+                let found: Vec<String> = adapters.iter().map(|a| a.get_info().name).collect();
+                let lower = wanted.to_lowercase();
+                adapters
+                    .into_iter()
+                    .find(|a| a.get_info().name.to_lowercase().contains(&lower))
+                    .ok_or(GpuError::AdapterNameNotFound { wanted, found })?
+            }
+            _ => instance
+                .request_adapter(&wgpu::RequestAdapterOptions {
+                    power_preference: wgpu::PowerPreference::from_env()
+                        .unwrap_or(wgpu::PowerPreference::HighPerformance),
+                    ..Default::default()
+                })
+                .await
+                .map_err(|_| GpuError::NoAdapter { backends })?,
+        };
+        Self::from_adapter(adapter).await
+    }
+
+    async fn from_adapter(adapter: wgpu::Adapter) -> Result<Self, GpuError> {
+        let info = adapter.get_info();
+        let have = adapter.limits();
+        let limits = wgpu::Limits {
+            max_storage_buffer_binding_size: have.max_storage_buffer_binding_size,
+            max_buffer_size: have.max_buffer_size,
+            ..Default::default()
+        };
+        let (device, queue) = adapter
+            .request_device(&wgpu::DeviceDescriptor {
+                label: Some("qwen35-wgpu"),
+                required_features: wgpu::Features::empty(),
+                required_limits: limits.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
+        log::info!(
+            "GPU adapter: {} ({:?}, {:?})",
+            info.name,
+            info.backend,
+            info.device_type
+        );
+        let weights_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+            label: Some("weights"),
+            entries: &[storage_entry(0, true)],
+        });
+        Ok(Self {
+            device,
+            queue,
+            info,
+            limits,
+            weights_layout,
+            io_layouts: Mutex::new(HashMap::new()),
+            modules: Mutex::new(HashMap::new()),
+            pipelines: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// True when the adapter is a software rasteriser (lavapipe, llvmpipe, WARP).
+    pub fn is_cpu(&self) -> bool {
+        self.info.device_type == wgpu::DeviceType::Cpu
+    }
+
+    /// The largest storage binding, in bytes.
+    pub fn max_binding(&self) -> u64 {
+        self.limits
+            .max_storage_buffer_binding_size
+            .min(self.limits.max_buffer_size)
+    }
+
+    /// Layout of group 1: one read-only storage buffer (a weight chunk or parameter vector).
+    pub fn weights_layout(&self) -> &wgpu::BindGroupLayout {
+        &self.weights_layout
+    }
+
+    /// The shared group-0 layout for a kernel's storage bindings.
+    pub fn io_layout(&self, spec: IoSpec) -> wgpu::BindGroupLayout {
+        let mut map = self.io_layouts.lock().unwrap_or_else(|e| e.into_inner());
+        map.entry(spec)
+            .or_insert_with(|| {
+                let mut entries = vec![wgpu::BindGroupLayoutEntry {
+                    binding: 0,
+                    visibility: wgpu::ShaderStages::COMPUTE,
+                    ty: wgpu::BindingType::Buffer {
+                        ty: wgpu::BufferBindingType::Uniform,
+                        has_dynamic_offset: true,
+                        min_binding_size: None,
+                    },
+                    count: None,
+                }];
+                for (i, access) in spec.iter().enumerate() {
+                    entries.push(storage_entry(i as u32 + 1, *access == Access::Read));
+                }
+                self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
+                    label: Some("io"),
+                    entries: &entries,
+                })
+            })
+            .clone()
+    }
+
+    /// A group-1 bind group over one whole buffer.
+    pub fn weights_bind_group(&self, buffer: &wgpu::Buffer, label: &str) -> wgpu::BindGroup {
+        self.device.create_bind_group(&wgpu::BindGroupDescriptor {
+            label: Some(label),
+            layout: &self.weights_layout,
+            entries: &[wgpu::BindGroupEntry {
+                binding: 0,
+                resource: buffer.as_entire_binding(),
+            }],
+        })
+    }
+
+    /// The compute pipeline for `key`, created on first use.
+    pub fn pipeline(&self, key: PipelineKey) -> Result<wgpu::ComputePipeline, GpuError> {
+        if let Some(p) = self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+            return Ok(p.clone());
+        }
+        let kernel = key.kernel;
+        let module = self.module(kernel.shader())?;
+        let io = self.io_layout(kernel.io());
+        let layouts: Vec<Option<&wgpu::BindGroupLayout>> = if kernel.has_weights() {
+            vec![Some(&io), Some(&self.weights_layout)]
+        } else {
+            vec![Some(&io)]
+        };
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
+            label: Some(kernel.entry()),
+            bind_group_layouts: &layouts,
+            immediate_size: 0,
+        });
+        let constants = key.constants();
+        let pipeline = self.device.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+            label: Some(kernel.entry()),
+            layout: Some(&layout),
+            module: &module,
+            entry_point: Some(kernel.entry()),
+            compilation_options: wgpu::PipelineCompilationOptions {
+                constants: &constants,
+                zero_initialize_workgroup_memory: false,
+            },
+            cache: None,
+        });
+        if let Some(err) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Validation {
+                during: format!("creating pipeline {key:?}"),
+                message: err.to_string(),
+            });
+        }
+        self.pipelines
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(key, pipeline.clone());
+        Ok(pipeline)
+    }
+
+    fn module(&self, shader: Shader) -> Result<wgpu::ShaderModule, GpuError> {
+        let mut map = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = map.get(&shader) {
+            return Ok(m.clone());
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
+        let module = self.device.create_shader_module(wgpu::ShaderModuleDescriptor {
+            label: Some(shader.file_name()),
+            source: wgpu::ShaderSource::Wgsl(shader.source().into()),
+        });
+        if let Some(err) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Validation {
+                during: format!("compiling {}", shader.file_name()),
+                message: err.to_string(),
+            });
+        }
+        map.insert(shader, module.clone());
+        Ok(module)
+    }
+
+    /// Create a storage buffer, checking the size against the device limits first.
+    pub fn storage_buffer(&self, label: &str, size: u64, binding: bool) -> Result<wgpu::Buffer, GpuError> {
+        let size = size.max(4).next_multiple_of(4);
+        let limit = if binding {
+            self.max_binding()
+        } else {
+            self.limits.max_buffer_size
+        };
+        if size > limit {
+            return Err(GpuError::BufferTooLarge {
+                name: label.to_string(),
+                needed: size,
+                limit,
+            });
+        }
+        let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
+        let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size,
+            usage: wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_DST | wgpu::BufferUsages::COPY_SRC,
+            mapped_at_creation: false,
+        });
+        match pollster::block_on(scope.pop()) {
+            Some(err) => Err(GpuError::Validation {
+                during: format!("allocating {label} ({size} bytes)"),
+                message: err.to_string(),
+            }),
+            None => Ok(buffer),
+        }
+    }
+
+    /// Create a storage buffer holding `bytes` (padded to a multiple of 4).
+    pub fn upload(&self, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
+        let buffer = self.storage_buffer(label, bytes.len() as u64, true)?;
+        let whole = bytes.len() / 4 * 4;
+        if whole > 0 {
+            self.queue.write_buffer(&buffer, 0, &bytes[..whole]);
+        }
+        if whole < bytes.len() {
+            let mut tail = [0u8; 4];
+            tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
+            self.queue.write_buffer(&buffer, whole as u64, &tail);
+        }
+        Ok(buffer)
+    }
+}
+
+fn storage_entry(binding: u32, read_only: bool) -> wgpu::BindGroupLayoutEntry {
+    wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: wgpu::ShaderStages::COMPUTE,
+        ty: wgpu::BindingType::Buffer {
+            ty: wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    }
+}

@@ -1,0 +1,12 @@
+//! The GPU layer: device selection, shared bind-group layouts, the pipeline cache, weight
+//! buffers and readback.
+
+mod context;
+mod readback;
+mod recorder;
+mod tensor;
+
+pub use context::{Access, GpuContext, IoSpec};
+pub use readback::read_f32;
+pub use recorder::{grid_1d, IoBindCache, Recorder};
+pub use tensor::{GpuVector, GpuWeight, WeightChunk};

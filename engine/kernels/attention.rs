@@ -1,0 +1,86 @@
+//! `attention_prep.wgsl` and `attention.wgsl`: gated full attention with a KV cache.
+
+use crate::error::GpuError;
+use crate::gpu::{GpuVector, Recorder};
+use crate::kernels::{Kernel, PipelineKey};
+
+/// Mirrors `Params` in `attention.wgsl` and `attention_prep.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AttnParams {
+    /// Tokens in the step.
+    pub t: u32,
+    /// Cache position of the first token.
+    pub pos0: u32,
+    /// Query heads.
+    pub hq: u32,
+    /// KV heads.
+    pub hkv: u32,
+    /// Head dim.
+    pub hd: u32,
+    /// Half the rotary dim (R/2).
+    pub rot_half: u32,
+    /// Cache capacity in positions.
+    pub s_max: u32,
+    /// q/k norm epsilon.
+    pub eps: f32,
+    /// Score scale hd^-0.5.
+    pub scale: f32,
+    /// Padding.
+    pub _pad: [u32; 3],
+}
+
+/// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// The buffers of one attention layer's step.
+pub struct AttnIo<'a> {
+    /// q_proj output `[T, Hq, 2hd]`.
+    pub qg: &'a wgpu::Buffer,
+    /// k_proj output `[T, Hkv·hd]`.
+    pub kraw: &'a wgpu::Buffer,
+    /// v_proj output `[T, Hkv·hd]`.
+    pub vraw: &'a wgpu::Buffer,
+    /// Rotated queries `[T, Hq, hd]`.
+    pub q: &'a wgpu::Buffer,
+    /// Key cache `[Hkv, S, hd]`.
+    pub k_cache: &'a wgpu::Buffer,
+    /// Value cache `[Hkv, S, hd]`.
+    pub v_cache: &'a wgpu::Buffer,
+    /// RoPE table `[S, R/2]` of (cos, sin).
+    pub rope: &'a wgpu::Buffer,
+    /// Gated output `[T, Hq·hd]`.
+    pub out: &'a wgpu::Buffer,
+}
+
+/// Record q/k norm + RoPE, the cache write and the attention itself.
+pub fn attention(
+    rec: &mut Recorder,
+    q_norm: &GpuVector,
+    k_norm: &GpuVector,
+    params: &AttnParams,
+    io: &AttnIo,
+) -> Result<(), GpuError> {
+    let t = params.t;
+    rec.dispatch(
+        PipelineKey::plain(Kernel::PrepQ),
+        params,
+        &[io.qg, io.rope, io.q],
+        Some(&q_norm.bind_group),
+        [t, params.hq, 1],
+    )?;
+    rec.dispatch(
+        PipelineKey::plain(Kernel::PrepKv),
+        params,
+        &[io.kraw, io.rope, io.k_cache, io.vraw, io.v_cache],
+        Some(&k_norm.bind_group),
+        [t, params.hkv, 1],
+    )?;
+    rec.dispatch(
+        PipelineKey::plain(Kernel::Attend),
+        params,
+        &[io.q, io.qg, io.k_cache, io.v_cache, io.out],
+        None,
+        [t, params.hq, 1],
+    )
+}

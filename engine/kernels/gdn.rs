@@ -1,0 +1,72 @@
+//! `gdn_conv.wgsl` and `gdn_rule.wgsl`: the Gated DeltaNet token mixer's conv and recurrence.
+
+use crate::error::GpuError;
+use crate::gpu::{GpuVector, Recorder};
+use crate::kernels::{Kernel, PipelineKey};
+
+/// Mirrors `Params` in `gdn_conv.wgsl` / `gdn_rule.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct GdnParams {
+    /// Tokens in the step.
+    pub t: u32,
+    /// Conv channels C = 2·Kd + Vd.
+    pub c: u32,
+    /// Conv kernel width.
+    pub k: u32,
+    /// Key heads.
+    pub hk: u32,
+    /// Value heads.
+    pub hv: u32,
+    /// Key head dim.
+    pub dk: u32,
+    /// Value head dim.
+    pub dv: u32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`).
+pub const MAX_CONV_K: usize = 8;
+
+/// The buffers of one GDN layer's step.
+pub struct GdnIo<'a> {
+    /// in_proj_qkv output `[T, C]`.
+    pub mixed: &'a wgpu::Buffer,
+    /// Conv output `[T, C]`.
+    pub conv_out: &'a wgpu::Buffer,
+    /// Conv history `[C, K-1]`.
+    pub conv_state: &'a wgpu::Buffer,
+    /// in_proj_b output `[T, Hv]`.
+    pub b: &'a wgpu::Buffer,
+    /// in_proj_a output `[T, Hv]`.
+    pub a: &'a wgpu::Buffer,
+    /// Recurrence output `[T, Vd]`.
+    pub core: &'a wgpu::Buffer,
+    /// Recurrent state `[Hv, Dk, Dv]`.
+    pub state: &'a wgpu::Buffer,
+}
+
+/// Record the conv + SiLU and the delta-rule recurrence.
+pub fn gated_delta(
+    rec: &mut Recorder,
+    conv_w: &GpuVector,
+    gate_p: &GpuVector,
+    params: &GdnParams,
+    io: &GdnIo,
+) -> Result<(), GpuError> {
+    rec.dispatch(
+        PipelineKey::plain(Kernel::ConvSilu),
+        params,
+        &[io.mixed, io.conv_out, io.conv_state],
+        Some(&conv_w.bind_group),
+        [params.c.div_ceil(64), 1, 1],
+    )?;
+    rec.dispatch(
+        PipelineKey::plain(Kernel::DeltaRule),
+        params,
+        &[io.conv_out, io.b, io.a, io.core, io.state],
+        Some(&gate_p.bind_group),
+        [params.dv.div_ceil(64), params.hv, 1],
+    )
+}

@@ -1,0 +1,56 @@
+//! `embed.wgsl` and `swiglu.wgsl`.
+
+use crate::error::GpuError;
+use crate::gpu::{grid_1d, GpuWeight, Recorder};
+use crate::kernels::{Kernel, PipelineKey};
+
+/// Mirrors `Params` in `embed.wgsl` (and, with the first field only, `swiglu.wgsl`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct EmbedParams {
+    /// Hidden size (swiglu: element count).
+    pub n: u32,
+    /// Tokens.
+    pub rows: u32,
+    /// First vocabulary row of the chunk.
+    pub row_start: u32,
+    /// Rows in the chunk.
+    pub row_count: u32,
+}
+
+/// Record `hidden[t] = table[ids[t]]`, one dispatch per table chunk.
+pub fn embed(
+    rec: &mut Recorder,
+    table: &GpuWeight,
+    ids: &wgpu::Buffer,
+    tokens: usize,
+    hidden: &wgpu::Buffer,
+) -> Result<(), GpuError> {
+    let key = PipelineKey {
+        kernel: Kernel::Embed,
+        dtype: table.dtype,
+        accumulate: false,
+    };
+    for chunk in &table.chunks {
+        let params = EmbedParams {
+            n: table.cols as u32,
+            rows: tokens as u32,
+            row_start: chunk.row_start as u32,
+            row_count: chunk.rows as u32,
+        };
+        let groups = [(table.cols as u32).div_ceil(64), tokens as u32, 1];
+        rec.dispatch(key, &params, &[ids, hidden], Some(&chunk.bind_group), groups)?;
+    }
+    Ok(())
+}
+
+/// Record `g = silu(g) · u` over `n` elements.
+pub fn swiglu(rec: &mut Recorder, g: &wgpu::Buffer, u: &wgpu::Buffer, n: usize) -> Result<(), GpuError> {
+    let params = EmbedParams {
+        n: n as u32,
+        ..Default::default()
+    };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let groups = grid_1d((n as u32).div_ceil(64), max);
+    rec.dispatch(PipelineKey::plain(Kernel::Swiglu), &params, &[u, g], None, groups)
+}

@@ -1,0 +1,192 @@
+//! One module per WGSL family: the uniform `Params` mirrored from the shader and the function
+//! that records a dispatch. Pipelines are cached by [`PipelineKey`].
+
+pub mod attention;
+pub mod gdn;
+pub mod matmul;
+pub mod misc;
+pub mod norm;
+
+use crate::gpu::{Access, IoSpec};
+use crate::model::Dtype;
+
+use Access::{Read as R, ReadWrite as W};
+
+/// A WGSL source file under `wgsl/`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Shader {
+    /// `matmul.wgsl`
+    Matmul,
+    /// `norm.wgsl`
+    Norm,
+    /// `attention_prep.wgsl`
+    AttentionPrep,
+    /// `attention.wgsl`
+    Attention,
+    /// `gdn_conv.wgsl`
+    GdnConv,
+    /// `gdn_rule.wgsl`
+    GdnRule,
+    /// `embed.wgsl`
+    Embed,
+    /// `swiglu.wgsl`
+    Swiglu,
+}
+
+impl Shader {
+    /// Every shader, for the naga translation tests.
+    pub const ALL: [Shader; 8] = [
+        Shader::Matmul,
+        Shader::Norm,
+        Shader::AttentionPrep,
+        Shader::Attention,
+        Shader::GdnConv,
+        Shader::GdnRule,
+        Shader::Embed,
+        Shader::Swiglu,
+    ];
+
+    /// The file name under `wgsl/`.
+    pub fn file_name(self) -> &'static str {
+        match self {
+            Shader::Matmul => "matmul.wgsl",
+            Shader::Norm => "norm.wgsl",
+            Shader::AttentionPrep => "attention_prep.wgsl",
+            Shader::Attention => "attention.wgsl",
+            Shader::GdnConv => "gdn_conv.wgsl",
+            Shader::GdnRule => "gdn_rule.wgsl",
+            Shader::Embed => "embed.wgsl",
+            Shader::Swiglu => "swiglu.wgsl",
+        }
+    }
+
+    /// The WGSL text, compiled into the library.
+    pub fn source(self) -> &'static str {
+        match self {
+            Shader::Matmul => include_str!("../../wgsl/matmul.wgsl"),
+            Shader::Norm => include_str!("../../wgsl/norm.wgsl"),
+            Shader::AttentionPrep => include_str!("../../wgsl/attention_prep.wgsl"),
+            Shader::Attention => include_str!("../../wgsl/attention.wgsl"),
+            Shader::GdnConv => include_str!("../../wgsl/gdn_conv.wgsl"),
+            Shader::GdnRule => include_str!("../../wgsl/gdn_rule.wgsl"),
+            Shader::Embed => include_str!("../../wgsl/embed.wgsl"),
+            Shader::Swiglu => include_str!("../../wgsl/swiglu.wgsl"),
+        }
+    }
+}
+
+/// A compute entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Tiled matrix-matrix product (prefill).
+    Matmul,
+    /// Matrix-vector product (one token).
+    Matvec,
+    /// RMSNorm with `(1 + w)`.
+    RmsNorm,
+    /// Gated RMSNorm of the GDN output, in place.
+    RmsNormGated,
+    /// q norm + RoPE.
+    PrepQ,
+    /// k norm + RoPE, K/V cache write.
+    PrepKv,
+    /// Causal GQA attention with the sigmoid output gate.
+    Attend,
+    /// GDN causal depthwise conv + SiLU.
+    ConvSilu,
+    /// GDN gated delta rule.
+    DeltaRule,
+    /// Embedding gather.
+    Embed,
+    /// SwiGLU product.
+    Swiglu,
+}
+
+impl Kernel {
+    /// The shader file holding the entry point.
+    pub fn shader(self) -> Shader {
+        match self {
+            Kernel::Matmul | Kernel::Matvec => Shader::Matmul,
+            Kernel::RmsNorm | Kernel::RmsNormGated => Shader::Norm,
+            Kernel::PrepQ | Kernel::PrepKv => Shader::AttentionPrep,
+            Kernel::Attend => Shader::Attention,
+            Kernel::ConvSilu => Shader::GdnConv,
+            Kernel::DeltaRule => Shader::GdnRule,
+            Kernel::Embed => Shader::Embed,
+            Kernel::Swiglu => Shader::Swiglu,
+        }
+    }
+
+    /// The entry point's name.
+    pub fn entry(self) -> &'static str {
+        match self {
+            Kernel::Matmul => "matmul",
+            Kernel::Matvec => "matvec",
+            Kernel::RmsNorm => "rms_norm",
+            Kernel::RmsNormGated => "rms_norm_gated",
+            Kernel::PrepQ => "prep_q",
+            Kernel::PrepKv => "prep_kv",
+            Kernel::Attend => "attend",
+            Kernel::ConvSilu => "conv_silu",
+            Kernel::DeltaRule => "delta_rule",
+            Kernel::Embed => "embed",
+            Kernel::Swiglu => "swiglu",
+        }
+    }
+
+    /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
+    pub fn io(self) -> IoSpec {
+        match self {
+            Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
+            Kernel::Embed | Kernel::Swiglu => &[R, W],
+            Kernel::PrepQ => &[R, R, W],
+            Kernel::PrepKv => &[R, R, W, R, W],
+            Kernel::Attend => &[R, R, R, R, W],
+            Kernel::ConvSilu => &[R, W, W],
+            Kernel::DeltaRule => &[R, R, R, W, W],
+        }
+    }
+
+    /// Whether the kernel binds a group-1 weight buffer.
+    pub fn has_weights(self) -> bool {
+        !matches!(self, Kernel::Attend | Kernel::Swiglu)
+    }
+
+    fn has_dtype(self) -> bool {
+        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::Embed)
+    }
+}
+
+/// Typed key of the pipeline cache: the entry point plus its override constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PipelineKey {
+    /// The entry point.
+    pub kernel: Kernel,
+    /// Weight dtype (`W_DTYPE`), for kernels that read checkpoint-dtype weights.
+    pub dtype: Dtype,
+    /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
+    pub accumulate: bool,
+}
+
+impl PipelineKey {
+    /// A kernel without overrides.
+    pub fn plain(kernel: Kernel) -> Self {
+        Self {
+            kernel,
+            dtype: Dtype::F32,
+            accumulate: false,
+        }
+    }
+
+    /// The override constants this key sets.
+    pub fn constants(&self) -> Vec<(&'static str, f64)> {
+        let mut c = Vec::new();
+        if self.kernel.has_dtype() {
+            c.push(("W_DTYPE", self.dtype.shader_code() as f64));
+        }
+        if matches!(self.kernel, Kernel::Matmul | Kernel::Matvec) {
+            c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
+        }
+        c
+    }
+}

@@ -1,0 +1,30 @@
+//! Qwen 3.5 inference on the GPU through wgpu, with WGSL kernels.
+//!
+//! Scope: the Qwen 3.5 dense text decoder (Gated DeltaNet + gated attention layers) loaded from a
+//! Hugging Face checkpoint directory (VLM or text-only layout, sharded or not, f32/bf16/f16),
+//! batched prefill and cached decode, greedy and seeded sampling on token ids.
+//!
+//! Not done yet: LoRA adapters, tokenizers and chat templates, MoE variants (typed
+//! `Unsupported`), vision inputs.
+//!
+//! ```no_run
+//! use std::sync::Arc;
+//! use qwen35_wgpu::{GpuContext, Model, Session, SessionOptions, GenerateParams};
+//! let ctx = Arc::new(GpuContext::new()?);
+//! let model = Arc::new(Model::load(ctx, "path/to/Qwen3.5-0.8B".as_ref())?);
+//! let mut session = Session::new(model, SessionOptions::default())?;
+//! let tokens = session.generate(&[1, 2, 3], &GenerateParams::default(), |_| true)?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+pub mod error;
+pub mod gpu;
+pub mod kernels;
+pub mod model;
+pub mod reference;
+pub mod runtime;
+
+pub use error::{GpuError, ModelError, RunError};
+pub use gpu::GpuContext;
+pub use model::{LoadOptions, Model, TextConfig};
+pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};

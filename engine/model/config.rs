@@ -1,0 +1,312 @@
+//! `config.json`: the VLM form (`model_type: "qwen3_5"` with `text_config`) and the text-only
+//! form (`qwen3_5_text`), validated into the dimensions the kernels need.
+
+use std::path::Path;
+
+use serde::Deserialize;
+
+use crate::error::ModelError;
+use crate::kernels::attention::MAX_HEAD_DIM;
+use crate::kernels::gdn::MAX_CONV_K;
+
+/// The token mixer of a layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LayerType {
+    /// Gated DeltaNet (`"linear_attention"`).
+    Linear,
+    /// Gated softmax attention (`"full_attention"`).
+    Full,
+}
+
+#[derive(Deserialize)]
+struct RawRope {
+    rope_type: Option<String>,
+    rope_theta: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+}
+
+#[derive(Deserialize)]
+struct RawText {
+    model_type: Option<String>,
+    vocab_size: usize,
+    hidden_size: usize,
+    intermediate_size: usize,
+    num_hidden_layers: usize,
+    num_attention_heads: usize,
+    num_key_value_heads: usize,
+    head_dim: usize,
+    hidden_act: Option<String>,
+    rms_norm_eps: Option<f64>,
+    tie_word_embeddings: Option<bool>,
+    rope_parameters: Option<RawRope>,
+    rope_theta: Option<f64>,
+    partial_rotary_factor: Option<f64>,
+    linear_conv_kernel_dim: usize,
+    linear_key_head_dim: usize,
+    linear_value_head_dim: usize,
+    linear_num_key_heads: usize,
+    linear_num_value_heads: usize,
+    layer_types: Option<Vec<String>>,
+    full_attention_interval: Option<usize>,
+    eos_token_id: Option<serde_json::Value>,
+}
+
+/// The validated text-decoder configuration.
+#[derive(Clone, Debug)]
+pub struct TextConfig {
+    /// Vocabulary size V.
+    pub vocab_size: usize,
+    /// Hidden size H.
+    pub hidden_size: usize,
+    /// MLP width I.
+    pub intermediate_size: usize,
+    /// Layer types, one per layer.
+    pub layer_types: Vec<LayerType>,
+    /// Query heads Hq.
+    pub num_heads: usize,
+    /// KV heads Hkv.
+    pub num_kv_heads: usize,
+    /// Attention head dim hd.
+    pub head_dim: usize,
+    /// Rotary dims R (even, ≤ hd).
+    pub rotary_dim: usize,
+    /// RoPE base θ.
+    pub rope_theta: f64,
+    /// Epsilon of every RMSNorm.
+    pub rms_norm_eps: f32,
+    /// Conv kernel width K.
+    pub conv_kernel: usize,
+    /// GDN key heads Hk.
+    pub linear_key_heads: usize,
+    /// GDN value heads Hv.
+    pub linear_value_heads: usize,
+    /// GDN key head dim Dk.
+    pub linear_key_dim: usize,
+    /// GDN value head dim Dv.
+    pub linear_value_dim: usize,
+    /// Whether lm_head shares the embedding (config's word; the loader also looks at the files).
+    pub tie_word_embeddings: bool,
+    /// End-of-sequence ids from config.json (generation_config.json takes precedence).
+    pub eos_token_ids: Vec<u32>,
+}
+
+impl TextConfig {
+    /// Read and validate `dir/config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        Self::from_json(&text)
+    }
+
+    /// Parse and validate the text of a `config.json`.
+    pub fn from_json(text: &str) -> Result<Self, ModelError> {
+        let bad_json = |e: serde_json::Error| ModelError::BadJson {
+            file: "config.json".into(),
+            message: e.to_string(),
+        };
+        let top: serde_json::Value = serde_json::from_str(text).map_err(bad_json)?;
+        let model_type = top.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
+        let (text_value, top_tie) = match model_type.as_str() {
+            "qwen3_5" => {
+                let inner = top.get("text_config").cloned().ok_or_else(|| ModelError::BadConfig {
+                    field: "text_config".into(),
+                    expected: "an object (model_type qwen3_5)".into(),
+                    found: "nothing".into(),
+                })?;
+                (inner, top.get("tie_word_embeddings").and_then(|v| v.as_bool()))
+            }
+            "qwen3_5_text" => (top.clone(), None),
+            t if t.starts_with("qwen3_5_moe") => {
+                return Err(ModelError::Unsupported {
+                    what: format!("mixture-of-experts model_type {t:?}"),
+                })
+            }
+            other => {
+                return Err(ModelError::BadConfig {
+                    field: "model_type".into(),
+                    expected: "\"qwen3_5\" or \"qwen3_5_text\"".into(),
+                    found: format!("{other:?}"),
+                })
+            }
+        };
+        let raw: RawText = serde_json::from_value(text_value).map_err(bad_json)?;
+        if let Some(t) = &raw.model_type {
+            if t.starts_with("qwen3_5_moe") {
+                return Err(ModelError::Unsupported {
+                    what: format!("mixture-of-experts model_type {t:?}"),
+                });
+            }
+        }
+        Self::validate(raw, top_tie)
+    }
+
+    fn validate(raw: RawText, top_tie: Option<bool>) -> Result<Self, ModelError> {
+        let bad = |field: &str, expected: &str, found: String| ModelError::BadConfig {
+            field: field.into(),
+            expected: expected.into(),
+            found,
+        };
+        let act = raw.hidden_act.clone().unwrap_or_else(|| "silu".into());
+        if act != "silu" {
+            return Err(bad("hidden_act", "\"silu\"", format!("{act:?}")));
+        }
+        for (name, v) in [
+            ("vocab_size", raw.vocab_size),
+            ("hidden_size", raw.hidden_size),
+            ("intermediate_size", raw.intermediate_size),
+            ("num_hidden_layers", raw.num_hidden_layers),
+            ("num_attention_heads", raw.num_attention_heads),
+            ("num_key_value_heads", raw.num_key_value_heads),
+            ("head_dim", raw.head_dim),
+            ("linear_key_head_dim", raw.linear_key_head_dim),
+            ("linear_value_head_dim", raw.linear_value_head_dim),
+            ("linear_num_key_heads", raw.linear_num_key_heads),
+            ("linear_num_value_heads", raw.linear_num_value_heads),
+        ] {
+            if v == 0 {
+                return Err(bad(name, "a positive integer", "0".into()));
+            }
+        }
+        if !raw.num_attention_heads.is_multiple_of(raw.num_key_value_heads) {
+            return Err(bad(
+                "num_key_value_heads",
+                "a divisor of num_attention_heads",
+                format!(
+                    "{} (num_attention_heads {})",
+                    raw.num_key_value_heads, raw.num_attention_heads
+                ),
+            ));
+        }
+        if !raw.linear_num_value_heads.is_multiple_of(raw.linear_num_key_heads) {
+            return Err(bad(
+                "linear_num_key_heads",
+                "a divisor of linear_num_value_heads",
+                format!(
+                    "{} (linear_num_value_heads {})",
+                    raw.linear_num_key_heads, raw.linear_num_value_heads
+                ),
+            ));
+        }
+        if raw.head_dim > MAX_HEAD_DIM {
+            return Err(bad(
+                "head_dim",
+                &format!("at most {MAX_HEAD_DIM}"),
+                raw.head_dim.to_string(),
+            ));
+        }
+        if raw.linear_conv_kernel_dim == 0 || raw.linear_conv_kernel_dim > MAX_CONV_K {
+            return Err(bad(
+                "linear_conv_kernel_dim",
+                &format!("1..={MAX_CONV_K}"),
+                raw.linear_conv_kernel_dim.to_string(),
+            ));
+        }
+        let rope = raw.rope_parameters.as_ref();
+        if let Some(t) = rope.and_then(|r| r.rope_type.as_deref()) {
+            if t != "default" {
+                return Err(bad("rope_parameters.rope_type", "\"default\"", format!("{t:?}")));
+            }
+        }
+        let rope_theta = rope
+            .and_then(|r| r.rope_theta)
+            .or(raw.rope_theta)
+            .ok_or_else(|| bad("rope_parameters.rope_theta", "a number", "nothing".into()))?;
+        let factor = rope
+            .and_then(|r| r.partial_rotary_factor)
+            .or(raw.partial_rotary_factor)
+            .unwrap_or(0.25);
+        let rotary_dim = (raw.head_dim as f64 * factor) as usize;
+        if !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
+            return Err(bad(
+                "partial_rotary_factor",
+                "a factor giving an even rotary dim <= head_dim",
+                format!("{factor} (rotary dim {rotary_dim}, head_dim {})", raw.head_dim),
+            ));
+        }
+        let layer_types = match &raw.layer_types {
+            Some(list) => {
+                if list.len() != raw.num_hidden_layers {
+                    return Err(bad(
+                        "layer_types",
+                        &format!("{} entries (num_hidden_layers)", raw.num_hidden_layers),
+                        list.len().to_string(),
+                    ));
+                }
+                list.iter()
+                    .map(|t| match t.as_str() {
+                        "linear_attention" => Ok(LayerType::Linear),
+                        "full_attention" => Ok(LayerType::Full),
+                        other => Err(bad(
+                            "layer_types",
+                            "\"linear_attention\" or \"full_attention\"",
+                            format!("{other:?}"),
+                        )),
+                    })
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+            None => {
+                let interval = raw.full_attention_interval.unwrap_or(4).max(1);
+                (0..raw.num_hidden_layers)
+                    .map(|i| {
+                        if (i + 1) % interval == 0 {
+                            LayerType::Full
+                        } else {
+                            LayerType::Linear
+                        }
+                    })
+                    .collect()
+            }
+        };
+        Ok(Self {
+            vocab_size: raw.vocab_size,
+            hidden_size: raw.hidden_size,
+            intermediate_size: raw.intermediate_size,
+            layer_types,
+            num_heads: raw.num_attention_heads,
+            num_kv_heads: raw.num_key_value_heads,
+            head_dim: raw.head_dim,
+            rotary_dim,
+            rope_theta,
+            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            conv_kernel: raw.linear_conv_kernel_dim,
+            linear_key_heads: raw.linear_num_key_heads,
+            linear_value_heads: raw.linear_num_value_heads,
+            linear_key_dim: raw.linear_key_head_dim,
+            linear_value_dim: raw.linear_value_head_dim,
+            tie_word_embeddings: top_tie.or(raw.tie_word_embeddings).unwrap_or(false),
+            eos_token_ids: raw.eos_token_id.as_ref().map(parse_ids).unwrap_or_default(),
+        })
+    }
+
+    /// Layers.
+    pub fn num_layers(&self) -> usize {
+        self.layer_types.len()
+    }
+
+    /// GDN key width Kd = Hk·Dk.
+    pub fn key_dim(&self) -> usize {
+        self.linear_key_heads * self.linear_key_dim
+    }
+
+    /// GDN value width Vd = Hv·Dv.
+    pub fn value_dim(&self) -> usize {
+        self.linear_value_heads * self.linear_value_dim
+    }
+
+    /// GDN conv channels C = 2·Kd + Vd.
+    pub fn conv_dim(&self) -> usize {
+        2 * self.key_dim() + self.value_dim()
+    }
+}
+
+/// An `eos_token_id` value: an integer or a list of integers.
+pub fn parse_ids(v: &serde_json::Value) -> Vec<u32> {
+    match v {
+        serde_json::Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        _ => Vec::new(),
+    }
+}

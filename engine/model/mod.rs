@@ -1,0 +1,11 @@
+//! Loading a Hugging Face Qwen 3.5 checkpoint directory: config, safetensors, typed weights.
+
+mod checkpoint;
+pub(crate) mod config;
+mod dtype;
+mod weights;
+
+pub use checkpoint::{Checkpoint, TensorEntry};
+pub use config::{LayerType, TextConfig};
+pub use dtype::Dtype;
+pub use weights::{AttnWeights, GdnWeights, Layer, LoadOptions, Mixer, Mlp, Model};

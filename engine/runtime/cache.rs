@@ -1,0 +1,125 @@
+//! Per-session state: the KV cache of attention layers, the conv and recurrent state of GDN
+//! layers, and the scratch activations of one step.
+
+use crate::error::GpuError;
+use crate::gpu::GpuContext;
+use crate::model::{LayerType, TextConfig};
+
+/// The state one layer carries between steps.
+pub enum LayerState {
+    /// Attention: `[Hkv, S, hd]` keys (normed and rotated) and values.
+    Attention {
+        /// Keys.
+        k: wgpu::Buffer,
+        /// Values.
+        v: wgpu::Buffer,
+    },
+    /// GDN: `[C, K-1]` pre-conv history and `[Hv, Dk, Dv]` recurrent state.
+    Gdn {
+        /// Conv history.
+        conv: wgpu::Buffer,
+        /// Recurrent state.
+        state: wgpu::Buffer,
+    },
+}
+
+/// Scratch activations for up to `rows` tokens per step (shapes in elements, f32).
+pub struct Scratch {
+    /// `[rows, H]` residual stream.
+    pub hidden: wgpu::Buffer,
+    /// `[rows, H]` normalised input of a block.
+    pub xnorm: wgpu::Buffer,
+    /// `[rows, max(C, 2·Hq·hd)]`: GDN qkv before the conv, or attention q_proj output.
+    pub wide_a: wgpu::Buffer,
+    /// `[rows, max(C, Hq·hd)]`: GDN conv output, or rotated queries.
+    pub wide_b: wgpu::Buffer,
+    /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys.
+    pub mid_a: wgpu::Buffer,
+    /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output.
+    pub mid_b: wgpu::Buffer,
+    /// `[rows, Hkv·hd]` attention values.
+    pub mid_c: wgpu::Buffer,
+    /// `[rows, Hv]` GDN beta logits.
+    pub beta: wgpu::Buffer,
+    /// `[rows, Hv]` GDN decay logits.
+    pub decay: wgpu::Buffer,
+    /// `[rows, I]` MLP gate (then the SwiGLU product).
+    pub mlp_g: wgpu::Buffer,
+    /// `[rows, I]` MLP up.
+    pub mlp_u: wgpu::Buffer,
+}
+
+impl Scratch {
+    /// Allocate scratch for `rows` tokens.
+    pub fn new(ctx: &GpuContext, c: &TextConfig, rows: usize) -> Result<Self, GpuError> {
+        let f = |name: &str, width: usize| ctx.storage_buffer(name, (rows * width * 4) as u64, true);
+        let q_out = 2 * c.num_heads * c.head_dim;
+        let attn = c.num_heads * c.head_dim;
+        let kv = c.num_kv_heads * c.head_dim;
+        Ok(Self {
+            hidden: f("hidden", c.hidden_size)?,
+            xnorm: f("xnorm", c.hidden_size)?,
+            wide_a: f("wide_a", c.conv_dim().max(q_out))?,
+            wide_b: f("wide_b", c.conv_dim().max(attn))?,
+            mid_a: f("mid_a", c.value_dim().max(kv))?,
+            mid_b: f("mid_b", c.value_dim().max(kv).max(attn))?,
+            mid_c: f("mid_c", kv)?,
+            beta: f("beta", c.linear_value_heads)?,
+            decay: f("decay", c.linear_value_heads)?,
+            mlp_g: f("mlp_g", c.intermediate_size)?,
+            mlp_u: f("mlp_u", c.intermediate_size)?,
+        })
+    }
+}
+
+/// Allocate every layer's state for a context of `positions` tokens.
+pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Result<Vec<LayerState>, GpuError> {
+    c.layer_types
+        .iter()
+        .enumerate()
+        .map(|(i, ty)| {
+            Ok(match ty {
+                LayerType::Full => {
+                    let bytes = (c.num_kv_heads * positions * c.head_dim * 4) as u64;
+                    LayerState::Attention {
+                        k: ctx.storage_buffer(&format!("layers.{i}.k_cache"), bytes, true)?,
+                        v: ctx.storage_buffer(&format!("layers.{i}.v_cache"), bytes, true)?,
+                    }
+                }
+                LayerType::Linear => LayerState::Gdn {
+                    conv: ctx.storage_buffer(
+                        &format!("layers.{i}.conv_state"),
+                        (c.conv_dim() * (c.conv_kernel - 1) * 4) as u64,
+                        true,
+                    )?,
+                    state: ctx.storage_buffer(
+                        &format!("layers.{i}.recurrent_state"),
+                        (c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4) as u64,
+                        true,
+                    )?,
+                },
+            })
+        })
+        .collect()
+}
+
+/// The RoPE table `[positions, R/2]` of (cos, sin), computed like transformers: f32 inverse
+/// frequencies, f32 angle `pos · inv_freq`, then cos/sin of that f32 angle.
+pub fn rope_table(c: &TextConfig, positions: usize) -> Vec<f32> {
+    let half = c.rotary_dim / 2;
+    let inv: Vec<f32> = (0..half)
+        .map(|i| {
+            let exponent = (2 * i) as f32 / c.rotary_dim as f32;
+            (1.0 / (c.rope_theta as f32).powf(exponent) as f64) as f32
+        })
+        .collect();
+    let mut out = Vec::with_capacity(positions * half * 2);
+    for pos in 0..positions {
+        for f in &inv {
+            let angle = pos as f32 * f;
+            out.push((angle as f64).cos() as f32);
+            out.push((angle as f64).sin() as f32);
+        }
+    }
+    out
+}

@@ -1,0 +1,272 @@
+//! The layer loop: records one step (up to `max_batch` tokens) into one command buffer.
+//!
+//! Scratch use per block (see `cache.rs` for the buffers):
+//! * GDN: xnorm → in_proj_qkv → wide_a → conv → wide_b → delta rule (+ beta, decay) → mid_b,
+//!   gated norm with z (mid_a) → out_proj added into hidden;
+//! * attention: xnorm → q_proj → wide_a, k_proj → mid_a, v_proj → mid_c → norm/RoPE → wide_b and
+//!   the KV cache → attention → mid_b → o_proj added into hidden;
+//! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden.
+
+use crate::error::{GpuError, RunError};
+use crate::gpu::{GpuContext, GpuWeight, Recorder};
+use crate::kernels::attention::{attention, AttnIo, AttnParams};
+use crate::kernels::gdn::{gated_delta, GdnIo, GdnParams};
+use crate::kernels::matmul::{linear, LinearIo};
+use crate::kernels::misc::{embed, swiglu};
+use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
+use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
+use crate::runtime::cache::{LayerState, Scratch};
+use crate::runtime::session::{Logits, Session};
+
+pub(crate) struct StepOutput {
+    pub logits: Logits,
+    pub hidden: Option<Vec<f32>>,
+}
+
+/// Upper bound of dispatches in one submitted step (sizes the uniform arena).
+pub(crate) fn max_dispatches(model: &Model, max_batch: usize, logits_rows: usize) -> usize {
+    let chunks = |w: &GpuWeight| w.chunks.len();
+    let mut n = chunks(&model.embed) + 8;
+    for layer in &model.layers {
+        n += 10 + chunks(&layer.mlp.gate_proj) + chunks(&layer.mlp.up_proj) + chunks(&layer.mlp.down_proj);
+        n += match &layer.mixer {
+            Mixer::Attention(a) => chunks(&a.q_proj) + chunks(&a.k_proj) + chunks(&a.v_proj) + chunks(&a.o_proj),
+            Mixer::Gdn(g) => {
+                chunks(&g.in_proj_qkv)
+                    + chunks(&g.in_proj_z)
+                    + chunks(&g.in_proj_b)
+                    + chunks(&g.in_proj_a)
+                    + chunks(&g.out_proj)
+            }
+        };
+    }
+    n + chunks(model.output()) * (max_batch.div_ceil(logits_rows) + 1)
+}
+
+/// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
+fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
+    LinearIo {
+        x,
+        x_offset: 0,
+        m,
+        y,
+        y_offset: 0,
+        y_stride,
+        accumulate: false,
+    }
+}
+
+fn gdn_block(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    sc: &Scratch,
+    w: &GdnWeights,
+    conv: &wgpu::Buffer,
+    state: &wgpu::Buffer,
+    t: usize,
+) -> Result<(), GpuError> {
+    let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
+    linear(rec, &w.in_proj_qkv, &lin(&sc.xnorm, &sc.wide_a, t, cd))?;
+    linear(rec, &w.in_proj_z, &lin(&sc.xnorm, &sc.mid_a, t, vd))?;
+    linear(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv))?;
+    linear(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv))?;
+    let params = GdnParams {
+        t: t as u32,
+        c: cd as u32,
+        k: c.conv_kernel as u32,
+        hk: c.linear_key_heads as u32,
+        hv: hv as u32,
+        dk: c.linear_key_dim as u32,
+        dv: c.linear_value_dim as u32,
+        _pad: 0,
+    };
+    let io = GdnIo {
+        mixed: &sc.wide_a,
+        conv_out: &sc.wide_b,
+        conv_state: conv,
+        b: &sc.beta,
+        a: &sc.decay,
+        core: &sc.mid_b,
+        state,
+    };
+    gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
+    let norm = NormIo {
+        x: &sc.mid_a,
+        y: &sc.mid_b,
+        x_offset: 0,
+        y_offset: 0,
+        rows: t * hv,
+        n: c.linear_value_dim,
+        eps: c.rms_norm_eps,
+    };
+    rms_norm_gated(rec, &w.norm, &norm)?;
+    let out = LinearIo {
+        accumulate: true,
+        ..lin(&sc.mid_b, &sc.hidden, t, h)
+    };
+    linear(rec, &w.out_proj, &out)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_block(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    sc: &Scratch,
+    w: &AttnWeights,
+    cache: (&wgpu::Buffer, &wgpu::Buffer),
+    rope: &wgpu::Buffer,
+    pos0: usize,
+    s_max: usize,
+    t: usize,
+) -> Result<(), GpuError> {
+    let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    linear(rec, &w.q_proj, &lin(&sc.xnorm, &sc.wide_a, t, 2 * hq * hd))?;
+    linear(rec, &w.k_proj, &lin(&sc.xnorm, &sc.mid_a, t, hkv * hd))?;
+    linear(rec, &w.v_proj, &lin(&sc.xnorm, &sc.mid_c, t, hkv * hd))?;
+    let params = AttnParams {
+        t: t as u32,
+        pos0: pos0 as u32,
+        hq: hq as u32,
+        hkv: hkv as u32,
+        hd: hd as u32,
+        rot_half: (c.rotary_dim / 2) as u32,
+        s_max: s_max as u32,
+        eps: c.rms_norm_eps,
+        scale: (hd as f32).powf(-0.5),
+        _pad: [0; 3],
+    };
+    let io = AttnIo {
+        qg: &sc.wide_a,
+        kraw: &sc.mid_a,
+        vraw: &sc.mid_c,
+        q: &sc.wide_b,
+        k_cache: cache.0,
+        v_cache: cache.1,
+        rope,
+        out: &sc.mid_b,
+    };
+    attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
+    let out = LinearIo {
+        accumulate: true,
+        ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size)
+    };
+    linear(rec, &w.o_proj, &out)
+}
+
+fn mlp_block(rec: &mut Recorder, c: &TextConfig, sc: &Scratch, w: &Mlp, t: usize) -> Result<(), GpuError> {
+    let i = c.intermediate_size;
+    linear(rec, &w.gate_proj, &lin(&sc.xnorm, &sc.mlp_g, t, i))?;
+    linear(rec, &w.up_proj, &lin(&sc.xnorm, &sc.mlp_u, t, i))?;
+    swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
+    let out = LinearIo {
+        accumulate: true,
+        ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size)
+    };
+    linear(rec, &w.down_proj, &out)
+}
+
+fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
+    NormIo {
+        x: &sc.hidden,
+        y: &sc.xnorm,
+        x_offset: r0 * c.hidden_size,
+        y_offset: r0 * c.hidden_size,
+        rows,
+        n: c.hidden_size,
+        eps: c.rms_norm_eps,
+    }
+}
+
+fn lm_head(
+    rec: &mut Recorder,
+    model: &Model,
+    sc: &Scratch,
+    logits: &wgpu::Buffer,
+    r0: usize,
+    rows: usize,
+) -> Result<(), GpuError> {
+    let c = &model.config;
+    let io = LinearIo {
+        x: &sc.xnorm,
+        x_offset: r0 * c.hidden_size,
+        m: rows,
+        y: logits,
+        y_offset: 0,
+        y_stride: c.vocab_size,
+        accumulate: false,
+    };
+    linear(rec, model.output(), &io)
+}
+
+fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, slot: usize, bytes: u64) {
+    if let Some(dst) = dst {
+        rec.copy(&sc.hidden, 0, dst, slot as u64 * bytes, bytes);
+    }
+}
+
+/// Record and submit one step of `ids` (at most `max_batch` tokens) at the session's position.
+pub(crate) fn step(s: &mut Session, ids: &[u32], all: bool, capture: bool) -> Result<StepOutput, RunError> {
+    let model = s.model.clone();
+    let ctx: &GpuContext = &model.ctx;
+    let c = &model.config;
+    let t = ids.len();
+    let h = c.hidden_size;
+    ctx.queue.write_buffer(&s.ids, 0, bytemuck::cast_slice(ids));
+    let slot_bytes = (t * h * 4) as u64;
+    let captured = if capture {
+        Some(ctx.storage_buffer("hidden capture", slot_bytes * (c.num_layers() as u64 + 1), false)?)
+    } else {
+        None
+    };
+    let (r0, n) = if all { (0, t) } else { (t - 1, 1) };
+    let first_rows = n.min(s.logits_rows);
+    {
+        let sc = &s.scratch;
+        let mut rec = Recorder::new(ctx, &mut s.io);
+        embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
+        capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
+        for (i, layer) in model.layers.iter().enumerate() {
+            rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
+            match (&layer.mixer, &s.states[i]) {
+                (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => gdn_block(&mut rec, c, sc, w, conv, state, t)?,
+                (Mixer::Attention(w), LayerState::Attention { k, v }) => {
+                    attention_block(&mut rec, c, sc, w, (k, v), &s.rope, s.pos, s.opts.max_context, t)?
+                }
+                _ => {
+                    return Err(RunError::Gpu(GpuError::Validation {
+                        during: format!("layer {i}"),
+                        message: "layer state does not match the layer type".into(),
+                    }))
+                }
+            }
+            rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, t)?;
+            capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
+        }
+        rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
+        lm_head(&mut rec, &model, sc, &s.logits, r0, first_rows)?;
+        rec.submit()?;
+    }
+    let mut data = s.read_logits(first_rows)?;
+    let mut done = first_rows;
+    while done < n {
+        let rows = (n - done).min(s.logits_rows);
+        let mut rec = Recorder::new(ctx, &mut s.io);
+        lm_head(&mut rec, &model, &s.scratch, &s.logits, r0 + done, rows)?;
+        rec.submit()?;
+        data.extend(s.read_logits(rows)?);
+        done += rows;
+    }
+    let hidden = match &captured {
+        Some(buf) => Some(crate::gpu::read_f32(ctx, buf, 0, (c.num_layers() + 1) * t * h)?),
+        None => None,
+    };
+    Ok(StepOutput {
+        logits: Logits {
+            rows: n,
+            vocab: c.vocab_size,
+            data,
+        },
+        hidden,
+    })
+}

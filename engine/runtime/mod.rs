@@ -1,0 +1,12 @@
+//! Running the model: per-session caches and scratch, the layer loop, sampling, generation.
+
+mod cache;
+mod forward;
+mod generate;
+mod sampler;
+mod session;
+
+pub use cache::rope_table;
+pub use generate::GenerateParams;
+pub use sampler::Sampler;
+pub use session::{Logits, Session, SessionOptions};

@@ -1,0 +1,383 @@
+//! Tier 2: each kernel against the plain-Rust reference (`engine/reference/`) over shape sweeps.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::tolerance::{KERNEL_ATOL, KERNEL_RTOL};
+use common::{assert_close, gpu};
+use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
+use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
+use qwen35_wgpu::kernels::gdn::{gated_delta, GdnIo, GdnParams};
+use qwen35_wgpu::kernels::matmul::{linear, LinearIo};
+use qwen35_wgpu::kernels::misc::{embed, swiglu};
+use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
+use qwen35_wgpu::model::Dtype;
+use qwen35_wgpu::{reference as cpu, GpuError};
+
+/// Deterministic values in [-scale, scale).
+fn rand(n: usize, seed: u64, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+    (0..n)
+        .map(|_| {
+            s = s.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}
+
+fn upload(ctx: &GpuContext, data: &[f32]) -> wgpu::Buffer {
+    ctx.upload("test", bytemuck::cast_slice(data)).expect("upload")
+}
+
+fn read(ctx: &GpuContext, b: &wgpu::Buffer, n: usize) -> Vec<f32> {
+    read_f32(ctx, b, 0, n).expect("readback")
+}
+
+/// Record with `f` and submit, with a fresh uniform arena.
+fn run(ctx: &GpuContext, f: impl FnOnce(&mut Recorder) -> Result<(), GpuError>) {
+    let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("arena"),
+        size: 256 * 1024,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut cache = IoBindCache::new(arena);
+    let mut rec = Recorder::new(ctx, &mut cache);
+    f(&mut rec).expect("record");
+    rec.submit().expect("submit");
+}
+
+/// Weight bytes in `dtype` and the exact f32 values they hold.
+fn weight_bytes(values: &[f32], dtype: Dtype) -> (Vec<u8>, Vec<f32>) {
+    let bytes: Vec<u8> = match dtype {
+        Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+        Dtype::BF16 => values
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+        Dtype::F16 => values
+            .iter()
+            .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
+            .collect(),
+    };
+    let exact = dtype.to_f32(&bytes);
+    (bytes, exact)
+}
+
+fn ctx() -> Option<Arc<GpuContext>> {
+    gpu()
+}
+
+#[test]
+fn linear_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    let shapes = [
+        (1, 1, 1),
+        (1, 7, 13),
+        (1, 300, 257),
+        (2, 5, 3),
+        (3, 65, 17),
+        (70, 130, 33),
+        (64, 64, 64),
+    ];
+    for (si, &(m, n, k)) in shapes.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            for (accumulate, chunk) in [(false, u64::MAX), (true, u64::MAX), (false, 64)] {
+                let seed = si as u64 * 31 + dtype.size() as u64;
+                let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+                let max_chunk = chunk.max((k * dtype.size()) as u64);
+                let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, max_chunk).expect("weight");
+                // x starts at row 1 of a bigger buffer; y rows are wider than n (stride n + 3).
+                let x = rand((m + 1) * k, seed + 1, 1.0);
+                let y0 = rand(m * (n + 3), seed + 2, 1.0);
+                let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &y0));
+                let io = LinearIo {
+                    x: &xb,
+                    x_offset: k,
+                    m,
+                    y: &yb,
+                    y_offset: 1,
+                    y_stride: n + 3,
+                    accumulate,
+                };
+                run(&ctx, |rec| linear(rec, &gw, &io));
+                let got = read(&ctx, &yb, m * (n + 3));
+                let prod = cpu::linear(&x[k..], &w, m, n, k);
+                let mut want = y0.clone();
+                for i in 0..m {
+                    for j in 0..n {
+                        let slot = &mut want[1 + i * (n + 3) + j];
+                        *slot = if accumulate {
+                            *slot + prod[i * n + j]
+                        } else {
+                            prod[i * n + j]
+                        };
+                    }
+                }
+                let what = format!(
+                    "linear m{m} n{n} k{k} {dtype:?} acc={accumulate} chunks={}",
+                    gw.chunks.len()
+                );
+                assert_close(&what, &got, &want, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn rms_norms_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    for (rows, n) in [(1, 1), (3, 38), (5, 64), (2, 130), (70, 256)] {
+        let x = rand(rows * n, 3, 2.0);
+        let w = rand(n, 4, 0.5);
+        let z = rand(rows * n, 5, 3.0);
+        let wv = GpuVector::upload(&ctx, "w", &w).expect("w");
+        let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &vec![0.0; rows * n]));
+        let io = NormIo {
+            x: &xb,
+            y: &yb,
+            x_offset: 0,
+            y_offset: 0,
+            rows,
+            n,
+            eps: 1e-6,
+        };
+        run(&ctx, |rec| rms_norm(rec, &wv, &io));
+        let want = cpu::rms_norm(&x, &w, n, 1e-6);
+        assert_close(
+            &format!("rms_norm {rows}x{n}"),
+            &read(&ctx, &yb, rows * n),
+            &want,
+            KERNEL_ATOL,
+            KERNEL_RTOL,
+        );
+
+        let (zb, vb) = (upload(&ctx, &z), upload(&ctx, &x));
+        let io = NormIo {
+            x: &zb,
+            y: &vb,
+            x_offset: 0,
+            y_offset: 0,
+            rows,
+            n,
+            eps: 1e-6,
+        };
+        run(&ctx, |rec| rms_norm_gated(rec, &wv, &io));
+        let want = cpu::rms_norm_gated(&x, &z, &w, n, 1e-6);
+        let what = format!("rms_norm_gated {rows}x{n}");
+        assert_close(&what, &read(&ctx, &vb, rows * n), &want, KERNEL_ATOL, KERNEL_RTOL);
+    }
+}
+
+#[test]
+fn gated_delta_net_matches_reference_across_steps() {
+    let Some(ctx) = ctx() else { return };
+    let dims = [
+        cpu::GdnDims {
+            hk: 1,
+            hv: 1,
+            dk: 4,
+            dv: 3,
+        },
+        cpu::GdnDims {
+            hk: 2,
+            hv: 4,
+            dk: 16,
+            dv: 16,
+        },
+        cpu::GdnDims {
+            hk: 3,
+            hv: 3,
+            dk: 10,
+            dv: 14,
+        },
+        cpu::GdnDims {
+            hk: 2,
+            hv: 4,
+            dk: 32,
+            dv: 70,
+        },
+    ];
+    for (di, d) in dims.iter().enumerate() {
+        for k in [2usize, 4] {
+            let c = 2 * d.hk * d.dk + d.hv * d.dv;
+            let conv_w = rand(c * k, 10 + di as u64, 0.5);
+            let mut gate = rand(d.hv, 11, 1.0);
+            gate.extend(rand(d.hv, 12, 1.0));
+            let cw = GpuVector::upload(&ctx, "conv", &conv_w).expect("conv");
+            let gp = GpuVector::upload(&ctx, "gate", &gate).expect("gate");
+            let conv_state = upload(&ctx, &vec![0.0; c * (k - 1)]);
+            let state = upload(&ctx, &vec![0.0; d.hv * d.dk * d.dv]);
+            let mut cpu_conv = vec![0.0; c * (k - 1)];
+            let mut cpu_state = vec![0.0; d.hv * d.dk * d.dv];
+            for (step, t) in [5usize, 1, 3].into_iter().enumerate() {
+                let seed = 100 + step as u64 * 7 + di as u64;
+                let mixed = rand(t * c, seed, 2.0);
+                let b = rand(t * d.hv, seed + 1, 3.0);
+                let a = rand(t * d.hv, seed + 2, 3.0);
+                let (mb, bb, ab) = (upload(&ctx, &mixed), upload(&ctx, &b), upload(&ctx, &a));
+                let (yb, core) = (
+                    upload(&ctx, &vec![0.0; t * c]),
+                    upload(&ctx, &vec![0.0; t * d.hv * d.dv]),
+                );
+                let params = GdnParams {
+                    t: t as u32,
+                    c: c as u32,
+                    k: k as u32,
+                    hk: d.hk as u32,
+                    hv: d.hv as u32,
+                    dk: d.dk as u32,
+                    dv: d.dv as u32,
+                    _pad: 0,
+                };
+                let io = GdnIo {
+                    mixed: &mb,
+                    conv_out: &yb,
+                    conv_state: &conv_state,
+                    b: &bb,
+                    a: &ab,
+                    core: &core,
+                    state: &state,
+                };
+                run(&ctx, |rec| gated_delta(rec, &cw, &gp, &params, &io));
+                let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, t, c, k);
+                let want = cpu::delta_rule(&y, &b, &a, &gate, &mut cpu_state, t, *d);
+                let what = format!("gdn {d:?} K{k} step {step}");
+                assert_close(
+                    &format!("{what} conv"),
+                    &read(&ctx, &yb, t * c),
+                    &y,
+                    KERNEL_ATOL,
+                    KERNEL_RTOL,
+                );
+                assert_close(
+                    &what,
+                    &read(&ctx, &core, t * d.hv * d.dv),
+                    &want,
+                    KERNEL_ATOL,
+                    KERNEL_RTOL,
+                );
+                let st = read(&ctx, &state, cpu_state.len());
+                assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_matches_reference_across_steps() {
+    let Some(ctx) = ctx() else { return };
+    // (hq, hkv, hd, rot): GQA groups 1, 2 and 4; head dims below, at and above the workgroup.
+    for &(hq, hkv, hd, rot) in &[
+        (1, 1, 8, 2),
+        (3, 1, 24, 6),
+        (4, 2, 64, 16),
+        (8, 2, 256, 64),
+        (2, 2, 130, 0),
+    ] {
+        let s_max = 80;
+        let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
+            r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1,"num_attention_heads":{hq},"num_key_value_heads":{hkv},"head_dim":{hd},
+            "linear_conv_kernel_dim":4,"linear_key_head_dim":4,"linear_value_head_dim":4,
+            "linear_num_key_heads":1,"linear_num_value_heads":1,
+            "rope_parameters":{{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":{}}}}}"#,
+            rot as f64 / hd as f64
+        ))
+        .expect("config");
+        let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
+        let rope = upload(&ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
+        let q_norm = rand(hd, 1, 0.3);
+        let k_norm = rand(hd, 2, 0.3);
+        let (qn, kn) = (
+            GpuVector::upload(&ctx, "qn", &q_norm).expect("qn"),
+            GpuVector::upload(&ctx, "kn", &k_norm).expect("kn"),
+        );
+        let kc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
+        let vc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
+        let mut cpu_k = vec![Vec::new(); hkv];
+        let mut cpu_v = vec![Vec::new(); hkv];
+        let mut pos0 = 0;
+        for (step, t) in [5usize, 1, 70].into_iter().enumerate() {
+            let seed = 40 + step as u64;
+            let qg = rand(t * hq * 2 * hd, seed, 2.0);
+            let k = rand(t * hkv * hd, seed + 1, 2.0);
+            let v = rand(t * hkv * hd, seed + 2, 2.0);
+            let (qgb, kb, vb) = (upload(&ctx, &qg), upload(&ctx, &k), upload(&ctx, &v));
+            let (qb, out) = (
+                upload(&ctx, &vec![0.0; t * hq * hd]),
+                upload(&ctx, &vec![0.0; t * hq * hd]),
+            );
+            let params = AttnParams {
+                t: t as u32,
+                pos0: pos0 as u32,
+                hq: hq as u32,
+                hkv: hkv as u32,
+                hd: hd as u32,
+                rot_half: (rot / 2) as u32,
+                s_max: s_max as u32,
+                eps: 1e-6,
+                scale: (hd as f32).powf(-0.5),
+                _pad: [0; 3],
+            };
+            let io = AttnIo {
+                qg: &qgb,
+                kraw: &kb,
+                vraw: &vb,
+                q: &qb,
+                k_cache: &kc,
+                v_cache: &vc,
+                rope: &rope,
+                out: &out,
+            };
+            run(&ctx, |rec| attention(rec, &qn, &kn, &params, &io));
+            let dims = cpu::AttnDims {
+                hq,
+                hkv,
+                hd,
+                rot,
+                pos0,
+                eps: 1e-6,
+            };
+            let want = cpu::attention(&qg, &k, &v, &q_norm, &k_norm, &table, &mut cpu_k, &mut cpu_v, t, dims);
+            let what = format!("attention hq{hq} hkv{hkv} hd{hd} rot{rot} step {step}");
+            assert_close(&what, &read(&ctx, &out, t * hq * hd), &want, KERNEL_ATOL, KERNEL_RTOL);
+            pos0 += t;
+        }
+    }
+}
+
+#[test]
+fn embed_and_swiglu_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+        let (v, h) = (37, 19);
+        let (bytes, table) = weight_bytes(&rand(v * h, 9, 1.0), dtype);
+        let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (5 * h * dtype.size()) as u64).expect("table");
+        assert!(gw.chunks.len() > 1);
+        let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
+        let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
+        let hb = upload(&ctx, &vec![0.0; ids.len() * h]);
+        run(&ctx, |rec| embed(rec, &gw, &idb, ids.len(), &hb));
+        let want: Vec<f32> = ids
+            .iter()
+            .flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec())
+            .collect();
+        assert_eq!(read(&ctx, &hb, ids.len() * h), want, "embed {dtype:?} must be exact");
+    }
+    for n in [1, 63, 64, 1000] {
+        let g = rand(n, 21, 4.0);
+        let u = rand(n, 22, 2.0);
+        let (gb, ub) = (upload(&ctx, &g), upload(&ctx, &u));
+        run(&ctx, |rec| swiglu(rec, &gb, &ub, n));
+        let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| cpu::silu(*g) * u).collect();
+        assert_close(
+            &format!("swiglu {n}"),
+            &read(&ctx, &gb, n),
+            &want,
+            KERNEL_ATOL,
+            KERNEL_RTOL,
+        );
+    }
+}

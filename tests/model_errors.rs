@@ -1,0 +1,190 @@
+//! Bad model directories give the right typed error, never a panic.
+
+mod common;
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use common::{fixture_model, gpu, scratch_copy};
+use qwen35_wgpu::model::Checkpoint;
+use qwen35_wgpu::{Model, ModelError, TextConfig};
+use safetensors::tensor::TensorView;
+
+const BASE: &str = "odd_untied_f32";
+
+fn base_config() -> serde_json::Value {
+    let text = std::fs::read_to_string(fixture_model(BASE).join("config.json")).expect("config");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn config_error(edit: impl FnOnce(&mut serde_json::Value)) -> ModelError {
+    let mut cfg = base_config();
+    edit(&mut cfg);
+    TextConfig::from_json(&cfg.to_string()).expect_err("config must be rejected")
+}
+
+#[test]
+fn config_errors_are_typed() {
+    assert!(TextConfig::from_json(&base_config().to_string()).is_ok());
+    let e = config_error(|c| c["model_type"] = "qwen3_5_moe_text".into());
+    assert!(matches!(e, ModelError::Unsupported { .. }), "{e}");
+    let e = config_error(|c| c["model_type"] = "llama".into());
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if field == "model_type"),
+        "{e}"
+    );
+    let e = config_error(|c| c["head_dim"] = 1024.into());
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, found, .. } if field == "head_dim" && found == "1024"),
+        "{e}"
+    );
+    let e = config_error(|c| c["layer_types"] = serde_json::json!(["full_attention"]));
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if field == "layer_types"),
+        "{e}"
+    );
+    let e = config_error(|c| c["num_key_value_heads"] = 2.into());
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if field == "num_key_value_heads"),
+        "{e}"
+    );
+    let e = config_error(|c| c["hidden_act"] = "gelu".into());
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if field == "hidden_act"),
+        "{e}"
+    );
+    let e = TextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).expect_err("no text_config");
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if field == "text_config"),
+        "{e}"
+    );
+    let e = TextConfig::from_json("{not json").expect_err("not json");
+    assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
+}
+
+#[test]
+fn both_config_forms_give_the_same_dimensions() {
+    let vlm = TextConfig::from_dir(&fixture_model("vlm_bf16_sharded")).expect("vlm config");
+    assert_eq!(vlm.hidden_size, 48);
+    assert!(vlm.tie_word_embeddings);
+    assert_eq!(vlm.rotary_dim, 8);
+    let text = TextConfig::from_dir(&fixture_model(BASE)).expect("text config");
+    assert!(!text.tie_word_embeddings);
+    assert_eq!(text.rotary_dim, 6);
+}
+
+fn write_tensors(path: &Path, tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>) {
+    let views: HashMap<String, TensorView> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("write");
+}
+
+/// Rewrite the model file of a copy of the base fixture with `edit` applied to its tensors.
+fn damaged(
+    tag: &str,
+    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+) -> std::path::PathBuf {
+    let dir = scratch_copy(&fixture_model(BASE), tag);
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Vec<_> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
+        .collect();
+    edit(&mut tensors);
+    write_tensors(&file, tensors);
+    dir
+}
+
+#[test]
+fn unreadable_and_malformed_files_are_typed_errors() {
+    let missing = std::env::temp_dir().join("qwen35-no-such-model-dir");
+    assert!(matches!(TextConfig::from_dir(&missing), Err(ModelError::Io { .. })));
+
+    let dir = scratch_copy(&fixture_model(BASE), "noweights");
+    std::fs::remove_file(dir.join("model.safetensors")).expect("rm");
+    assert!(matches!(Checkpoint::open_dir(&dir), Err(ModelError::NoWeights { .. })));
+
+    let dir = scratch_copy(&fixture_model(BASE), "truncated");
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    std::fs::write(&file, &bytes[..bytes.len() / 2]).expect("truncate");
+    let e = Checkpoint::open_dir(&dir).err().expect("truncated file must fail");
+    assert!(matches!(e, ModelError::BadSafetensors { .. }), "{e}");
+
+    let mut huge = (u64::MAX / 2).to_le_bytes().to_vec();
+    huge.extend_from_slice(b"{}");
+    std::fs::write(&file, &huge).expect("write");
+    let e = Checkpoint::open_dir(&dir).err().expect("huge header must fail");
+    assert!(
+        matches!(&e, ModelError::BadSafetensors { message, .. } if message.contains("exceeds")),
+        "{e}"
+    );
+
+    std::fs::write(&file, b"\x05").expect("write");
+    assert!(matches!(
+        Checkpoint::open_dir(&dir),
+        Err(ModelError::BadSafetensors { .. })
+    ));
+}
+
+#[test]
+fn missing_wrong_shape_and_wrong_dtype_tensors_are_named() {
+    let Some(ctx) = gpu() else { return };
+    let victim = "model.layers.1.self_attn.k_proj.weight";
+
+    let dir = damaged("missing", |t| t.retain(|(n, ..)| n != victim));
+    let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
+    assert!(
+        matches!(&e, ModelError::MissingTensor { name, .. } if name == victim),
+        "{e}"
+    );
+
+    let dir = damaged("shape", |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == victim).expect("victim");
+        e.2 = vec![e.2[1], e.2[0]];
+    });
+    let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
+    assert!(
+        matches!(&e, ModelError::ShapeMismatch { name, expected, found } if name == victim && expected == &vec![24, 38] && found == &vec![38, 24]),
+        "{e}"
+    );
+
+    let dir = damaged("dtype", |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == victim).expect("victim");
+        e.1 = safetensors::Dtype::I32;
+    });
+    let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
+    assert!(
+        matches!(&e, ModelError::UnsupportedDtype { name, found } if name == victim && found == "I32"),
+        "{e}"
+    );
+
+    let dir = damaged("nohead", |t| t.retain(|(n, ..)| n != "lm_head.weight"));
+    let e = Model::load(ctx.clone(), &dir)
+        .err()
+        .expect("untied model without lm_head must fail");
+    assert!(
+        matches!(&e, ModelError::MissingTensor { name, .. } if name == "lm_head.weight"),
+        "{e}"
+    );
+}
+
+#[test]
+fn vision_and_mtp_tensors_are_ignored() {
+    let Some(ctx) = gpu() else { return };
+    let dir = damaged("extras", |t| {
+        t.push(("mtp.fc.weight".into(), safetensors::Dtype::I8, vec![3], vec![1, 2, 3]));
+        t.push((
+            "model.visual.blocks.0.attn.qkv.weight".into(),
+            safetensors::Dtype::F32,
+            vec![1],
+            vec![0; 4],
+        ));
+    });
+    Model::load(ctx, &dir).expect("extra mtp.* and model.visual.* tensors are not read");
+}

@@ -1,0 +1,190 @@
+//! Tier 3: full-model parity with transformers (fixtures made by `cargo xtask fixtures`).
+
+mod common;
+
+use std::sync::Arc;
+
+use common::tolerance::{HIDDEN_REL, LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
+use common::{fixture_model, gpu, rel_and_max, Reference};
+use qwen35_wgpu::{GenerateParams, LoadOptions, Model, Session, SessionOptions};
+
+const FIXTURES: [&str; 3] = ["gva_tied_f32", "odd_untied_f32", "vlm_bf16_sharded"];
+const PROMPTS: usize = 2;
+
+fn load(name: &str, opts: &LoadOptions) -> Option<Arc<Model>> {
+    let ctx = gpu()?;
+    Some(Arc::new(
+        Model::load_with(ctx, &fixture_model(name), opts).unwrap_or_else(|e| panic!("{name}: {e}")),
+    ))
+}
+
+fn session(model: &Arc<Model>) -> Session {
+    Session::new(
+        model.clone(),
+        SessionOptions {
+            max_context: 64,
+            max_batch: 16,
+        },
+    )
+    .expect("session")
+}
+
+fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) -> Result<(), String> {
+    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (rel, max) = rel_and_max(o, w);
+        if !(rel <= LOGITS_REL && max <= LOGITS_MAX_ABS) {
+            return Err(format!(
+                "{what} position {pos}: rel {rel:.3e} (≤ {LOGITS_REL}), max abs {max:.3e} (≤ {LOGITS_MAX_ABS})"
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn first_diverging_layer(ours: &[f32], want: &[f32], layers: usize) -> String {
+    let per = want.len() / (layers + 1);
+    for l in 0..=layers {
+        let (rel, max) = rel_and_max(&ours[l * per..(l + 1) * per], &want[l * per..(l + 1) * per]);
+        if rel > HIDDEN_REL {
+            let name = if l == 0 {
+                "embeddings".to_string()
+            } else {
+                format!("output of layer {}", l - 1)
+            };
+            return format!("first divergence: {name} (rel {rel:.3e}, max abs {max:.3e})");
+        }
+    }
+    "hidden states all agree; divergence is in the final norm or lm_head".into()
+}
+
+#[test]
+fn prefill_logits_match_transformers() {
+    for name in FIXTURES {
+        let Some(model) = load(name, &LoadOptions::default()) else {
+            return;
+        };
+        let r = Reference::load(name);
+        let vocab = model.config.vocab_size;
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let (_, want) = r.f32(&format!("prompt{p}.logits"));
+            let (_, want_hidden) = r.f32(&format!("prompt{p}.hidden"));
+            let (logits, hidden) = session(&model).feed_debug(&ids).expect("forward");
+            assert_eq!(logits.rows, ids.len());
+            if let Err(msg) = check_logits(&format!("{name} prompt{p}"), &logits.data, &want, vocab) {
+                panic!(
+                    "{msg}; {}",
+                    first_diverging_layer(&hidden, &want_hidden, model.config.num_layers())
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn greedy_continuations_match_transformers() {
+    for name in FIXTURES {
+        let Some(model) = load(name, &LoadOptions::default()) else {
+            return;
+        };
+        let r = Reference::load(name);
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let want = r.ids(&format!("prompt{p}.generated"));
+            let params = GenerateParams {
+                max_tokens: want.len(),
+                stop_at_eos: false,
+                ..Default::default()
+            };
+            let mut streamed = Vec::new();
+            let got = session(&model)
+                .generate(&ids, &params, |t| {
+                    streamed.push(t);
+                    true
+                })
+                .expect("generate");
+            assert_eq!(got, want, "{name} prompt{p}: greedy continuation");
+            assert_eq!(streamed, got, "{name} prompt{p}: streamed tokens");
+        }
+    }
+}
+
+#[test]
+fn decode_after_prefill_matches_full_prefill() {
+    for name in FIXTURES {
+        let Some(model) = load(name, &LoadOptions::default()) else {
+            return;
+        };
+        let r = Reference::load(name);
+        let ids = r.ids("prompt1.ids");
+        let vocab = model.config.vocab_size;
+        let full = session(&model).feed_all(&ids).expect("prefill");
+        let mut s = session(&model);
+        let split = 3;
+        let head = s.feed_all(&ids[..split]).expect("prefill head");
+        let mut ours = head.data;
+        for &id in &ids[split..] {
+            ours.extend(s.feed(&[id]).expect("decode").data);
+        }
+        for (pos, (o, w)) in ours.chunks(vocab).zip(full.data.chunks(vocab)).enumerate() {
+            let (rel, _) = rel_and_max(o, w);
+            assert!(
+                rel <= PATHS_REL,
+                "{name} position {pos}: decode vs prefill rel {rel:.3e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn chunked_prefill_matches_one_batch() {
+    let name = "gva_tied_f32";
+    let Some(model) = load(name, &LoadOptions::default()) else {
+        return;
+    };
+    let ids = Reference::load(name).ids("prompt1.ids");
+    let one = session(&model).feed_all(&ids).expect("one batch");
+    let mut small = Session::new(
+        model.clone(),
+        SessionOptions {
+            max_context: 64,
+            max_batch: 4,
+        },
+    )
+    .expect("session");
+    let chunked = small.feed_all(&ids).expect("chunked");
+    let (rel, _) = rel_and_max(&chunked.data, &one.data);
+    assert!(rel <= PATHS_REL, "chunked prefill rel {rel:.3e}");
+}
+
+#[test]
+fn weights_split_across_bindings_give_identical_logits() {
+    let name = "vlm_bf16_sharded";
+    let Some(whole) = load(name, &LoadOptions::default()) else {
+        return;
+    };
+    // 1000 bytes holds 10 rows of the 48-wide bf16 embedding: the table, lm_head and every
+    // matrix are split into several bindings, as the 0.8B embedding is at 128 MiB per binding.
+    let Some(split) = load(name, &LoadOptions { max_chunk_bytes: 1000 }) else {
+        return;
+    };
+    assert!(split.embed.chunks.len() > 10);
+    let ids = Reference::load(name).ids("prompt1.ids");
+    let a = session(&whole).feed_all(&ids).expect("whole");
+    let b = session(&split).feed_all(&ids).expect("split");
+    assert_eq!(a.data, b.data, "splitting weights must not change a single bit");
+}
+
+#[test]
+fn reset_forgets_the_sequence() {
+    let name = "gva_tied_f32";
+    let Some(model) = load(name, &LoadOptions::default()) else {
+        return;
+    };
+    let ids = Reference::load(name).ids("prompt1.ids");
+    let mut s = session(&model);
+    let first = s.feed_all(&ids).expect("first");
+    s.reset();
+    let again = s.feed_all(&ids).expect("again");
+    assert_eq!(first.data, again.data);
+}

@@ -1,0 +1,166 @@
+//! Tier 1 (no GPU): every WGSL file parses and validates, and every pipeline variant the engine
+//! creates translates to Metal (MSL 2.4 and 3.1) and SPIR-V with naga.
+
+use naga::back::msl;
+use naga::valid::{Capabilities, ValidationFlags, Validator};
+use qwen35_wgpu::kernels::{Kernel, PipelineKey, Shader};
+use qwen35_wgpu::model::Dtype;
+
+const KERNELS: [Kernel; 11] = [
+    Kernel::Matmul,
+    Kernel::Matvec,
+    Kernel::RmsNorm,
+    Kernel::RmsNormGated,
+    Kernel::PrepQ,
+    Kernel::PrepKv,
+    Kernel::Attend,
+    Kernel::ConvSilu,
+    Kernel::DeltaRule,
+    Kernel::Embed,
+    Kernel::Swiglu,
+];
+
+fn parse(shader: Shader) -> (naga::Module, naga::valid::ModuleInfo) {
+    let src = shader.source();
+    let module = naga::front::wgsl::parse_str(src)
+        .unwrap_or_else(|e| panic!("{} does not parse:\n{}", shader.file_name(), e.emit_to_string(src)));
+    let info = Validator::new(ValidationFlags::all(), msl::supported_capabilities())
+        .validate(&module)
+        .unwrap_or_else(|e| panic!("{} does not validate: {e:?}", shader.file_name()));
+    (module, info)
+}
+
+fn resource_map(module: &naga::Module, entry: &str) -> msl::EntryPointResourceMap {
+    let mut resources = msl::BindingMap::new();
+    let mut slots = [0u8; 2];
+    for (_, var) in module.global_variables.iter() {
+        let Some(binding) = var.binding else { continue };
+        let mutable =
+            matches!(var.space, naga::AddressSpace::Storage { access } if access.contains(naga::StorageAccess::STORE));
+        let slot = &mut slots[binding.group as usize % 2];
+        let buffer = (binding.group as u8) * 16 + *slot;
+        *slot += 1;
+        resources.insert(
+            binding,
+            msl::BindTarget {
+                buffer: Some(buffer),
+                mutable,
+                ..Default::default()
+            },
+        );
+    }
+    let mut map = msl::EntryPointResourceMap::new();
+    map.insert(
+        entry.to_string(),
+        msl::EntryPointResources {
+            resources,
+            sizes_buffer: Some(30),
+            ..Default::default()
+        },
+    );
+    map
+}
+
+fn keys() -> Vec<PipelineKey> {
+    let mut keys = Vec::new();
+    for kernel in KERNELS {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            for accumulate in [false, true] {
+                let key = PipelineKey {
+                    kernel,
+                    dtype,
+                    accumulate,
+                };
+                if !keys
+                    .iter()
+                    .any(|k: &PipelineKey| k.constants() == key.constants() && k.kernel == kernel)
+                {
+                    keys.push(key);
+                }
+            }
+        }
+    }
+    keys
+}
+
+#[test]
+fn every_shader_parses_and_validates() {
+    for shader in Shader::ALL {
+        parse(shader);
+    }
+}
+
+#[test]
+fn every_kernel_is_listed_once() {
+    let covered: std::collections::HashSet<Shader> = KERNELS.iter().map(|k| k.shader()).collect();
+    assert_eq!(
+        covered.len(),
+        Shader::ALL.len(),
+        "a shader file has no kernel in the test list"
+    );
+}
+
+#[test]
+fn every_pipeline_variant_translates_to_msl_and_spirv() {
+    for key in keys() {
+        let shader = key.kernel.shader();
+        let entry = key.kernel.entry();
+        let (module, info) = parse(shader);
+        let mut constants = naga::back::PipelineConstants::default();
+        for (name, value) in key.constants() {
+            constants.insert(name.to_string(), value);
+        }
+        let (module, info) = naga::back::pipeline_constants::process_overrides(
+            &module,
+            &info,
+            Some((naga::ShaderStage::Compute, entry)),
+            &constants,
+        )
+        .unwrap_or_else(|e| panic!("{key:?}: overrides: {e:?}"));
+        for lang_version in [(2, 4), (3, 1)] {
+            let options = msl::Options {
+                lang_version,
+                per_entry_point_map: resource_map(&module, entry),
+                fake_missing_bindings: false,
+                bounds_check_policies: naga::proc::BoundsCheckPolicies {
+                    index: naga::proc::BoundsCheckPolicy::Restrict,
+                    buffer: naga::proc::BoundsCheckPolicy::Restrict,
+                    image_load: naga::proc::BoundsCheckPolicy::Restrict,
+                    binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
+                },
+                zero_initialize_workgroup_memory: false,
+                ..Default::default()
+            };
+            let pipeline = msl::PipelineOptions {
+                entry_point: Some((naga::ShaderStage::Compute, entry.to_string())),
+                ..Default::default()
+            };
+            let (text, _) = msl::write_string(&module, &info, &options, &pipeline)
+                .unwrap_or_else(|e| panic!("{key:?}: MSL {lang_version:?}: {e:?}"));
+            assert!(text.contains("kernel void"), "{key:?}: no kernel in MSL");
+        }
+        let spv_options = naga::back::spv::Options {
+            lang_version: (1, 3),
+            ..Default::default()
+        };
+        let spv_pipeline = naga::back::spv::PipelineOptions {
+            shader_stage: naga::ShaderStage::Compute,
+            entry_point: entry.to_string(),
+        };
+        let words = naga::back::spv::write_vec(&module, &info, &spv_options, Some(&spv_pipeline))
+            .unwrap_or_else(|e| panic!("{key:?}: SPIR-V: {e:?}"));
+        assert_eq!(words[0], 0x0723_0203, "{key:?}: not a SPIR-V module");
+    }
+}
+
+#[test]
+fn a_broken_shader_is_rejected() {
+    let bad = "@compute @workgroup_size(64) fn main() { let x: f32 = 1u; }";
+    let rejected = match naga::front::wgsl::parse_str(bad) {
+        Err(_) => true,
+        Ok(m) => Validator::new(ValidationFlags::all(), Capabilities::empty())
+            .validate(&m)
+            .is_err(),
+    };
+    assert!(rejected);
+}

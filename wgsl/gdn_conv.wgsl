@@ -1,0 +1,60 @@
+// Gated DeltaNet token mixer (Qwen3_5GatedDeltaNet): causal depthwise conv + SiLU over the qkv
+// channels, then the gated delta-rule recurrence per value head. f32 throughout.
+//
+// mixed:      [T, C]            in_proj_qkv output, channels [q (Kd) | k (Kd) | v (Vd)]
+// conv_state: [C, K-1]          the previous K-1 pre-conv inputs per channel (oldest first)
+// conv_w:     [C, K]            conv1d.weight[c, 0, j]; tap K-1 multiplies the current token
+// y:          [T, C]            silu(conv) output
+// b, a:       [T, Hv]           in_proj_b / in_proj_a outputs (beta and decay logits)
+// gate_p:     [2, Hv]           row 0 = A_log, row 1 = dt_bias
+// state:      [Hv, Dk, Dv]      recurrent state S_h
+// core:       [T, Hv*Dv]        per-head outputs (before the gated RMSNorm)
+
+struct Params {
+    t: u32,
+    c: u32,
+    k: u32,          // conv kernel width
+    hk: u32,
+    hv: u32,
+    dk: u32,
+    dv: u32,
+    _pad: u32,
+}
+
+const MAX_K: u32 = 8u;
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+// ---- conv: one invocation per channel walks the tokens in order ----
+
+@group(0) @binding(1) var<storage, read> mixed: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(0) @binding(3) var<storage, read_write> conv_state: array<f32>;
+@group(1) @binding(0) var<storage, read> conv_w: array<f32>;
+
+@compute @workgroup_size(64)
+fn conv_silu(@builtin(global_invocation_id) gid: vec3<u32>) {
+    let c = gid.x;
+    if (c >= p.c) {
+        return;
+    }
+    let km1 = p.k - 1u;
+    var win: array<f32, MAX_K>;
+    for (var j = 0u; j < km1; j++) {
+        win[j] = conv_state[c * km1 + j];
+    }
+    for (var t = 0u; t < p.t; t++) {
+        win[km1] = mixed[t * p.c + c];
+        var acc = 0.0;
+        for (var j = 0u; j < p.k; j++) {
+            acc = fma(conv_w[c * p.k + j], win[j], acc);
+        }
+        y[t * p.c + c] = acc / (1.0 + exp(-acc));
+        for (var j = 0u; j < km1; j++) {
+            win[j] = win[j + 1u];
+        }
+    }
+    for (var j = 0u; j < km1; j++) {
+        conv_state[c * km1 + j] = win[j];
+    }
+}

@@ -1,0 +1,147 @@
+// y[m, n] (+)= sum_k x[m, k] * w[n, k]        (nn.Linear: y = x W^T)
+//
+// x: f32 activations [M, K] (row stride x_stride, starting x_offset).
+// w: one row-chunk of a weight in its checkpoint dtype, packed in u32 words, [N, K] row-major.
+// y: f32 [M, *] (row stride y_stride, starting y_offset; the chunk's first row lands at column
+//    y_offset % y_stride, so a weight split across bindings writes into one output).
+// Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
+
+override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
+override ACCUMULATE: bool = false;
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    x_offset: u32,
+    x_stride: u32,
+    y_offset: u32,
+    y_stride: u32,
+    _pad: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(2) var<storage, read_write> y: array<f32>;
+@group(1) @binding(0) var<storage, read> w: array<u32>;
+
+fn weight(idx: u32) -> f32 {
+    if (W_DTYPE == 1u) {
+        let word = w[idx >> 1u];
+        return bitcast<f32>(((word >> ((idx & 1u) * 16u)) & 0xffffu) << 16u);
+    }
+    if (W_DTYPE == 2u) {
+        return unpack2x16float(w[idx >> 1u])[idx & 1u];
+    }
+    return bitcast<f32>(w[idx]);
+}
+
+fn store(idx: u32, v: f32) {
+    if (ACCUMULATE) {
+        y[idx] = y[idx] + v;
+    } else {
+        y[idx] = v;
+    }
+}
+
+// ---- batched (prefill): 64x64 output tile per workgroup, 4x4 per invocation, K steps of 16 ----
+
+const TILE: u32 = 64u;
+const BK: u32 = 16u;
+
+var<workgroup> xs: array<f32, 1024>; // [BK][TILE], k-major
+var<workgroup> ws: array<f32, 1024>; // [BK][TILE], k-major
+
+@compute @workgroup_size(16, 16)
+fn matmul(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let row0 = wg.y * TILE;
+    let col0 = wg.x * TILE;
+    var acc: array<f32, 16>;
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        for (var e = 0u; e < 4u; e++) {
+            let idx = li + e * 256u;
+            let r = idx / BK;
+            let kk = idx % BK;
+            let kg = k0 + kk;
+            var xv = 0.0;
+            if (row0 + r < p.m && kg < p.k) {
+                xv = x[p.x_offset + (row0 + r) * p.x_stride + kg];
+            }
+            xs[kk * TILE + r] = xv;
+            var wv = 0.0;
+            if (col0 + r < p.n && kg < p.k) {
+                wv = weight((col0 + r) * p.k + kg);
+            }
+            ws[kk * TILE + r] = wv;
+        }
+        workgroupBarrier();
+        for (var kk = 0u; kk < BK; kk++) {
+            let a = vec4<f32>(
+                xs[kk * TILE + lid.y * 4u], xs[kk * TILE + lid.y * 4u + 1u],
+                xs[kk * TILE + lid.y * 4u + 2u], xs[kk * TILE + lid.y * 4u + 3u]);
+            let b = vec4<f32>(
+                ws[kk * TILE + lid.x * 4u], ws[kk * TILE + lid.x * 4u + 1u],
+                ws[kk * TILE + lid.x * 4u + 2u], ws[kk * TILE + lid.x * 4u + 3u]);
+            for (var i = 0u; i < 4u; i++) {
+                acc[i * 4u] = fma(a[i], b.x, acc[i * 4u]);
+                acc[i * 4u + 1u] = fma(a[i], b.y, acc[i * 4u + 1u]);
+                acc[i * 4u + 2u] = fma(a[i], b.z, acc[i * 4u + 2u]);
+                acc[i * 4u + 3u] = fma(a[i], b.w, acc[i * 4u + 3u]);
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let r = row0 + lid.y * 4u + i;
+        for (var j = 0u; j < 4u; j++) {
+            let c = col0 + lid.x * 4u + j;
+            if (r < p.m && c < p.n) {
+                store(p.y_offset + r * p.y_stride + c, acc[i * 4u + j]);
+            }
+        }
+    }
+}
+
+// ---- single token (decode): ROWS output rows per workgroup, 64 invocations stride along K ----
+
+const WG: u32 = 64u;
+const ROWS: u32 = 4u;
+
+var<workgroup> red: array<f32, 256>; // [ROWS][WG]
+
+@compute @workgroup_size(64)
+fn matvec(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let row0 = (wg.y * nwg.x + wg.x) * ROWS;
+    var acc = vec4<f32>(0.0);
+    for (var k = li; k < p.k; k += WG) {
+        let xv = x[p.x_offset + k];
+        for (var r = 0u; r < ROWS; r++) {
+            if (row0 + r < p.n) {
+                acc[r] = fma(weight((row0 + r) * p.k + k), xv, acc[r]);
+            }
+        }
+    }
+    for (var r = 0u; r < ROWS; r++) {
+        red[r * WG + li] = acc[r];
+    }
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            for (var r = 0u; r < ROWS; r++) {
+                red[r * WG + li] += red[r * WG + li + s];
+            }
+        }
+        workgroupBarrier();
+    }
+    if (li < ROWS && row0 + li < p.n) {
+        store(p.y_offset + row0 + li, red[li * WG]);
+    }
+}

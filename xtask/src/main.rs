@@ -1,0 +1,157 @@
+//! Project automation: `cargo xtask <command>`.
+
+mod lavapipe;
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+
+const HELP: &str = "\
+cargo xtask <command>
+
+  test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
+                       adapter exists), then run every test; with CI=true a missing adapter fails
+  test-gpu [--allow-cpu]
+                       run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
+                       refuses a CPU adapter unless --allow-cpu
+  fixtures             regenerate tests/fixtures and the embedded model with transformers
+                       (creates target/fixtures-venv with pinned torch/transformers/peft)
+  probe                print the adapter wgpu picks (exit 1 if none)
+";
+
+/// Pinned oracle versions (the fixtures committed were made with these).
+const PY_PINS: &[&str] = &[
+    "torch==2.15.0",
+    "transformers==5.23.0",
+    "peft==0.21.2",
+    "safetensors==0.8.0",
+    "numpy",
+];
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.first().map(String::as_str) {
+        Some("test") => test(),
+        Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
+        Some("fixtures") => fixtures(),
+        Some("probe") => probe(),
+        _ => {
+            print!("{HELP}");
+            if args.is_empty() {
+                Ok(())
+            } else {
+                bail!("unknown command {:?}", args[0])
+            }
+        }
+    }
+}
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut cmd: Command) -> Result<()> {
+    eprintln!("$ {cmd:?}");
+    let status = cmd.status().with_context(|| format!("starting {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+/// Adapter probe in a child process, so that a driver installed meanwhile is seen.
+fn adapter() -> Option<(String, bool)> {
+    let exe = std::env::current_exe().ok()?;
+    let out = Command::new(exe).arg("probe").output().ok()?;
+    if !out.status.success() {
+        return None;
+    }
+    let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let cpu = text.contains("(Cpu)");
+    Some((text, cpu))
+}
+
+fn probe() -> Result<()> {
+    match qwen35_wgpu::GpuContext::new() {
+        Ok(ctx) => {
+            println!(
+                "{} [{:?}] ({:?})",
+                ctx.info.name, ctx.info.backend, ctx.info.device_type
+            );
+            Ok(())
+        }
+        Err(e) => {
+            eprintln!("{e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+fn test() -> Result<()> {
+    let found = match adapter() {
+        Some(found) => found,
+        None => {
+            lavapipe::install()?;
+            adapter().context("Mesa lavapipe was installed but wgpu still finds no adapter")?
+        }
+    };
+    eprintln!("GPU adapter: {}", found.0);
+    let mut cmd = cargo();
+    cmd.args(["test", "--workspace"]).env("QWEN35_REQUIRE_ADAPTER", "1");
+    run(cmd)
+}
+
+fn test_gpu(allow_cpu: bool) -> Result<()> {
+    let Some((name, cpu)) = adapter() else {
+        bail!("no GPU adapter found; on macOS Metal needs no setup, on Linux install a Vulkan driver");
+    };
+    if cpu && !allow_cpu {
+        bail!("the adapter is a CPU rasteriser ({name}); pass --allow-cpu to run on it anyway");
+    }
+    eprintln!("GPU adapter: {name}");
+    let mut cmd = cargo();
+    cmd.args([
+        "test",
+        "--release",
+        "--test",
+        "parity",
+        "--test",
+        "kernels",
+        "--test",
+        "model_errors",
+    ])
+    .env("QWEN35_REQUIRE_ADAPTER", "1");
+    if !allow_cpu {
+        cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
+    }
+    run(cmd)
+}
+
+fn fixtures() -> Result<()> {
+    let root = root();
+    let venv = root.join("target/fixtures-venv");
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        let mut cmd = Command::new("python3");
+        cmd.args(["-m", "venv"]).arg(&venv);
+        run(cmd)?;
+    }
+    let mut pip = Command::new(&python);
+    pip.args(["-m", "pip", "install", "-q"]).args(PY_PINS);
+    run(pip)?;
+    let mut make = Command::new(&python);
+    make.arg(root.join("xtask/python/make_fixtures.py"))
+        .arg("--root")
+        .arg(&root);
+    run(make)
+}
