@@ -8,5 +8,5 @@ mod session;
 
 pub use cache::rope_table;
 pub use generate::GenerateParams;
-pub use sampler::Sampler;
+pub use sampler::{argmax, Sampler};
 pub use session::{Logits, Session, SessionOptions};

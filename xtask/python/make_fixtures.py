@@ -188,11 +188,52 @@ def save_model(model, spec, out_dir):
             os.remove(path)
 
 
+# Qwen3.5-0.8B text dimensions (qwen35-spec.md section 1.3), for benchmarks only (not committed).
+BENCH_MODEL = dict(
+    kind="causal",
+    dtype=torch.bfloat16,
+    text=text_config(
+        vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+        linear_num_key_heads=16, linear_num_value_heads=16,
+        linear_key_head_dim=128, linear_value_head_dim=128, tie_word_embeddings=True,
+    ),
+)
+
+
+def bench_model(out_dir):
+    """Random bf16 weights at the real 0.8B dimensions (~1.6 GB), built directly in bf16."""
+    spec = BENCH_MODEL
+    torch.manual_seed(8)
+    cfg = Qwen3_5TextConfig(**spec["text"])
+    torch.set_default_dtype(torch.bfloat16)
+    model = Qwen3_5ForCausalLM._from_config(cfg, attn_implementation="eager").eval()
+    torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+                p.zero_()
+            elif name.endswith("dt_bias"):
+                p.fill_(1.0)
+            elif name.endswith("A_log"):
+                p.uniform_(-1.0, 1.0)
+            elif p.dim() >= 2:
+                p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
+    save_model(model, spec, out_dir)
+    print(f"wrote {out_dir}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, help="repository root")
+    ap.add_argument("--bench-model", help="only write the 0.8B-dimension benchmark model to this directory")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    if args.bench_model:
+        bench_model(args.bench_model)
+        return
     models_dir = os.path.join(args.root, "tests", "fixtures", "models")
     ref_dir = os.path.join(args.root, "tests", "fixtures", "reference")
     os.makedirs(models_dir, exist_ok=True)
