@@ -164,3 +164,155 @@ pub enum RunError {
     #[error(transparent)]
     Gpu(#[from] GpuError),
 }
+
+/// Errors while loading or managing a LoRA adapter. A failed load leaves every resident adapter
+/// and the active one exactly as they were.
+#[derive(Debug, thiserror::Error)]
+pub enum AdapterError {
+    /// A file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The path is not a PEFT adapter (directory or `.safetensors` file).
+    #[error("{path} is not a PEFT LoRA adapter: {reason}")]
+    NotPeft {
+        /// The path.
+        path: PathBuf,
+        /// Why.
+        reason: String,
+    },
+    /// The safetensors file is malformed.
+    #[error("invalid adapter file {path}: {message}")]
+    BadSafetensors {
+        /// The file.
+        path: PathBuf,
+        /// The parser's message.
+        message: String,
+    },
+    /// An `adapter_config.json` field has a value this engine cannot use.
+    #[error("adapter config field {field}: expected {expected}, found {found}")]
+    BadConfig {
+        /// The field.
+        field: String,
+        /// What is supported.
+        expected: String,
+        /// What the file says.
+        found: String,
+    },
+    /// A PEFT feature this engine does not apply (never silently ignored).
+    #[error("unsupported adapter feature {feature} (key or field {key})")]
+    Unsupported {
+        /// The feature (DoRA, lora_bias, embedding LoRA, …).
+        feature: String,
+        /// Where it was found.
+        key: String,
+    },
+    /// A tensor key that names no LoRA weight of a Qwen 3.5 text projection.
+    #[error("adapter key {key} matches no module of this model ({why})")]
+    UnknownKey {
+        /// The key.
+        key: String,
+        /// What did not match.
+        why: String,
+    },
+    /// A projection that the layer does not have (e.g. `q_proj` on a Gated DeltaNet layer).
+    #[error("adapter key {key}: layer {layer} is a {layer_type} layer without {projection}")]
+    WrongTarget {
+        /// The key.
+        key: String,
+        /// The layer index.
+        layer: usize,
+        /// The layer's type.
+        layer_type: String,
+        /// The projection named.
+        projection: String,
+    },
+    /// A layer index beyond the model.
+    #[error("adapter key {key}: layer {layer} is out of range (the model has {layers} layers)")]
+    LayerOutOfRange {
+        /// The key.
+        key: String,
+        /// The index.
+        layer: usize,
+        /// Layers in the model.
+        layers: usize,
+    },
+    /// A module present in the file that the config does not target.
+    #[error("adapter key {key} is not targeted by the config ({why})")]
+    NotTargeted {
+        /// The key.
+        key: String,
+        /// Which config field excludes it.
+        why: String,
+    },
+    /// A tensor with the wrong shape for this model's widths.
+    #[error("adapter tensor {key}: expected shape {expected:?}, found {found:?}")]
+    ShapeMismatch {
+        /// The key.
+        key: String,
+        /// Expected shape.
+        expected: Vec<usize>,
+        /// Found shape.
+        found: Vec<usize>,
+    },
+    /// The rank of a module disagrees with the config (`r` or `rank_pattern`).
+    #[error("adapter tensor {key}: rank {found}, but the config gives rank {expected}")]
+    RankMismatch {
+        /// The key.
+        key: String,
+        /// Rank from the config.
+        expected: usize,
+        /// Rank in the tensor.
+        found: usize,
+    },
+    /// `lora_A` without `lora_B` or the reverse.
+    #[error("adapter key {key} has no matching {missing}")]
+    MissingPair {
+        /// The key present.
+        key: String,
+        /// The key absent.
+        missing: String,
+    },
+    /// A tensor dtype that is not F32, BF16 or F16.
+    #[error("adapter tensor {key}: dtype {found} is not supported (expected F32, BF16 or F16)")]
+    UnsupportedDtype {
+        /// The key.
+        key: String,
+        /// The dtype.
+        found: String,
+    },
+    /// NaN or infinite weights.
+    #[error("adapter tensor {key}: non-finite value {value} at element {index}")]
+    NonFinite {
+        /// The key.
+        key: String,
+        /// The element.
+        index: usize,
+        /// The value.
+        value: f32,
+    },
+    /// The file holds no LoRA weights for this model.
+    #[error("{path} holds no LoRA weights")]
+    Empty {
+        /// The file.
+        path: PathBuf,
+    },
+    /// No resident adapter has this id.
+    #[error("no resident adapter with id {id:?} (resident: {resident:?})")]
+    UnknownId {
+        /// The id asked for.
+        id: String,
+        /// The ids resident.
+        resident: Vec<String>,
+    },
+    /// The scale is not a finite number.
+    #[error("adapter scale {0} is not finite")]
+    BadScale(f32),
+    /// A GPU error while uploading.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}

@@ -17,14 +17,20 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+pub mod backend;
 pub mod error;
 pub mod gpu;
 pub mod kernels;
+pub mod lora;
 pub mod model;
 pub mod reference;
 pub mod runtime;
+mod wgpu_backend;
 
-pub use error::{GpuError, ModelError, RunError};
+pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
+pub use error::{AdapterError, GpuError, ModelError, RunError};
 pub use gpu::GpuContext;
+pub use lora::{AdapterInfo, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, TextConfig};
 pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};
+pub use wgpu_backend::WgpuBackend;

@@ -40,10 +40,7 @@ fn main() -> Result<()> {
     let load_s = t.elapsed().as_secs_f64();
     let vocab = model.config.vocab_size as u32;
     let ids: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let opts = SessionOptions {
-        max_context: args.prompt + args.decode + 1,
-        max_batch: args.prompt.max(1),
-    };
+    let opts = SessionOptions { max_context: args.prompt + args.decode + 1, max_batch: args.prompt.max(1) };
     let mut session = Session::new(model, opts)?;
     let (mut prefill, mut decode) = (Vec::new(), Vec::new());
     for rep in 0..=args.repeats {
@@ -57,11 +54,7 @@ fn main() -> Result<()> {
             logits = session.feed(&[next])?;
         }
         let d = t.elapsed().as_secs_f64();
-        eprintln!(
-            "rep {rep}: prefill {:.1} tok/s, decode {:.2} tok/s",
-            args.prompt as f64 / p,
-            args.decode as f64 / d
-        );
+        eprintln!("rep {rep}: prefill {:.1} tok/s, decode {:.2} tok/s", args.prompt as f64 / p, args.decode as f64 / d);
         if rep > 0 {
             prefill.push(args.prompt as f64 / p);
             decode.push(args.decode as f64 / d);

@@ -48,18 +48,10 @@ fn main() -> Result<()> {
     let ctx = Arc::new(GpuContext::new()?);
     eprintln!("adapter: {} ({:?})", ctx.info.name, ctx.info.backend);
     let model = Arc::new(Model::load(ctx, &dir).with_context(|| format!("loading {}", dir.display()))?);
-    eprintln!(
-        "loaded {} in {:.2} s ({} layers)",
-        dir.display(),
-        t0.elapsed().as_secs_f64(),
-        model.config.num_layers()
-    );
+    eprintln!("loaded {} in {:.2} s ({} layers)", dir.display(), t0.elapsed().as_secs_f64(), model.config.num_layers());
     let mut session = Session::new(
         model,
-        SessionOptions {
-            max_context: args.ids.len() + args.max_tokens + 1,
-            ..Default::default()
-        },
+        SessionOptions { max_context: args.ids.len() + args.max_tokens + 1, ..Default::default() },
     )?;
     let params = GenerateParams {
         max_tokens: args.max_tokens,
@@ -82,11 +74,7 @@ fn main() -> Result<()> {
     println!();
     let total = t1.elapsed().as_secs_f64();
     let prefill = first.map(|d| d.as_secs_f64()).unwrap_or(total);
-    let decode_tps = if out.len() > 1 {
-        (out.len() - 1) as f64 / (total - prefill)
-    } else {
-        0.0
-    };
+    let decode_tps = if out.len() > 1 { (out.len() - 1) as f64 / (total - prefill) } else { 0.0 };
     eprintln!(
         "{} prompt tokens in {:.1} ms, {} new tokens, decode {:.1} tok/s",
         args.ids.len(),

@@ -1,7 +1,11 @@
 //! Parity debugging: run a prompt and write its logits (and optionally a greedy continuation)
 //! to a safetensors file.
 //!
-//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] --out FILE.safetensors`
+//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] [--adapter PATH[:SCALE]] --out FILE.safetensors`
+//!
+//! `--adapter` applies a PEFT adapter (directory or `.safetensors` file); SCALE after the last
+//! colon may be negative and defaults to 1. One adapter at a time (no stacking); a failed load
+//! exits non-zero with the error on stderr.
 //!
 //! Writes `logits` (`[T, vocab]`, f32) and, with `--generate N`, `generated` (`[N]`, i64,
 //! computed with the KV/recurrent cache). Stdout gets one line of JSON; errors go to stderr.
@@ -12,7 +16,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{GenerateParams, GpuContext, Model, Session, SessionOptions};
+use qwen35_wgpu::{GenerateParams, GpuContext, LoraAdapter, Model, Session, SessionOptions};
 use safetensors::tensor::TensorView;
 
 #[derive(Parser)]
@@ -26,9 +30,22 @@ struct Args {
     /// Greedy tokens to generate after the prompt.
     #[arg(long, default_value_t = 0)]
     generate: usize,
+    /// PEFT adapter, `PATH[:SCALE]`.
+    #[arg(long)]
+    adapter: Option<String>,
     /// Output safetensors file.
     #[arg(long)]
     out: PathBuf,
+}
+
+/// `PATH[:SCALE]`: the scale is whatever follows the last colon, if it parses as a number.
+fn parse_adapter(spec: &str) -> (PathBuf, f32) {
+    if let Some((path, scale)) = spec.rsplit_once(':') {
+        if let Ok(s) = scale.parse::<f32>() {
+            return (PathBuf::from(path), s);
+        }
+    }
+    (PathBuf::from(spec), 1.0)
 }
 
 fn main() -> Result<()> {
@@ -37,22 +54,24 @@ fn main() -> Result<()> {
     let ctx = Arc::new(GpuContext::new()?);
     let model =
         Arc::new(Model::load(ctx.clone(), &args.model).with_context(|| format!("loading {}", args.model.display()))?);
-    let opts = SessionOptions {
-        max_context: args.ids.len() + args.generate + 1,
-        ..Default::default()
+    let opts = SessionOptions { max_context: args.ids.len() + args.generate + 1, ..Default::default() };
+    let adapter = match &args.adapter {
+        Some(spec) => {
+            let (path, scale) = parse_adapter(spec);
+            let a = LoraAdapter::load(&model, &path).with_context(|| format!("loading adapter {}", path.display()))?;
+            Some((Arc::new(a), scale))
+        }
+        None => None,
     };
-    let logits = Session::new(model.clone(), opts.clone())?.feed_all(&args.ids)?;
+    let session = |model: &Arc<Model>| -> Result<Session> {
+        let mut s = Session::new(model.clone(), opts.clone())?;
+        s.set_adapter(adapter.clone())?;
+        Ok(s)
+    };
+    let logits = session(&model)?.feed_all(&args.ids)?;
     let generated: Vec<i64> = if args.generate > 0 {
-        let params = GenerateParams {
-            max_tokens: args.generate,
-            stop_at_eos: false,
-            ..Default::default()
-        };
-        Session::new(model.clone(), opts)?
-            .generate(&args.ids, &params, |_| true)?
-            .into_iter()
-            .map(i64::from)
-            .collect()
+        let params = GenerateParams { max_tokens: args.generate, stop_at_eos: false, ..Default::default() };
+        session(&model)?.generate(&args.ids, &params, |_| true)?.into_iter().map(i64::from).collect()
     } else {
         Vec::new()
     };
@@ -73,6 +92,7 @@ fn main() -> Result<()> {
     let summary = serde_json::json!({
         "model": args.model,
         "gpu": ctx.info.name,
+        "adapter": adapter.as_ref().map(|(a, s)| serde_json::json!({"name": a.info.name, "scale": s, "ranks": a.info.ranks})),
         "prompt_tokens": logits.rows,
         "vocab": logits.vocab,
         "generated": generated,

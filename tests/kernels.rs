@@ -9,7 +9,7 @@ use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, GdnIo, GdnParams};
-use qwen35_wgpu::kernels::matmul::{linear, LinearIo};
+use qwen35_wgpu::kernels::matmul::{linear, LinearIo, LoraExpand};
 use qwen35_wgpu::kernels::misc::{embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
@@ -52,14 +52,8 @@ fn run(ctx: &GpuContext, f: impl FnOnce(&mut Recorder) -> Result<(), GpuError>) 
 fn weight_bytes(values: &[f32], dtype: Dtype) -> (Vec<u8>, Vec<f32>) {
     let bytes: Vec<u8> = match dtype {
         Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
-        Dtype::BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
-        Dtype::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes())
-            .collect(),
+        Dtype::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+        Dtype::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
     };
     let exact = dtype.to_f32(&bytes);
     (bytes, exact)
@@ -72,15 +66,7 @@ fn ctx() -> Option<Arc<GpuContext>> {
 #[test]
 fn linear_matches_reference() {
     let Some(ctx) = ctx() else { return };
-    let shapes = [
-        (1, 1, 1),
-        (1, 7, 13),
-        (1, 300, 257),
-        (2, 5, 3),
-        (3, 65, 17),
-        (70, 130, 33),
-        (64, 64, 64),
-    ];
+    let shapes = [(1, 1, 1), (1, 7, 13), (1, 300, 257), (2, 5, 3), (3, 65, 17), (70, 130, 33), (64, 64, 64)];
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (accumulate, chunk) in [(false, u64::MAX), (true, u64::MAX), (false, 64)] {
@@ -92,35 +78,53 @@ fn linear_matches_reference() {
                 let x = rand((m + 1) * k, seed + 1, 1.0);
                 let y0 = rand(m * (n + 3), seed + 2, 1.0);
                 let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &y0));
-                let io = LinearIo {
-                    x: &xb,
-                    x_offset: k,
-                    m,
-                    y: &yb,
-                    y_offset: 1,
-                    y_stride: n + 3,
-                    accumulate,
-                };
-                run(&ctx, |rec| linear(rec, &gw, &io));
+                let io = LinearIo { x: &xb, x_offset: k, m, y: &yb, y_offset: 1, y_stride: n + 3, accumulate };
+                run(&ctx, |rec| linear(rec, &gw, &io, None));
                 let got = read(&ctx, &yb, m * (n + 3));
                 let prod = cpu::linear(&x[k..], &w, m, n, k);
                 let mut want = y0.clone();
                 for i in 0..m {
                     for j in 0..n {
                         let slot = &mut want[1 + i * (n + 3) + j];
-                        *slot = if accumulate {
-                            *slot + prod[i * n + j]
-                        } else {
-                            prod[i * n + j]
-                        };
+                        *slot = if accumulate { *slot + prod[i * n + j] } else { prod[i * n + j] };
                     }
                 }
-                let what = format!(
-                    "linear m{m} n{n} k{k} {dtype:?} acc={accumulate} chunks={}",
-                    gw.chunks.len()
-                );
+                let what = format!("linear m{m} n{n} k{k} {dtype:?} acc={accumulate} chunks={}", gw.chunks.len());
                 assert_close(&what, &got, &want, KERNEL_ATOL, KERNEL_RTOL);
             }
+        }
+    }
+}
+
+#[test]
+fn linear_with_fused_lora_expand_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    // (m, n, k, rank, t_stride, t_offset); chunked weights check the B row offset per chunk.
+    for &(m, n, k, rank, stride, offset) in
+        &[(1, 7, 13, 1, 3, 2), (1, 130, 64, 16, 40, 8), (5, 70, 33, 8, 8, 0), (70, 65, 17, 20, 24, 4)]
+    {
+        for chunk in [u64::MAX, 64 * 4] {
+            let seed = (m * 7 + n + rank) as u64;
+            let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), Dtype::BF16);
+            let gw = GpuWeight::upload(&ctx, "w", Dtype::BF16, n, k, &bytes, chunk.max((k * 2) as u64)).expect("w");
+            let x = rand(m * k, seed + 1, 1.0);
+            let t = rand(m * stride, seed + 2, 1.0);
+            let b = rand(n * rank, seed + 3, 1.0);
+            let (xb, tb, yb) = (upload(&ctx, &x), upload(&ctx, &t), upload(&ctx, &vec![0.0; m * n]));
+            let bb = upload(&ctx, &b);
+            let bg = ctx.weights_bind_group(&bb, "b");
+            let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
+            let lora = LoraExpand { t: &tb, t_offset: offset, t_stride: stride, rank, scale: -0.75, b: &bg };
+            run(&ctx, |rec| linear(rec, &gw, &io, Some(&lora)));
+            let mut want = cpu::linear(&x, &w, m, n, k);
+            for i in 0..m {
+                for j in 0..n {
+                    let d: f32 = (0..rank).map(|r| t[i * stride + offset + r] * b[j * rank + r]).sum();
+                    want[i * n + j] += -0.75 * d;
+                }
+            }
+            let what = format!("lora linear m{m} n{n} k{k} r{rank} chunks={}", gw.chunks.len());
+            assert_close(&what, &read(&ctx, &yb, m * n), &want, KERNEL_ATOL, KERNEL_RTOL);
         }
     }
 }
@@ -134,35 +138,13 @@ fn rms_norms_match_reference() {
         let z = rand(rows * n, 5, 3.0);
         let wv = GpuVector::upload(&ctx, "w", &w).expect("w");
         let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &vec![0.0; rows * n]));
-        let io = NormIo {
-            x: &xb,
-            y: &yb,
-            x_offset: 0,
-            y_offset: 0,
-            rows,
-            n,
-            eps: 1e-6,
-        };
+        let io = NormIo { x: &xb, y: &yb, x_offset: 0, y_offset: 0, rows, n, eps: 1e-6 };
         run(&ctx, |rec| rms_norm(rec, &wv, &io));
         let want = cpu::rms_norm(&x, &w, n, 1e-6);
-        assert_close(
-            &format!("rms_norm {rows}x{n}"),
-            &read(&ctx, &yb, rows * n),
-            &want,
-            KERNEL_ATOL,
-            KERNEL_RTOL,
-        );
+        assert_close(&format!("rms_norm {rows}x{n}"), &read(&ctx, &yb, rows * n), &want, KERNEL_ATOL, KERNEL_RTOL);
 
         let (zb, vb) = (upload(&ctx, &z), upload(&ctx, &x));
-        let io = NormIo {
-            x: &zb,
-            y: &vb,
-            x_offset: 0,
-            y_offset: 0,
-            rows,
-            n,
-            eps: 1e-6,
-        };
+        let io = NormIo { x: &zb, y: &vb, x_offset: 0, y_offset: 0, rows, n, eps: 1e-6 };
         run(&ctx, |rec| rms_norm_gated(rec, &wv, &io));
         let want = cpu::rms_norm_gated(&x, &z, &w, n, 1e-6);
         let what = format!("rms_norm_gated {rows}x{n}");
@@ -174,30 +156,10 @@ fn rms_norms_match_reference() {
 fn gated_delta_net_matches_reference_across_steps() {
     let Some(ctx) = ctx() else { return };
     let dims = [
-        cpu::GdnDims {
-            hk: 1,
-            hv: 1,
-            dk: 4,
-            dv: 3,
-        },
-        cpu::GdnDims {
-            hk: 2,
-            hv: 4,
-            dk: 16,
-            dv: 16,
-        },
-        cpu::GdnDims {
-            hk: 3,
-            hv: 3,
-            dk: 10,
-            dv: 14,
-        },
-        cpu::GdnDims {
-            hk: 2,
-            hv: 4,
-            dk: 32,
-            dv: 70,
-        },
+        cpu::GdnDims { hk: 1, hv: 1, dk: 4, dv: 3 },
+        cpu::GdnDims { hk: 2, hv: 4, dk: 16, dv: 16 },
+        cpu::GdnDims { hk: 3, hv: 3, dk: 10, dv: 14 },
+        cpu::GdnDims { hk: 2, hv: 4, dk: 32, dv: 70 },
     ];
     for (di, d) in dims.iter().enumerate() {
         for k in [2usize, 4] {
@@ -217,10 +179,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                 let b = rand(t * d.hv, seed + 1, 3.0);
                 let a = rand(t * d.hv, seed + 2, 3.0);
                 let (mb, bb, ab) = (upload(&ctx, &mixed), upload(&ctx, &b), upload(&ctx, &a));
-                let (yb, core) = (
-                    upload(&ctx, &vec![0.0; t * c]),
-                    upload(&ctx, &vec![0.0; t * d.hv * d.dv]),
-                );
+                let (yb, core) = (upload(&ctx, &vec![0.0; t * c]), upload(&ctx, &vec![0.0; t * d.hv * d.dv]));
                 let params = GdnParams {
                     t: t as u32,
                     c: c as u32,
@@ -244,20 +203,8 @@ fn gated_delta_net_matches_reference_across_steps() {
                 let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, t, c, k);
                 let want = cpu::delta_rule(&y, &b, &a, &gate, &mut cpu_state, t, *d);
                 let what = format!("gdn {d:?} K{k} step {step}");
-                assert_close(
-                    &format!("{what} conv"),
-                    &read(&ctx, &yb, t * c),
-                    &y,
-                    KERNEL_ATOL,
-                    KERNEL_RTOL,
-                );
-                assert_close(
-                    &what,
-                    &read(&ctx, &core, t * d.hv * d.dv),
-                    &want,
-                    KERNEL_ATOL,
-                    KERNEL_RTOL,
-                );
+                assert_close(&format!("{what} conv"), &read(&ctx, &yb, t * c), &y, KERNEL_ATOL, KERNEL_RTOL);
+                assert_close(&what, &read(&ctx, &core, t * d.hv * d.dv), &want, KERNEL_ATOL, KERNEL_RTOL);
                 let st = read(&ctx, &state, cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
             }
@@ -269,13 +216,7 @@ fn gated_delta_net_matches_reference_across_steps() {
 fn attention_matches_reference_across_steps() {
     let Some(ctx) = ctx() else { return };
     // (hq, hkv, hd, rot): GQA groups 1, 2 and 4; head dims below, at and above the workgroup.
-    for &(hq, hkv, hd, rot) in &[
-        (1, 1, 8, 2),
-        (3, 1, 24, 6),
-        (4, 2, 64, 16),
-        (8, 2, 256, 64),
-        (2, 2, 130, 0),
-    ] {
+    for &(hq, hkv, hd, rot) in &[(1, 1, 8, 2), (3, 1, 24, 6), (4, 2, 64, 16), (8, 2, 256, 64), (2, 2, 130, 0)] {
         let s_max = 80;
         let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
             r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
@@ -290,10 +231,8 @@ fn attention_matches_reference_across_steps() {
         let rope = upload(&ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
         let q_norm = rand(hd, 1, 0.3);
         let k_norm = rand(hd, 2, 0.3);
-        let (qn, kn) = (
-            GpuVector::upload(&ctx, "qn", &q_norm).expect("qn"),
-            GpuVector::upload(&ctx, "kn", &k_norm).expect("kn"),
-        );
+        let (qn, kn) =
+            (GpuVector::upload(&ctx, "qn", &q_norm).expect("qn"), GpuVector::upload(&ctx, "kn", &k_norm).expect("kn"));
         let kc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
         let vc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
         let mut cpu_k = vec![Vec::new(); hkv];
@@ -305,10 +244,7 @@ fn attention_matches_reference_across_steps() {
             let k = rand(t * hkv * hd, seed + 1, 2.0);
             let v = rand(t * hkv * hd, seed + 2, 2.0);
             let (qgb, kb, vb) = (upload(&ctx, &qg), upload(&ctx, &k), upload(&ctx, &v));
-            let (qb, out) = (
-                upload(&ctx, &vec![0.0; t * hq * hd]),
-                upload(&ctx, &vec![0.0; t * hq * hd]),
-            );
+            let (qb, out) = (upload(&ctx, &vec![0.0; t * hq * hd]), upload(&ctx, &vec![0.0; t * hq * hd]));
             let params = AttnParams {
                 t: t as u32,
                 pos0: pos0 as u32,
@@ -321,25 +257,10 @@ fn attention_matches_reference_across_steps() {
                 scale: (hd as f32).powf(-0.5),
                 _pad: [0; 3],
             };
-            let io = AttnIo {
-                qg: &qgb,
-                kraw: &kb,
-                vraw: &vb,
-                q: &qb,
-                k_cache: &kc,
-                v_cache: &vc,
-                rope: &rope,
-                out: &out,
-            };
+            let io =
+                AttnIo { qg: &qgb, kraw: &kb, vraw: &vb, q: &qb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
             run(&ctx, |rec| attention(rec, &qn, &kn, &params, &io));
-            let dims = cpu::AttnDims {
-                hq,
-                hkv,
-                hd,
-                rot,
-                pos0,
-                eps: 1e-6,
-            };
+            let dims = cpu::AttnDims { hq, hkv, hd, rot, pos0, eps: 1e-6 };
             let want = cpu::attention(&qg, &k, &v, &q_norm, &k_norm, &table, &mut cpu_k, &mut cpu_v, t, dims);
             let what = format!("attention hq{hq} hkv{hkv} hd{hd} rot{rot} step {step}");
             assert_close(&what, &read(&ctx, &out, t * hq * hd), &want, KERNEL_ATOL, KERNEL_RTOL);
@@ -360,10 +281,7 @@ fn embed_and_swiglu_match_reference() {
         let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
         let hb = upload(&ctx, &vec![0.0; ids.len() * h]);
         run(&ctx, |rec| embed(rec, &gw, &idb, ids.len(), &hb));
-        let want: Vec<f32> = ids
-            .iter()
-            .flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec())
-            .collect();
+        let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
         assert_eq!(read(&ctx, &hb, ids.len() * h), want, "embed {dtype:?} must be exact");
     }
     for n in [1, 63, 64, 1000] {
@@ -372,12 +290,6 @@ fn embed_and_swiglu_match_reference() {
         let (gb, ub) = (upload(&ctx, &g), upload(&ctx, &u));
         run(&ctx, |rec| swiglu(rec, &gb, &ub, n));
         let want: Vec<f32> = g.iter().zip(&u).map(|(g, u)| cpu::silu(*g) * u).collect();
-        assert_close(
-            &format!("swiglu {n}"),
-            &read(&ctx, &gb, n),
-            &want,
-            KERNEL_ATOL,
-            KERNEL_RTOL,
-        );
+        assert_close(&format!("swiglu {n}"), &read(&ctx, &gb, n), &want, KERNEL_ATOL, KERNEL_RTOL);
     }
 }

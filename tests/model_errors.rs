@@ -29,35 +29,17 @@ fn config_errors_are_typed() {
     let e = config_error(|c| c["model_type"] = "qwen3_5_moe_text".into());
     assert!(matches!(e, ModelError::Unsupported { .. }), "{e}");
     let e = config_error(|c| c["model_type"] = "llama".into());
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, .. } if field == "model_type"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "model_type"), "{e}");
     let e = config_error(|c| c["head_dim"] = 1024.into());
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, found, .. } if field == "head_dim" && found == "1024"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, found, .. } if field == "head_dim" && found == "1024"), "{e}");
     let e = config_error(|c| c["layer_types"] = serde_json::json!(["full_attention"]));
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, .. } if field == "layer_types"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "layer_types"), "{e}");
     let e = config_error(|c| c["num_key_value_heads"] = 2.into());
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, .. } if field == "num_key_value_heads"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "num_key_value_heads"), "{e}");
     let e = config_error(|c| c["hidden_act"] = "gelu".into());
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, .. } if field == "hidden_act"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "hidden_act"), "{e}");
     let e = TextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).expect_err("no text_config");
-    assert!(
-        matches!(&e, ModelError::BadConfig { field, .. } if field == "text_config"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "text_config"), "{e}");
     let e = TextConfig::from_json("{not json").expect_err("not json");
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
@@ -74,10 +56,8 @@ fn both_config_forms_give_the_same_dimensions() {
 }
 
 fn write_tensors(path: &Path, tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>) {
-    let views: HashMap<String, TensorView> = tensors
-        .iter()
-        .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view")))
-        .collect();
+    let views: HashMap<String, TensorView> =
+        tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
     safetensors::serialize_to_file(views, None, path).expect("write");
 }
 
@@ -90,11 +70,8 @@ fn damaged(
     let file = dir.join("model.safetensors");
     let bytes = std::fs::read(&file).expect("read");
     let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
-    let mut tensors: Vec<_> = st
-        .tensors()
-        .into_iter()
-        .map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec()))
-        .collect();
+    let mut tensors: Vec<_> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
     edit(&mut tensors);
     write_tensors(&file, tensors);
     dir
@@ -120,16 +97,10 @@ fn unreadable_and_malformed_files_are_typed_errors() {
     huge.extend_from_slice(b"{}");
     std::fs::write(&file, &huge).expect("write");
     let e = Checkpoint::open_dir(&dir).err().expect("huge header must fail");
-    assert!(
-        matches!(&e, ModelError::BadSafetensors { message, .. } if message.contains("exceeds")),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::BadSafetensors { message, .. } if message.contains("exceeds")), "{e}");
 
     std::fs::write(&file, b"\x05").expect("write");
-    assert!(matches!(
-        Checkpoint::open_dir(&dir),
-        Err(ModelError::BadSafetensors { .. })
-    ));
+    assert!(matches!(Checkpoint::open_dir(&dir), Err(ModelError::BadSafetensors { .. })));
 }
 
 #[test]
@@ -139,10 +110,7 @@ fn missing_wrong_shape_and_wrong_dtype_tensors_are_named() {
 
     let dir = damaged("missing", |t| t.retain(|(n, ..)| n != victim));
     let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
-    assert!(
-        matches!(&e, ModelError::MissingTensor { name, .. } if name == victim),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::MissingTensor { name, .. } if name == victim), "{e}");
 
     let dir = damaged("shape", |t| {
         let e = t.iter_mut().find(|(n, ..)| n == victim).expect("victim");
@@ -159,19 +127,11 @@ fn missing_wrong_shape_and_wrong_dtype_tensors_are_named() {
         e.1 = safetensors::Dtype::I32;
     });
     let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
-    assert!(
-        matches!(&e, ModelError::UnsupportedDtype { name, found } if name == victim && found == "I32"),
-        "{e}"
-    );
+    assert!(matches!(&e, ModelError::UnsupportedDtype { name, found } if name == victim && found == "I32"), "{e}");
 
     let dir = damaged("nohead", |t| t.retain(|(n, ..)| n != "lm_head.weight"));
-    let e = Model::load(ctx.clone(), &dir)
-        .err()
-        .expect("untied model without lm_head must fail");
-    assert!(
-        matches!(&e, ModelError::MissingTensor { name, .. } if name == "lm_head.weight"),
-        "{e}"
-    );
+    let e = Model::load(ctx.clone(), &dir).err().expect("untied model without lm_head must fail");
+    assert!(matches!(&e, ModelError::MissingTensor { name, .. } if name == "lm_head.weight"), "{e}");
 }
 
 #[test]
@@ -179,12 +139,7 @@ fn vision_and_mtp_tensors_are_ignored() {
     let Some(ctx) = gpu() else { return };
     let dir = damaged("extras", |t| {
         t.push(("mtp.fc.weight".into(), safetensors::Dtype::I8, vec![3], vec![1, 2, 3]));
-        t.push((
-            "model.visual.blocks.0.attn.qkv.weight".into(),
-            safetensors::Dtype::F32,
-            vec![1],
-            vec![0; 4],
-        ));
+        t.push(("model.visual.blocks.0.attn.qkv.weight".into(), safetensors::Dtype::F32, vec![1], vec![0; 4]));
     });
     Model::load(ctx, &dir).expect("extra mtp.* and model.visual.* tensors are not read");
 }

@@ -13,20 +13,11 @@ const PROMPTS: usize = 2;
 
 fn load(name: &str, opts: &LoadOptions) -> Option<Arc<Model>> {
     let ctx = gpu()?;
-    Some(Arc::new(
-        Model::load_with(ctx, &fixture_model(name), opts).unwrap_or_else(|e| panic!("{name}: {e}")),
-    ))
+    Some(Arc::new(Model::load_with(ctx, &fixture_model(name), opts).unwrap_or_else(|e| panic!("{name}: {e}"))))
 }
 
 fn session(model: &Arc<Model>) -> Session {
-    Session::new(
-        model.clone(),
-        SessionOptions {
-            max_context: 64,
-            max_batch: 16,
-        },
-    )
-    .expect("session")
+    Session::new(model.clone(), SessionOptions { max_context: 64, max_batch: 16 }).expect("session")
 }
 
 fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) -> Result<(), String> {
@@ -46,11 +37,7 @@ fn first_diverging_layer(ours: &[f32], want: &[f32], layers: usize) -> String {
     for l in 0..=layers {
         let (rel, max) = rel_and_max(&ours[l * per..(l + 1) * per], &want[l * per..(l + 1) * per]);
         if rel > HIDDEN_REL {
-            let name = if l == 0 {
-                "embeddings".to_string()
-            } else {
-                format!("output of layer {}", l - 1)
-            };
+            let name = if l == 0 { "embeddings".to_string() } else { format!("output of layer {}", l - 1) };
             return format!("first divergence: {name} (rel {rel:.3e}, max abs {max:.3e})");
         }
     }
@@ -72,10 +59,7 @@ fn prefill_logits_match_transformers() {
             let (logits, hidden) = session(&model).feed_debug(&ids).expect("forward");
             assert_eq!(logits.rows, ids.len());
             if let Err(msg) = check_logits(&format!("{name} prompt{p}"), &logits.data, &want, vocab) {
-                panic!(
-                    "{msg}; {}",
-                    first_diverging_layer(&hidden, &want_hidden, model.config.num_layers())
-                );
+                panic!("{msg}; {}", first_diverging_layer(&hidden, &want_hidden, model.config.num_layers()));
             }
         }
     }
@@ -91,11 +75,7 @@ fn greedy_continuations_match_transformers() {
         for p in 0..PROMPTS {
             let ids = r.ids(&format!("prompt{p}.ids"));
             let want = r.ids(&format!("prompt{p}.generated"));
-            let params = GenerateParams {
-                max_tokens: want.len(),
-                stop_at_eos: false,
-                ..Default::default()
-            };
+            let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
             let mut streamed = Vec::new();
             let got = session(&model)
                 .generate(&ids, &params, |t| {
@@ -128,10 +108,7 @@ fn decode_after_prefill_matches_full_prefill() {
         }
         for (pos, (o, w)) in ours.chunks(vocab).zip(full.data.chunks(vocab)).enumerate() {
             let (rel, _) = rel_and_max(o, w);
-            assert!(
-                rel <= PATHS_REL,
-                "{name} position {pos}: decode vs prefill rel {rel:.3e}"
-            );
+            assert!(rel <= PATHS_REL, "{name} position {pos}: decode vs prefill rel {rel:.3e}");
         }
     }
 }
@@ -144,14 +121,7 @@ fn chunked_prefill_matches_one_batch() {
     };
     let ids = Reference::load(name).ids("prompt1.ids");
     let one = session(&model).feed_all(&ids).expect("one batch");
-    let mut small = Session::new(
-        model.clone(),
-        SessionOptions {
-            max_context: 64,
-            max_batch: 4,
-        },
-    )
-    .expect("session");
+    let mut small = Session::new(model.clone(), SessionOptions { max_context: 64, max_batch: 4 }).expect("session");
     let chunked = small.feed_all(&ids).expect("chunked");
     let (rel, _) = rel_and_max(&chunked.data, &one.data);
     assert!(rel <= PATHS_REL, "chunked prefill rel {rel:.3e}");

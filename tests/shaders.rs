@@ -6,9 +6,11 @@ use naga::valid::{Capabilities, ValidationFlags, Validator};
 use qwen35_wgpu::kernels::{Kernel, PipelineKey, Shader};
 use qwen35_wgpu::model::Dtype;
 
-const KERNELS: [Kernel; 11] = [
+const KERNELS: [Kernel; 13] = [
     Kernel::Matmul,
     Kernel::Matvec,
+    Kernel::MatmulLora,
+    Kernel::MatvecLora,
     Kernel::RmsNorm,
     Kernel::RmsNormGated,
     Kernel::PrepQ,
@@ -32,32 +34,18 @@ fn parse(shader: Shader) -> (naga::Module, naga::valid::ModuleInfo) {
 
 fn resource_map(module: &naga::Module, entry: &str) -> msl::EntryPointResourceMap {
     let mut resources = msl::BindingMap::new();
-    let mut slots = [0u8; 2];
+    let mut slots = [0u8; 3];
     for (_, var) in module.global_variables.iter() {
         let Some(binding) = var.binding else { continue };
         let mutable =
             matches!(var.space, naga::AddressSpace::Storage { access } if access.contains(naga::StorageAccess::STORE));
-        let slot = &mut slots[binding.group as usize % 2];
+        let slot = &mut slots[binding.group as usize % 3];
         let buffer = (binding.group as u8) * 16 + *slot;
         *slot += 1;
-        resources.insert(
-            binding,
-            msl::BindTarget {
-                buffer: Some(buffer),
-                mutable,
-                ..Default::default()
-            },
-        );
+        resources.insert(binding, msl::BindTarget { buffer: Some(buffer), mutable, ..Default::default() });
     }
     let mut map = msl::EntryPointResourceMap::new();
-    map.insert(
-        entry.to_string(),
-        msl::EntryPointResources {
-            resources,
-            sizes_buffer: Some(30),
-            ..Default::default()
-        },
-    );
+    map.insert(entry.to_string(), msl::EntryPointResources { resources, sizes_buffer: Some(30), ..Default::default() });
     map
 }
 
@@ -66,15 +54,8 @@ fn keys() -> Vec<PipelineKey> {
     for kernel in KERNELS {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for accumulate in [false, true] {
-                let key = PipelineKey {
-                    kernel,
-                    dtype,
-                    accumulate,
-                };
-                if !keys
-                    .iter()
-                    .any(|k: &PipelineKey| k.constants() == key.constants() && k.kernel == kernel)
-                {
+                let key = PipelineKey { kernel, dtype, accumulate };
+                if !keys.iter().any(|k: &PipelineKey| k.constants() == key.constants() && k.kernel == kernel) {
                     keys.push(key);
                 }
             }
@@ -93,11 +74,7 @@ fn every_shader_parses_and_validates() {
 #[test]
 fn every_kernel_is_listed_once() {
     let covered: std::collections::HashSet<Shader> = KERNELS.iter().map(|k| k.shader()).collect();
-    assert_eq!(
-        covered.len(),
-        Shader::ALL.len(),
-        "a shader file has no kernel in the test list"
-    );
+    assert_eq!(covered.len(), Shader::ALL.len(), "a shader file has no kernel in the test list");
 }
 
 #[test]
@@ -139,10 +116,7 @@ fn every_pipeline_variant_translates_to_msl_and_spirv() {
                 .unwrap_or_else(|e| panic!("{key:?}: MSL {lang_version:?}: {e:?}"));
             assert!(text.contains("kernel void"), "{key:?}: no kernel in MSL");
         }
-        let spv_options = naga::back::spv::Options {
-            lang_version: (1, 3),
-            ..Default::default()
-        };
+        let spv_options = naga::back::spv::Options { lang_version: (1, 3), ..Default::default() };
         let spv_pipeline = naga::back::spv::PipelineOptions {
             shader_stage: naga::ShaderStage::Compute,
             entry_point: entry.to_string(),
@@ -158,9 +132,7 @@ fn a_broken_shader_is_rejected() {
     let bad = "@compute @workgroup_size(64) fn main() { let x: f32 = 1u; }";
     let rejected = match naga::front::wgsl::parse_str(bad) {
         Err(_) => true,
-        Ok(m) => Validator::new(ValidationFlags::all(), Capabilities::empty())
-            .validate(&m)
-            .is_err(),
+        Ok(m) => Validator::new(ValidationFlags::all(), Capabilities::empty()).validate(&m).is_err(),
     };
     assert!(rejected);
 }

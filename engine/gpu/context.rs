@@ -89,12 +89,7 @@ impl GpuContext {
             })
             .await
             .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
-        log::info!(
-            "GPU adapter: {} ({:?}, {:?})",
-            info.name,
-            info.backend,
-            info.device_type
-        );
+        log::info!("GPU adapter: {} ({:?}, {:?})", info.name, info.backend, info.device_type);
         let weights_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("weights"),
             entries: &[storage_entry(0, true)],
@@ -118,12 +113,11 @@ impl GpuContext {
 
     /// The largest storage binding, in bytes.
     pub fn max_binding(&self) -> u64 {
-        self.limits
-            .max_storage_buffer_binding_size
-            .min(self.limits.max_buffer_size)
+        self.limits.max_storage_buffer_binding_size.min(self.limits.max_buffer_size)
     }
 
-    /// Layout of group 1: one read-only storage buffer (a weight chunk or parameter vector).
+    /// Layout of group 1 (one read-only storage buffer: a weight chunk or parameter vector),
+    /// shared by group 2 (the adapter slot: LoRA B of one projection).
     pub fn weights_layout(&self) -> &wgpu::BindGroupLayout {
         &self.weights_layout
     }
@@ -146,10 +140,8 @@ impl GpuContext {
                 for (i, access) in spec.iter().enumerate() {
                     entries.push(storage_entry(i as u32 + 1, *access == Access::Read));
                 }
-                self.device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
-                    label: Some("io"),
-                    entries: &entries,
-                })
+                self.device
+                    .create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor { label: Some("io"), entries: &entries })
             })
             .clone()
     }
@@ -159,10 +151,7 @@ impl GpuContext {
         self.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(label),
             layout: &self.weights_layout,
-            entries: &[wgpu::BindGroupEntry {
-                binding: 0,
-                resource: buffer.as_entire_binding(),
-            }],
+            entries: &[wgpu::BindGroupEntry { binding: 0, resource: buffer.as_entire_binding() }],
         })
     }
 
@@ -174,11 +163,13 @@ impl GpuContext {
         let kernel = key.kernel;
         let module = self.module(kernel.shader())?;
         let io = self.io_layout(kernel.io());
-        let layouts: Vec<Option<&wgpu::BindGroupLayout>> = if kernel.has_weights() {
-            vec![Some(&io), Some(&self.weights_layout)]
-        } else {
-            vec![Some(&io)]
-        };
+        let mut layouts: Vec<Option<&wgpu::BindGroupLayout>> = vec![Some(&io)];
+        if kernel.has_weights() {
+            layouts.push(Some(&self.weights_layout));
+        }
+        if kernel.has_lora() {
+            layouts.push(Some(&self.weights_layout));
+        }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::Validation);
         let layout = self.device.create_pipeline_layout(&wgpu::PipelineLayoutDescriptor {
             label: Some(kernel.entry()),
@@ -203,10 +194,7 @@ impl GpuContext {
                 message: err.to_string(),
             });
         }
-        self.pipelines
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(key, pipeline.clone());
+        self.pipelines.lock().unwrap_or_else(|e| e.into_inner()).insert(key, pipeline.clone());
         Ok(pipeline)
     }
 
@@ -233,17 +221,9 @@ impl GpuContext {
     /// Create a storage buffer, checking the size against the device limits first.
     pub fn storage_buffer(&self, label: &str, size: u64, binding: bool) -> Result<wgpu::Buffer, GpuError> {
         let size = size.max(4).next_multiple_of(4);
-        let limit = if binding {
-            self.max_binding()
-        } else {
-            self.limits.max_buffer_size
-        };
+        let limit = if binding { self.max_binding() } else { self.limits.max_buffer_size };
         if size > limit {
-            return Err(GpuError::BufferTooLarge {
-                name: label.to_string(),
-                needed: size,
-                limit,
-            });
+            return Err(GpuError::BufferTooLarge { name: label.to_string(), needed: size, limit });
         }
         let scope = self.device.push_error_scope(wgpu::ErrorFilter::OutOfMemory);
         let buffer = self.device.create_buffer(&wgpu::BufferDescriptor {

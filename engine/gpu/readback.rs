@@ -15,9 +15,7 @@ pub fn read_f32(ctx: &GpuContext, buffer: &wgpu::Buffer, offset: usize, len: usi
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
-    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor {
-        label: Some("readback"),
-    });
+    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
     encoder.copy_buffer_to_buffer(buffer, (offset * 4) as u64, &staging, 0, size);
     ctx.queue.submit([encoder.finish()]);
     let slice = staging.slice(..);
@@ -25,15 +23,9 @@ pub fn read_f32(ctx: &GpuContext, buffer: &wgpu::Buffer, offset: usize, len: usi
     slice.map_async(wgpu::MapMode::Read, move |r| {
         let _ = tx.send(r);
     });
-    ctx.device
-        .poll(wgpu::PollType::wait_indefinitely())
-        .map_err(|e| GpuError::Readback(e.to_string()))?;
-    rx.recv()
-        .map_err(|e| GpuError::Readback(e.to_string()))?
-        .map_err(|e| GpuError::Readback(e.to_string()))?;
-    let data = slice
-        .get_mapped_range()
-        .map_err(|e| GpuError::Readback(format!("{e:?}")))?;
+    ctx.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Readback(e.to_string()))?;
+    rx.recv().map_err(|e| GpuError::Readback(e.to_string()))?.map_err(|e| GpuError::Readback(e.to_string()))?;
+    let data = slice.get_mapped_range().map_err(|e| GpuError::Readback(format!("{e:?}")))?;
     let out: Vec<f32> = bytemuck::pod_collect_to_vec(&data[..]);
     drop(data);
     staging.unmap();

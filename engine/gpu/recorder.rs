@@ -14,7 +14,7 @@ enum Op {
         pipeline: wgpu::ComputePipeline,
         io: wgpu::BindGroup,
         offset: u32,
-        weights: Option<wgpu::BindGroup>,
+        bound: Vec<wgpu::BindGroup>,
         groups: [u32; 3],
     },
     Copy {
@@ -36,10 +36,7 @@ pub struct IoBindCache {
 impl IoBindCache {
     /// A cache whose bind groups use `params` as the uniform arena.
     pub fn new(params: wgpu::Buffer) -> Self {
-        Self {
-            params,
-            groups: HashMap::new(),
-        }
+        Self { params, groups: HashMap::new() }
     }
 
     /// The uniform arena.
@@ -62,10 +59,7 @@ impl IoBindCache {
             }),
         }];
         for (i, b) in buffers.iter().enumerate() {
-            entries.push(wgpu::BindGroupEntry {
-                binding: i as u32 + 1,
-                resource: b.as_entire_binding(),
-            });
+            entries.push(wgpu::BindGroupEntry { binding: i as u32 + 1, resource: b.as_entire_binding() });
         }
         let group = ctx.device.create_bind_group(&wgpu::BindGroupDescriptor {
             label: Some(kernel.entry()),
@@ -88,12 +82,7 @@ pub struct Recorder<'a> {
 impl<'a> Recorder<'a> {
     /// Start recording a step.
     pub fn new(ctx: &'a GpuContext, cache: &'a mut IoBindCache) -> Self {
-        Self {
-            ctx,
-            cache,
-            params: Vec::new(),
-            ops: Vec::new(),
-        }
+        Self { ctx, cache, params: Vec::new(), ops: Vec::new() }
     }
 
     /// The context.
@@ -102,13 +91,13 @@ impl<'a> Recorder<'a> {
     }
 
     /// Record a dispatch of `key` with uniform `params`, group-0 storage `buffers` (in binding
-    /// order) and optional group-1 `weights`.
+    /// order) and the bind groups of groups 1.. (weights, then the adapter slot).
     pub fn dispatch<P: bytemuck::Pod>(
         &mut self,
         key: PipelineKey,
         params: &P,
         buffers: &[&wgpu::Buffer],
-        weights: Option<&wgpu::BindGroup>,
+        bound: &[&wgpu::BindGroup],
         groups: [u32; 3],
     ) -> Result<(), GpuError> {
         debug_assert_eq!(buffers.len(), key.kernel.io().len());
@@ -128,25 +117,14 @@ impl<'a> Recorder<'a> {
         self.params.extend_from_slice(bytemuck::bytes_of(params));
         self.params.resize(offset as usize + PARAMS_SLOT as usize, 0);
         let io = self.cache.get(self.ctx, key.kernel, buffers);
-        self.ops.push(Op::Dispatch {
-            pipeline,
-            io,
-            offset,
-            weights: weights.cloned(),
-            groups,
-        });
+        let bound = bound.iter().map(|g| (*g).clone()).collect();
+        self.ops.push(Op::Dispatch { pipeline, io, offset, bound, groups });
         Ok(())
     }
 
     /// Record a buffer copy (outside any compute pass).
     pub fn copy(&mut self, src: &wgpu::Buffer, src_offset: u64, dst: &wgpu::Buffer, dst_offset: u64, size: u64) {
-        self.ops.push(Op::Copy {
-            src: src.clone(),
-            src_offset,
-            dst: dst.clone(),
-            dst_offset,
-            size,
-        });
+        self.ops.push(Op::Copy { src: src.clone(), src_offset, dst: dst.clone(), dst_offset, size });
     }
 
     /// Write the uniform arena and submit everything as one command buffer.
@@ -163,20 +141,12 @@ impl<'a> Recorder<'a> {
         if !self.params.is_empty() {
             self.ctx.queue.write_buffer(arena, 0, &self.params);
         }
-        let mut encoder = self
-            .ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
+        let mut encoder =
+            self.ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         let mut i = 0;
         while i < self.ops.len() {
             match &self.ops[i] {
-                Op::Copy {
-                    src,
-                    src_offset,
-                    dst,
-                    dst_offset,
-                    size,
-                } => {
+                Op::Copy { src, src_offset, dst, dst_offset, size } => {
                     encoder.copy_buffer_to_buffer(src, *src_offset, dst, *dst_offset, *size);
                     i += 1;
                 }
@@ -185,18 +155,11 @@ impl<'a> Recorder<'a> {
                         label: Some("step"),
                         timestamp_writes: None,
                     });
-                    while let Some(Op::Dispatch {
-                        pipeline,
-                        io,
-                        offset,
-                        weights,
-                        groups,
-                    }) = self.ops.get(i)
-                    {
+                    while let Some(Op::Dispatch { pipeline, io, offset, bound, groups }) = self.ops.get(i) {
                         pass.set_pipeline(pipeline);
                         pass.set_bind_group(0, io, &[*offset]);
-                        if let Some(w) = weights {
-                            pass.set_bind_group(1, w, &[]);
+                        for (g, group) in bound.iter().enumerate() {
+                            pass.set_bind_group(g as u32 + 1, group, &[]);
                         }
                         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
                         i += 1;
@@ -206,10 +169,7 @@ impl<'a> Recorder<'a> {
         }
         self.ctx.queue.submit([encoder.finish()]);
         match pollster::block_on(scope.pop()) {
-            Some(err) => Err(GpuError::Validation {
-                during: "a step".into(),
-                message: err.to_string(),
-            }),
+            Some(err) => Err(GpuError::Validation { during: "a step".into(), message: err.to_string() }),
             None => Ok(()),
         }
     }

@@ -45,11 +45,7 @@ impl GpuWeight {
         let limit = max_chunk_bytes.min(ctx.max_binding());
         let rows_per_chunk = (limit / row_bytes.max(1)).max(1) as usize;
         if row_bytes > limit {
-            return Err(GpuError::BufferTooLarge {
-                name: name.to_string(),
-                needed: row_bytes,
-                limit,
-            });
+            return Err(GpuError::BufferTooLarge { name: name.to_string(), needed: row_bytes, limit });
         }
         let mut chunks = Vec::new();
         let mut row_start = 0;
@@ -60,20 +56,10 @@ impl GpuWeight {
             let label = format!("{name}[{row_start}..{}]", row_start + n);
             let buffer = ctx.upload(&label, &bytes[begin..end])?;
             let bind_group = ctx.weights_bind_group(&buffer, &label);
-            chunks.push(WeightChunk {
-                row_start,
-                rows: n,
-                buffer,
-                bind_group,
-            });
+            chunks.push(WeightChunk { row_start, rows: n, buffer, bind_group });
             row_start += n;
         }
-        Ok(Self {
-            dtype,
-            rows,
-            cols,
-            chunks,
-        })
+        Ok(Self { dtype, rows, cols, chunks })
     }
 
     /// Bytes held on the GPU.

@@ -66,21 +66,21 @@ pub fn attention(
         PipelineKey::plain(Kernel::PrepQ),
         params,
         &[io.qg, io.rope, io.q],
-        Some(&q_norm.bind_group),
+        &[&q_norm.bind_group],
         [t, params.hq, 1],
     )?;
     rec.dispatch(
         PipelineKey::plain(Kernel::PrepKv),
         params,
         &[io.kraw, io.rope, io.k_cache, io.vraw, io.v_cache],
-        Some(&k_norm.bind_group),
+        &[&k_norm.bind_group],
         [t, params.hkv, 1],
     )?;
     rec.dispatch(
         PipelineKey::plain(Kernel::Attend),
         params,
         &[io.q, io.qg, io.k_cache, io.v_cache, io.out],
-        None,
+        &[],
         [t, params.hq, 1],
     )
 }

@@ -59,14 +59,14 @@ pub fn gated_delta(
         PipelineKey::plain(Kernel::ConvSilu),
         params,
         &[io.mixed, io.conv_out, io.conv_state],
-        Some(&conv_w.bind_group),
+        &[&conv_w.bind_group],
         [params.c.div_ceil(64), 1, 1],
     )?;
     rec.dispatch(
         PipelineKey::plain(Kernel::DeltaRule),
         params,
         &[io.conv_out, io.b, io.a, io.core, io.state],
-        Some(&gate_p.bind_group),
+        &[&gate_p.bind_group],
         [params.dv.div_ceil(64), params.hv, 1],
     )
 }

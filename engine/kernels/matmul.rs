@@ -22,8 +22,32 @@ pub struct MatmulParams {
     pub y_offset: u32,
     /// Row stride of y.
     pub y_stride: u32,
-    /// Padding.
-    pub _pad: u32,
+    /// LoRA rank r (0 without an adapter).
+    pub lora_rank: u32,
+    /// First column of this projection's rank in t.
+    pub lora_t_offset: u32,
+    /// Row stride of t (the input group's total rank).
+    pub lora_t_stride: u32,
+    /// Row of B where this weight chunk starts.
+    pub lora_row_offset: u32,
+    /// The adapter's effective scale (user scale × alpha / r).
+    pub lora_scale: f32,
+}
+
+/// The LoRA expand fused into a linear layer: `y += scale · t[:, offset..offset+r] · Bᵀ`.
+pub struct LoraExpand<'a> {
+    /// Shrink output `[m, t_stride]` (`t = x · Aᵀ` for the whole input group).
+    pub t: &'a wgpu::Buffer,
+    /// First column of this projection's rank in t.
+    pub t_offset: usize,
+    /// Row stride of t.
+    pub t_stride: usize,
+    /// Rank r.
+    pub rank: usize,
+    /// Effective scale.
+    pub scale: f32,
+    /// Group-2 bind group over B `[out, r]` (f32).
+    pub b: &'a wgpu::BindGroup,
 }
 
 /// Where a linear layer reads and writes.
@@ -44,14 +68,16 @@ pub struct LinearIo<'a> {
     pub accumulate: bool,
 }
 
-/// Record `y (+)= x Wᵀ`, one dispatch per weight chunk.
-pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo) -> Result<(), GpuError> {
-    let kernel = if io.m == 1 { Kernel::Matvec } else { Kernel::Matmul };
-    let key = PipelineKey {
-        kernel,
-        dtype: w.dtype,
-        accumulate: io.accumulate,
+/// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
+/// pipelines run (no LoRA code at all).
+pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
+    let kernel = match (io.m == 1, lora.is_some()) {
+        (true, false) => Kernel::Matvec,
+        (false, false) => Kernel::Matmul,
+        (true, true) => Kernel::MatvecLora,
+        (false, true) => Kernel::MatmulLora,
     };
+    let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     for chunk in &w.chunks {
         let params = MatmulParams {
@@ -62,14 +88,21 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo) -> Result<(), Gp
             x_stride: w.cols as u32,
             y_offset: (io.y_offset + chunk.row_start) as u32,
             y_stride: io.y_stride as u32,
-            _pad: 0,
+            lora_rank: lora.map_or(0, |l| l.rank as u32),
+            lora_t_offset: lora.map_or(0, |l| l.t_offset as u32),
+            lora_t_stride: lora.map_or(0, |l| l.t_stride as u32),
+            lora_row_offset: chunk.row_start as u32,
+            lora_scale: lora.map_or(0.0, |l| l.scale),
         };
         let groups = if io.m == 1 {
             grid_1d((chunk.rows as u32).div_ceil(4), max)
         } else {
             [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1]
         };
-        rec.dispatch(key, &params, &[io.x, io.y], Some(&chunk.bind_group), groups)?;
+        match lora {
+            None => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
+            Some(l) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
+        }
     }
     Ok(())
 }

@@ -26,11 +26,7 @@ pub fn embed(
     tokens: usize,
     hidden: &wgpu::Buffer,
 ) -> Result<(), GpuError> {
-    let key = PipelineKey {
-        kernel: Kernel::Embed,
-        dtype: table.dtype,
-        accumulate: false,
-    };
+    let key = PipelineKey { kernel: Kernel::Embed, dtype: table.dtype, accumulate: false };
     for chunk in &table.chunks {
         let params = EmbedParams {
             n: table.cols as u32,
@@ -39,18 +35,15 @@ pub fn embed(
             row_count: chunk.rows as u32,
         };
         let groups = [(table.cols as u32).div_ceil(64), tokens as u32, 1];
-        rec.dispatch(key, &params, &[ids, hidden], Some(&chunk.bind_group), groups)?;
+        rec.dispatch(key, &params, &[ids, hidden], &[&chunk.bind_group], groups)?;
     }
     Ok(())
 }
 
 /// Record `g = silu(g) · u` over `n` elements.
 pub fn swiglu(rec: &mut Recorder, g: &wgpu::Buffer, u: &wgpu::Buffer, n: usize) -> Result<(), GpuError> {
-    let params = EmbedParams {
-        n: n as u32,
-        ..Default::default()
-    };
+    let params = EmbedParams { n: n as u32, ..Default::default() };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     let groups = grid_1d((n as u32).div_ceil(64), max);
-    rec.dispatch(PipelineKey::plain(Kernel::Swiglu), &params, &[u, g], None, groups)
+    rec.dispatch(PipelineKey::plain(Kernel::Swiglu), &params, &[u, g], &[], groups)
 }

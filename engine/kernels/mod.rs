@@ -82,6 +82,10 @@ pub enum Kernel {
     Matmul,
     /// Matrix-vector product (one token).
     Matvec,
+    /// `Matmul` with the LoRA expand fused in.
+    MatmulLora,
+    /// `Matvec` with the LoRA expand fused in.
+    MatvecLora,
     /// RMSNorm with `(1 + w)`.
     RmsNorm,
     /// Gated RMSNorm of the GDN output, in place.
@@ -106,7 +110,7 @@ impl Kernel {
     /// The shader file holding the entry point.
     pub fn shader(self) -> Shader {
         match self {
-            Kernel::Matmul | Kernel::Matvec => Shader::Matmul,
+            Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora => Shader::Matmul,
             Kernel::RmsNorm | Kernel::RmsNormGated => Shader::Norm,
             Kernel::PrepQ | Kernel::PrepKv => Shader::AttentionPrep,
             Kernel::Attend => Shader::Attention,
@@ -122,6 +126,8 @@ impl Kernel {
         match self {
             Kernel::Matmul => "matmul",
             Kernel::Matvec => "matvec",
+            Kernel::MatmulLora => "matmul_lora",
+            Kernel::MatvecLora => "matvec_lora",
             Kernel::RmsNorm => "rms_norm",
             Kernel::RmsNormGated => "rms_norm_gated",
             Kernel::PrepQ => "prep_q",
@@ -139,6 +145,7 @@ impl Kernel {
         match self {
             Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
             Kernel::Embed | Kernel::Swiglu => &[R, W],
+            Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],
             Kernel::Attend => &[R, R, R, R, W],
@@ -152,8 +159,17 @@ impl Kernel {
         !matches!(self, Kernel::Attend | Kernel::Swiglu)
     }
 
+    /// Whether the kernel binds a group-2 adapter slot (LoRA B).
+    pub fn has_lora(self) -> bool {
+        matches!(self, Kernel::MatmulLora | Kernel::MatvecLora)
+    }
+
+    fn is_matmul(self) -> bool {
+        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora)
+    }
+
     fn has_dtype(self) -> bool {
-        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::Embed)
+        self.is_matmul() || self == Kernel::Embed
     }
 }
 
@@ -171,11 +187,7 @@ pub struct PipelineKey {
 impl PipelineKey {
     /// A kernel without overrides.
     pub fn plain(kernel: Kernel) -> Self {
-        Self {
-            kernel,
-            dtype: Dtype::F32,
-            accumulate: false,
-        }
+        Self { kernel, dtype: Dtype::F32, accumulate: false }
     }
 
     /// The override constants this key sets.
@@ -184,7 +196,7 @@ impl PipelineKey {
         if self.kernel.has_dtype() {
             c.push(("W_DTYPE", self.dtype.shader_code() as f64));
         }
-        if matches!(self.kernel, Kernel::Matmul | Kernel::Matvec) {
+        if self.kernel.is_matmul() {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
         c

@@ -67,11 +67,5 @@ fn record(rec: &mut Recorder, kernel: Kernel, w: &GpuVector, io: &NormIo) -> Res
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     let groups = grid_1d(io.rows as u32, max);
-    rec.dispatch(
-        PipelineKey::plain(kernel),
-        &params,
-        &[io.x, io.y],
-        Some(&w.bind_group),
-        groups,
-    )
+    rec.dispatch(PipelineKey::plain(kernel), &params, &[io.x, io.y], &[&w.bind_group], groups)
 }

@@ -36,6 +36,7 @@ impl TensorEntry {
 pub struct Checkpoint {
     files: Vec<(PathBuf, u64)>,
     tensors: HashMap<String, TensorEntry>,
+    metadata: HashMap<String, String>,
 }
 
 impl Checkpoint {
@@ -45,17 +46,12 @@ impl Checkpoint {
         let index = dir.join("model.safetensors.index.json");
         let files: Vec<PathBuf> = if index.is_file() {
             let text = read_text(&index)?;
-            let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::BadJson {
+            let json: serde_json::Value = serde_json::from_str(&text)
+                .map_err(|e| ModelError::BadJson { file: index.display().to_string(), message: e.to_string() })?;
+            let map = json.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| ModelError::BadJson {
                 file: index.display().to_string(),
-                message: e.to_string(),
+                message: "no \"weight_map\" object".into(),
             })?;
-            let map = json
-                .get("weight_map")
-                .and_then(|m| m.as_object())
-                .ok_or_else(|| ModelError::BadJson {
-                    file: index.display().to_string(),
-                    message: "no \"weight_map\" object".into(),
-                })?;
             let mut names: Vec<String> = map.values().filter_map(|v| v.as_str().map(String::from)).collect();
             names.sort();
             names.dedup();
@@ -80,14 +76,19 @@ impl Checkpoint {
     pub fn open_files(paths: &[PathBuf]) -> Result<Self, ModelError> {
         let mut files = Vec::new();
         let mut tensors = HashMap::new();
+        let mut metadata = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
-            let (data_start, entries) = read_header(path, i)?;
-            files.push((path.clone(), data_start));
-            for (name, entry) in entries {
-                tensors.insert(name, entry);
-            }
+            let header = read_header(path, i)?;
+            files.push((path.clone(), header.data_start));
+            tensors.extend(header.entries);
+            metadata.extend(header.metadata);
         }
-        Ok(Self { files, tensors })
+        Ok(Self { files, tensors, metadata })
+    }
+
+    /// The `__metadata__` string map of the header(s).
+    pub fn metadata(&self) -> &HashMap<String, String> {
+        &self.metadata
     }
 
     /// The entry for `name`, if present.
@@ -103,10 +104,7 @@ impl Checkpoint {
     /// Read a tensor's raw little-endian bytes.
     pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
         let (path, data_start) = &self.files[entry.file];
-        let io = |source| ModelError::Io {
-            path: path.clone(),
-            source,
-        };
+        let io = |source| ModelError::Io { path: path.clone(), source };
         let mut f = File::open(path).map_err(io)?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
         let mut buf = vec![0u8; (entry.end - entry.begin) as usize];
@@ -117,19 +115,16 @@ impl Checkpoint {
     /// Read a tensor as f32 after checking its shape (small parameter vectors).
     pub fn read_f32(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         let entry = self.checked(name, shape)?;
-        let dtype = Dtype::from_safetensors(&entry.dtype).ok_or_else(|| ModelError::UnsupportedDtype {
-            name: name.to_string(),
-            found: entry.dtype.clone(),
-        })?;
+        let dtype = Dtype::from_safetensors(&entry.dtype)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: name.to_string(), found: entry.dtype.clone() })?;
         Ok(dtype.to_f32(&self.read(entry)?))
     }
 
     /// The entry for `name` after checking it exists with `shape`.
     pub fn checked(&self, name: &str, shape: &[usize]) -> Result<&TensorEntry, ModelError> {
-        let entry = self.get(name).ok_or_else(|| ModelError::MissingTensor {
-            name: name.to_string(),
-            candidates: vec![name.to_string()],
-        })?;
+        let entry = self
+            .get(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.to_string(), candidates: vec![name.to_string()] })?;
         if entry.shape != shape {
             return Err(ModelError::ShapeMismatch {
                 name: name.to_string(),
@@ -142,10 +137,7 @@ impl Checkpoint {
 }
 
 fn read_text(path: &Path) -> Result<String, ModelError> {
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    })
+    std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })
 }
 
 fn dtype_size(dtype: &str) -> Option<u64> {
@@ -158,52 +150,46 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
-fn read_header(path: &Path, file: usize) -> Result<(u64, Vec<(String, TensorEntry)>), ModelError> {
-    let io = |source| ModelError::Io {
-        path: path.to_path_buf(),
-        source,
-    };
-    let bad = |message: String| ModelError::BadSafetensors {
-        path: path.to_path_buf(),
-        message,
-    };
+struct Header {
+    data_start: u64,
+    entries: Vec<(String, TensorEntry)>,
+    metadata: HashMap<String, String>,
+}
+
+fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
+    let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+    let bad = |message: String| ModelError::BadSafetensors { path: path.to_path_buf(), message };
     let mut f = File::open(path).map_err(io)?;
     let file_len = f.metadata().map_err(io)?.len();
     let mut n = [0u8; 8];
-    f.read_exact(&mut n).map_err(|_| {
-        bad(format!(
-            "file of {file_len} bytes is shorter than the 8-byte header length"
-        ))
-    })?;
+    f.read_exact(&mut n)
+        .map_err(|_| bad(format!("file of {file_len} bytes is shorter than the 8-byte header length")))?;
     let header_len = u64::from_le_bytes(n);
     if header_len > MAX_HEADER_BYTES {
-        return Err(bad(format!(
-            "header of {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte bound"
-        )));
+        return Err(bad(format!("header of {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte bound")));
     }
     if header_len + 8 > file_len {
-        return Err(bad(format!(
-            "header of {header_len} bytes runs past the end of a {file_len}-byte file"
-        )));
+        return Err(bad(format!("header of {header_len} bytes runs past the end of a {file_len}-byte file")));
     }
     let mut header = vec![0u8; header_len as usize];
     f.read_exact(&mut header).map_err(io)?;
     let json: serde_json::Value =
         serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = json
-        .as_object()
-        .ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let obj = json.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
     let mut out = Vec::new();
+    let mut metadata = HashMap::new();
     for (name, v) in obj {
         if name == "__metadata__" {
+            let map = v.as_object().ok_or_else(|| bad("__metadata__ is not an object".into()))?;
+            for (k, v) in map {
+                let v = v.as_str().ok_or_else(|| bad(format!("__metadata__.{k} is not a string")))?;
+                metadata.insert(k.clone(), v.to_string());
+            }
             continue;
         }
-        let dtype = v
-            .get("dtype")
-            .and_then(|d| d.as_str())
-            .ok_or_else(|| bad(format!("{name}: no dtype")))?;
+        let dtype = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("{name}: no dtype")))?;
         let shape: Vec<usize> = v
             .get("shape")
             .and_then(|s| s.as_array())
@@ -220,9 +206,7 @@ fn read_header(path: &Path, file: usize) -> Result<(u64, Vec<(String, TensorEntr
             .ok_or_else(|| bad(format!("{name}: data_offsets is not [begin, end]")))?;
         let (begin, end) = offs;
         if begin > end || end > data_len {
-            return Err(bad(format!(
-                "{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section"
-            )));
+            return Err(bad(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section")));
         }
         // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
         // error if the tensor is read.
@@ -235,16 +219,7 @@ fn read_header(path: &Path, file: usize) -> Result<(u64, Vec<(String, TensorEntr
                 end - begin
             )));
         }
-        out.push((
-            name.clone(),
-            TensorEntry {
-                dtype: dtype.to_string(),
-                shape,
-                file,
-                begin,
-                end,
-            },
-        ));
+        out.push((name.clone(), TensorEntry { dtype: dtype.to_string(), shape, file, begin, end }));
     }
-    Ok((data_start, out))
+    Ok(Header { data_start, entries: out, metadata })
 }

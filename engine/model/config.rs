@@ -94,19 +94,14 @@ impl TextConfig {
     /// Read and validate `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.clone(),
-            source,
-        })?;
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
         Self::from_json(&text)
     }
 
     /// Parse and validate the text of a `config.json`.
     pub fn from_json(text: &str) -> Result<Self, ModelError> {
-        let bad_json = |e: serde_json::Error| ModelError::BadJson {
-            file: "config.json".into(),
-            message: e.to_string(),
-        };
+        let bad_json =
+            |e: serde_json::Error| ModelError::BadJson { file: "config.json".into(), message: e.to_string() };
         let top: serde_json::Value = serde_json::from_str(text).map_err(bad_json)?;
         let model_type = top.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
         let (text_value, top_tie) = match model_type.as_str() {
@@ -120,9 +115,7 @@ impl TextConfig {
             }
             "qwen3_5_text" => (top.clone(), None),
             t if t.starts_with("qwen3_5_moe") => {
-                return Err(ModelError::Unsupported {
-                    what: format!("mixture-of-experts model_type {t:?}"),
-                })
+                return Err(ModelError::Unsupported { what: format!("mixture-of-experts model_type {t:?}") })
             }
             other => {
                 return Err(ModelError::BadConfig {
@@ -135,9 +128,7 @@ impl TextConfig {
         let raw: RawText = serde_json::from_value(text_value).map_err(bad_json)?;
         if let Some(t) = &raw.model_type {
             if t.starts_with("qwen3_5_moe") {
-                return Err(ModelError::Unsupported {
-                    what: format!("mixture-of-experts model_type {t:?}"),
-                });
+                return Err(ModelError::Unsupported { what: format!("mixture-of-experts model_type {t:?}") });
             }
         }
         Self::validate(raw, top_tie)
@@ -174,28 +165,18 @@ impl TextConfig {
             return Err(bad(
                 "num_key_value_heads",
                 "a divisor of num_attention_heads",
-                format!(
-                    "{} (num_attention_heads {})",
-                    raw.num_key_value_heads, raw.num_attention_heads
-                ),
+                format!("{} (num_attention_heads {})", raw.num_key_value_heads, raw.num_attention_heads),
             ));
         }
         if !raw.linear_num_value_heads.is_multiple_of(raw.linear_num_key_heads) {
             return Err(bad(
                 "linear_num_key_heads",
                 "a divisor of linear_num_value_heads",
-                format!(
-                    "{} (linear_num_value_heads {})",
-                    raw.linear_num_key_heads, raw.linear_num_value_heads
-                ),
+                format!("{} (linear_num_value_heads {})", raw.linear_num_key_heads, raw.linear_num_value_heads),
             ));
         }
         if raw.head_dim > MAX_HEAD_DIM {
-            return Err(bad(
-                "head_dim",
-                &format!("at most {MAX_HEAD_DIM}"),
-                raw.head_dim.to_string(),
-            ));
+            return Err(bad("head_dim", &format!("at most {MAX_HEAD_DIM}"), raw.head_dim.to_string()));
         }
         if raw.linear_conv_kernel_dim == 0 || raw.linear_conv_kernel_dim > MAX_CONV_K {
             return Err(bad(
@@ -214,10 +195,7 @@ impl TextConfig {
             .and_then(|r| r.rope_theta)
             .or(raw.rope_theta)
             .ok_or_else(|| bad("rope_parameters.rope_theta", "a number", "nothing".into()))?;
-        let factor = rope
-            .and_then(|r| r.partial_rotary_factor)
-            .or(raw.partial_rotary_factor)
-            .unwrap_or(0.25);
+        let factor = rope.and_then(|r| r.partial_rotary_factor).or(raw.partial_rotary_factor).unwrap_or(0.25);
         let rotary_dim = (raw.head_dim as f64 * factor) as usize;
         if !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
             return Err(bad(
@@ -239,24 +217,16 @@ impl TextConfig {
                     .map(|t| match t.as_str() {
                         "linear_attention" => Ok(LayerType::Linear),
                         "full_attention" => Ok(LayerType::Full),
-                        other => Err(bad(
-                            "layer_types",
-                            "\"linear_attention\" or \"full_attention\"",
-                            format!("{other:?}"),
-                        )),
+                        other => {
+                            Err(bad("layer_types", "\"linear_attention\" or \"full_attention\"", format!("{other:?}")))
+                        }
                     })
                     .collect::<Result<Vec<_>, _>>()?
             }
             None => {
                 let interval = raw.full_attention_interval.unwrap_or(4).max(1);
                 (0..raw.num_hidden_layers)
-                    .map(|i| {
-                        if (i + 1) % interval == 0 {
-                            LayerType::Full
-                        } else {
-                            LayerType::Linear
-                        }
-                    })
+                    .map(|i| if (i + 1) % interval == 0 { LayerType::Full } else { LayerType::Linear })
                     .collect()
             }
         };

@@ -42,18 +42,14 @@ impl Dtype {
     /// Widen little-endian raw bytes to f32 (exact for every supported dtype).
     pub fn to_f32(self, bytes: &[u8]) -> Vec<f32> {
         match self {
-            Dtype::F32 => bytes
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
+            Dtype::F32 => bytes.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
             Dtype::BF16 => bytes
                 .chunks_exact(2)
                 .map(|b| half::bf16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
                 .collect(),
-            Dtype::F16 => bytes
-                .chunks_exact(2)
-                .map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32())
-                .collect(),
+            Dtype::F16 => {
+                bytes.chunks_exact(2).map(|b| half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()).collect()
+            }
         }
     }
 }

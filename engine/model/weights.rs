@@ -25,9 +25,7 @@ pub struct LoadOptions {
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self {
-            max_chunk_bytes: u64::MAX,
-        }
+        Self { max_chunk_bytes: u64::MAX }
     }
 }
 
@@ -133,10 +131,10 @@ impl Loader<'_> {
     }
 
     fn matrix_full(&self, full: &str, rows: usize, cols: usize) -> Result<GpuWeight, ModelError> {
-        let entry = self.ckpt.get(full).ok_or_else(|| ModelError::MissingTensor {
-            name: full.to_string(),
-            candidates: vec![full.to_string()],
-        })?;
+        let entry = self
+            .ckpt
+            .get(full)
+            .ok_or_else(|| ModelError::MissingTensor { name: full.to_string(), candidates: vec![full.to_string()] })?;
         if entry.shape != [rows, cols] {
             return Err(ModelError::ShapeMismatch {
                 name: full.to_string(),
@@ -144,20 +142,10 @@ impl Loader<'_> {
                 found: entry.shape.clone(),
             });
         }
-        let dtype = Dtype::from_safetensors(&entry.dtype).ok_or_else(|| ModelError::UnsupportedDtype {
-            name: full.to_string(),
-            found: entry.dtype.clone(),
-        })?;
+        let dtype = Dtype::from_safetensors(&entry.dtype)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: full.to_string(), found: entry.dtype.clone() })?;
         let bytes = self.ckpt.read(entry)?;
-        Ok(GpuWeight::upload(
-            self.ctx,
-            full,
-            dtype,
-            rows,
-            cols,
-            &bytes,
-            self.opts.max_chunk_bytes,
-        )?)
+        Ok(GpuWeight::upload(self.ctx, full, dtype, rows, cols, &bytes, self.opts.max_chunk_bytes)?)
     }
 
     fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
@@ -186,12 +174,7 @@ impl Model {
             "model."
         };
         let eos_token_ids = read_generation_eos(dir)?.unwrap_or_else(|| config.eos_token_ids.clone());
-        let l = Loader {
-            ctx: &ctx,
-            ckpt: &ckpt,
-            prefix,
-            opts,
-        };
+        let l = Loader { ctx: &ctx, ckpt: &ckpt, prefix, opts };
         let c = &config;
         let (h, v) = (c.hidden_size, c.vocab_size);
         let embed = l.matrix("embed_tokens.weight", v, h)?;
@@ -250,15 +233,7 @@ impl Model {
                 },
             });
         }
-        Ok(Self {
-            ctx,
-            config,
-            eos_token_ids,
-            embed,
-            lm_head,
-            norm,
-            layers,
-        })
+        Ok(Self { ctx, config, eos_token_ids, embed, lm_head, norm, layers })
     }
 
     /// The output projection (lm_head, or the tied embedding).
@@ -272,13 +247,8 @@ fn read_generation_eos(dir: &Path) -> Result<Option<Vec<u32>>, ModelError> {
     if !path.is_file() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-        path: path.clone(),
-        source,
-    })?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| ModelError::BadJson {
-        file: path.display().to_string(),
-        message: e.to_string(),
-    })?;
+    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| ModelError::BadJson { file: path.display().to_string(), message: e.to_string() })?;
     Ok(json.get("eos_token_id").map(crate::model::config::parse_ids))
 }

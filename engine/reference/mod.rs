@@ -183,9 +183,8 @@ pub fn attention(
             let base = (step * d.hq + h) * 2 * hd;
             let mut q = qg[base..base + hd].to_vec();
             norm_rope(&mut q, q_norm, rope, d.pos0 + step, d.rot, d.eps);
-            let scores: Vec<f32> = (0..n_keys)
-                .map(|s| (0..hd).map(|i| q[i] * kc[kvh][s * hd + i]).sum::<f32>() * scale)
-                .collect();
+            let scores: Vec<f32> =
+                (0..n_keys).map(|s| (0..hd).map(|i| q[i] * kc[kvh][s * hd + i]).sum::<f32>() * scale).collect();
             let m = scores.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
             let e: Vec<f32> = scores.iter().map(|s| (s - m).exp()).collect();
             let z: f32 = e.iter().sum();

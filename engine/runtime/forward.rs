@@ -11,9 +11,10 @@ use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, GdnIo, GdnParams};
-use crate::kernels::matmul::{linear, LinearIo};
+use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
 use crate::kernels::misc::{embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
+use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::session::{Logits, Session};
@@ -28,7 +29,7 @@ pub(crate) fn max_dispatches(model: &Model, max_batch: usize, logits_rows: usize
     let chunks = |w: &GpuWeight| w.chunks.len();
     let mut n = chunks(&model.embed) + 8;
     for layer in &model.layers {
-        n += 10 + chunks(&layer.mlp.gate_proj) + chunks(&layer.mlp.up_proj) + chunks(&layer.mlp.down_proj);
+        n += 14 + chunks(&layer.mlp.gate_proj) + chunks(&layer.mlp.up_proj) + chunks(&layer.mlp.down_proj);
         n += match &layer.mixer {
             Mixer::Attention(a) => chunks(&a.q_proj) + chunks(&a.k_proj) + chunks(&a.v_proj) + chunks(&a.o_proj),
             Mixer::Gdn(g) => {
@@ -43,19 +44,83 @@ pub(crate) fn max_dispatches(model: &Model, max_batch: usize, logits_rows: usize
     n + chunks(model.output()) * (max_batch.div_ceil(logits_rows) + 1)
 }
 
-/// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
-fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
-    LinearIo {
-        x,
-        x_offset: 0,
-        m,
-        y,
-        y_offset: 0,
-        y_stride,
-        accumulate: false,
+/// The active adapter as one layer's step sees it.
+#[derive(Clone, Copy)]
+struct LayerLora<'a> {
+    adapter: &'a LoraAdapter,
+    scale: f32,
+    t: &'a wgpu::Buffer,
+    layer: usize,
+}
+
+/// The shrink of one input group (`t = x·A_catᵀ`), when the adapter covers it.
+struct Shrunk<'a> {
+    lora: LayerLora<'a>,
+    group: &'a LoraGroup,
+}
+
+impl<'a> LayerLora<'a> {
+    fn shrink(
+        self,
+        rec: &mut Recorder,
+        group: InputGroup,
+        x: &wgpu::Buffer,
+        m: usize,
+    ) -> Result<Option<Shrunk<'a>>, GpuError> {
+        let Some(g) = self.adapter.group(self.layer, group) else {
+            return Ok(None);
+        };
+        linear(rec, &g.a, &lin(x, self.t, m, g.rank_total), None)?;
+        Ok(Some(Shrunk { lora: self, group: g }))
     }
 }
 
+impl<'a> Shrunk<'a> {
+    fn expand(&self, proj: Proj) -> Option<LoraExpand<'a>> {
+        let m = self.group.member(proj)?;
+        Some(LoraExpand {
+            t: self.lora.t,
+            t_offset: m.t_offset,
+            t_stride: self.group.rank_total,
+            rank: m.rank,
+            scale: m.scaling * self.lora.scale,
+            b: &m.bind_group,
+        })
+    }
+}
+
+/// Shrink `x` for `group` if an adapter is active and covers it.
+fn shrink<'a>(
+    rec: &mut Recorder,
+    lora: Option<LayerLora<'a>>,
+    group: InputGroup,
+    x: &wgpu::Buffer,
+    m: usize,
+) -> Result<Option<Shrunk<'a>>, GpuError> {
+    match lora {
+        Some(l) => l.shrink(rec, group, x, m),
+        None => Ok(None),
+    }
+}
+
+/// `linear` with the projection's LoRA expand when its group was shrunk.
+fn project(
+    rec: &mut Recorder,
+    w: &GpuWeight,
+    io: &LinearIo,
+    shrunk: &Option<Shrunk>,
+    proj: Proj,
+) -> Result<(), GpuError> {
+    let expand = shrunk.as_ref().and_then(|s| s.expand(proj));
+    linear(rec, w, io, expand.as_ref())
+}
+
+/// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
+fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
+    LinearIo { x, x_offset: 0, m, y, y_offset: 0, y_stride, accumulate: false }
+}
+
+#[allow(clippy::too_many_arguments)]
 fn gdn_block(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -63,13 +128,15 @@ fn gdn_block(
     w: &GdnWeights,
     conv: &wgpu::Buffer,
     state: &wgpu::Buffer,
+    lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
-    linear(rec, &w.in_proj_qkv, &lin(&sc.xnorm, &sc.wide_a, t, cd))?;
-    linear(rec, &w.in_proj_z, &lin(&sc.xnorm, &sc.mid_a, t, vd))?;
-    linear(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv))?;
-    linear(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv))?;
+    let s = shrink(rec, lora, InputGroup::MixerIn, &sc.xnorm, t)?;
+    project(rec, &w.in_proj_qkv, &lin(&sc.xnorm, &sc.wide_a, t, cd), &s, Proj::InProjQkv)?;
+    project(rec, &w.in_proj_z, &lin(&sc.xnorm, &sc.mid_a, t, vd), &s, Proj::InProjZ)?;
+    project(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv), &s, Proj::InProjB)?;
+    project(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv), &s, Proj::InProjA)?;
     let params = GdnParams {
         t: t as u32,
         c: cd as u32,
@@ -100,11 +167,9 @@ fn gdn_block(
         eps: c.rms_norm_eps,
     };
     rms_norm_gated(rec, &w.norm, &norm)?;
-    let out = LinearIo {
-        accumulate: true,
-        ..lin(&sc.mid_b, &sc.hidden, t, h)
-    };
-    linear(rec, &w.out_proj, &out)
+    let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, h) };
+    let s = shrink(rec, lora, InputGroup::MixerOut, &sc.mid_b, t)?;
+    project(rec, &w.out_proj, &out, &s, Proj::OutProj)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -117,12 +182,14 @@ fn attention_block(
     rope: &wgpu::Buffer,
     pos0: usize,
     s_max: usize,
+    lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-    linear(rec, &w.q_proj, &lin(&sc.xnorm, &sc.wide_a, t, 2 * hq * hd))?;
-    linear(rec, &w.k_proj, &lin(&sc.xnorm, &sc.mid_a, t, hkv * hd))?;
-    linear(rec, &w.v_proj, &lin(&sc.xnorm, &sc.mid_c, t, hkv * hd))?;
+    let s = shrink(rec, lora, InputGroup::MixerIn, &sc.xnorm, t)?;
+    project(rec, &w.q_proj, &lin(&sc.xnorm, &sc.wide_a, t, 2 * hq * hd), &s, Proj::QProj)?;
+    project(rec, &w.k_proj, &lin(&sc.xnorm, &sc.mid_a, t, hkv * hd), &s, Proj::KProj)?;
+    project(rec, &w.v_proj, &lin(&sc.xnorm, &sc.mid_c, t, hkv * hd), &s, Proj::VProj)?;
     let params = AttnParams {
         t: t as u32,
         pos0: pos0 as u32,
@@ -146,23 +213,27 @@ fn attention_block(
         out: &sc.mid_b,
     };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
-    let out = LinearIo {
-        accumulate: true,
-        ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size)
-    };
-    linear(rec, &w.o_proj, &out)
+    let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
+    let s = shrink(rec, lora, InputGroup::MixerOut, &sc.mid_b, t)?;
+    project(rec, &w.o_proj, &out, &s, Proj::OProj)
 }
 
-fn mlp_block(rec: &mut Recorder, c: &TextConfig, sc: &Scratch, w: &Mlp, t: usize) -> Result<(), GpuError> {
+fn mlp_block(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    sc: &Scratch,
+    w: &Mlp,
+    lora: Option<LayerLora>,
+    t: usize,
+) -> Result<(), GpuError> {
     let i = c.intermediate_size;
-    linear(rec, &w.gate_proj, &lin(&sc.xnorm, &sc.mlp_g, t, i))?;
-    linear(rec, &w.up_proj, &lin(&sc.xnorm, &sc.mlp_u, t, i))?;
+    let s = shrink(rec, lora, InputGroup::MlpIn, &sc.xnorm, t)?;
+    project(rec, &w.gate_proj, &lin(&sc.xnorm, &sc.mlp_g, t, i), &s, Proj::GateProj)?;
+    project(rec, &w.up_proj, &lin(&sc.xnorm, &sc.mlp_u, t, i), &s, Proj::UpProj)?;
     swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
-    let out = LinearIo {
-        accumulate: true,
-        ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size)
-    };
-    linear(rec, &w.down_proj, &out)
+    let out = LinearIo { accumulate: true, ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size) };
+    let s = shrink(rec, lora, InputGroup::MlpOut, &sc.mlp_g, t)?;
+    project(rec, &w.down_proj, &out, &s, Proj::DownProj)
 }
 
 fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
@@ -195,7 +266,7 @@ fn lm_head(
         y_stride: c.vocab_size,
         accumulate: false,
     };
-    linear(rec, model.output(), &io)
+    linear(rec, model.output(), &io, None)
 }
 
 fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, slot: usize, bytes: u64) {
@@ -204,8 +275,19 @@ fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, sl
     }
 }
 
+/// Which positions of a step get the final norm and lm_head.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Rows {
+    /// The last position: logits for sampling.
+    Last,
+    /// Every position's logits.
+    All,
+    /// Every position's final-norm hidden state, no logits.
+    Hidden,
+}
+
 /// Record and submit one step of `ids` (at most `max_batch` tokens) at the session's position.
-pub(crate) fn step(s: &mut Session, ids: &[u32], all: bool, capture: bool) -> Result<StepOutput, RunError> {
+pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: bool) -> Result<StepOutput, RunError> {
     let model = s.model.clone();
     let ctx: &GpuContext = &model.ctx;
     let c = &model.config;
@@ -218,19 +300,24 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], all: bool, capture: bool) -> Re
     } else {
         None
     };
-    let (r0, n) = if all { (0, t) } else { (t - 1, 1) };
-    let first_rows = n.min(s.logits_rows);
+    let (r0, n) = if rows == Rows::Last { (t - 1, 1) } else { (0, t) };
+    let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
     {
         let sc = &s.scratch;
         let mut rec = Recorder::new(ctx, &mut s.io);
         embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
         capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
+        let active = s.adapter.as_ref().zip(s.lora_t.as_ref());
         for (i, layer) in model.layers.iter().enumerate() {
+            let lora =
+                active.map(|(a, (t_buf, _))| LayerLora { adapter: &a.adapter, scale: a.scale, t: t_buf, layer: i });
             rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
             match (&layer.mixer, &s.states[i]) {
-                (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => gdn_block(&mut rec, c, sc, w, conv, state, t)?,
+                (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
+                    gdn_block(&mut rec, c, sc, w, conv, state, lora, t)?
+                }
                 (Mixer::Attention(w), LayerState::Attention { k, v }) => {
-                    attention_block(&mut rec, c, sc, w, (k, v), &s.rope, s.pos, s.opts.max_context, t)?
+                    attention_block(&mut rec, c, sc, w, (k, v), &s.rope, s.pos, s.opts.max_context, lora, t)?
                 }
                 _ => {
                     return Err(RunError::Gpu(GpuError::Validation {
@@ -240,16 +327,18 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], all: bool, capture: bool) -> Re
                 }
             }
             rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
-            mlp_block(&mut rec, c, sc, &layer.mlp, t)?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, lora, t)?;
             capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
-        lm_head(&mut rec, &model, sc, &s.logits, r0, first_rows)?;
+        if first_rows > 0 {
+            lm_head(&mut rec, &model, sc, &s.logits, r0, first_rows)?;
+        }
         rec.submit()?;
     }
     let mut data = s.read_logits(first_rows)?;
     let mut done = first_rows;
-    while done < n {
+    while done < n && rows != Rows::Hidden {
         let rows = (n - done).min(s.logits_rows);
         let mut rec = Recorder::new(ctx, &mut s.io);
         lm_head(&mut rec, &model, &s.scratch, &s.logits, r0 + done, rows)?;
@@ -261,12 +350,5 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], all: bool, capture: bool) -> Re
         Some(buf) => Some(crate::gpu::read_f32(ctx, buf, 0, (c.num_layers() + 1) * t * h)?),
         None => None,
     };
-    Ok(StepOutput {
-        logits: Logits {
-            rows: n,
-            vocab: c.vocab_size,
-            data,
-        },
-        hidden,
-    })
+    Ok(StepOutput { logits: Logits { rows: done, vocab: c.vocab_size, data }, hidden })
 }

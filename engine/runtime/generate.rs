@@ -24,14 +24,7 @@ pub struct GenerateParams {
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        Self {
-            max_tokens: 64,
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            seed: 0,
-            stop_at_eos: true,
-        }
+        Self { max_tokens: 64, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, stop_at_eos: true }
     }
 }
 

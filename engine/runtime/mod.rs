@@ -9,4 +9,4 @@ mod session;
 pub use cache::rope_table;
 pub use generate::GenerateParams;
 pub use sampler::{argmax, Sampler};
-pub use session::{Logits, Session, SessionOptions};
+pub use session::{ActiveAdapter, Logits, Session, SessionOptions};

@@ -36,35 +36,17 @@ impl Sampler {
     /// `top_p == 1` disable those filters.
     pub fn new(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Result<Self, RunError> {
         if !temperature.is_finite() || temperature < 0.0 {
-            return Err(RunError::BadParam {
-                name: "temperature",
-                value: temperature.to_string(),
-                expected: ">= 0",
-            });
+            return Err(RunError::BadParam { name: "temperature", value: temperature.to_string(), expected: ">= 0" });
         }
         if !(top_p > 0.0 && top_p <= 1.0) {
-            return Err(RunError::BadParam {
-                name: "top_p",
-                value: top_p.to_string(),
-                expected: "in (0, 1]",
-            });
+            return Err(RunError::BadParam { name: "top_p", value: top_p.to_string(), expected: "in (0, 1]" });
         }
-        Ok(Self {
-            temperature,
-            top_k,
-            top_p,
-            rng: SplitMix64(seed),
-        })
+        Ok(Self { temperature, top_k, top_p, rng: SplitMix64(seed) })
     }
 
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            rng: SplitMix64(0),
-        }
+        Self { temperature: 0.0, top_k: 0, top_p: 1.0, rng: SplitMix64(0) }
     }
 
     /// Pick a token from one row of logits.
@@ -72,11 +54,8 @@ impl Sampler {
         if self.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (i as u32, l / self.temperature))
-            .collect();
+        let mut cand: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.top_k > 0 {
             cand.truncate(self.top_k.max(1));
@@ -154,16 +133,7 @@ mod tests {
 
     #[test]
     fn bad_parameters_are_typed_errors() {
-        assert!(matches!(
-            Sampler::new(-1.0, 0, 1.0, 0),
-            Err(RunError::BadParam {
-                name: "temperature",
-                ..
-            })
-        ));
-        assert!(matches!(
-            Sampler::new(1.0, 0, 0.0, 0),
-            Err(RunError::BadParam { name: "top_p", .. })
-        ));
+        assert!(matches!(Sampler::new(-1.0, 0, 1.0, 0), Err(RunError::BadParam { name: "temperature", .. })));
+        assert!(matches!(Sampler::new(1.0, 0, 0.0, 0), Err(RunError::BadParam { name: "top_p", .. })));
     }
 }

@@ -3,11 +3,12 @@
 
 use std::sync::Arc;
 
-use crate::error::RunError;
+use crate::error::{AdapterError, RunError};
 use crate::gpu::{read_f32, GpuContext, IoBindCache};
+use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::cache::{layer_states, rope_table, LayerState, Scratch};
-use crate::runtime::forward::{self, StepOutput};
+use crate::runtime::forward::{self, Rows, StepOutput};
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -20,10 +21,7 @@ pub struct SessionOptions {
 
 impl Default for SessionOptions {
     fn default() -> Self {
-        Self {
-            max_context: 2048,
-            max_batch: 128,
-        }
+        Self { max_context: 2048, max_batch: 128 }
     }
 }
 
@@ -50,6 +48,15 @@ impl Logits {
     }
 }
 
+/// The adapter a session applies, with the user's scale.
+#[derive(Clone)]
+pub struct ActiveAdapter {
+    /// The resident adapter.
+    pub adapter: Arc<LoraAdapter>,
+    /// Multiplies alpha / r.
+    pub scale: f32,
+}
+
 /// One sequence's state on a model.
 pub struct Session {
     pub(crate) model: Arc<Model>,
@@ -62,6 +69,8 @@ pub struct Session {
     pub(crate) logits: wgpu::Buffer,
     pub(crate) logits_rows: usize,
     pub(crate) io: IoBindCache,
+    pub(crate) adapter: Option<ActiveAdapter>,
+    pub(crate) lora_t: Option<(wgpu::Buffer, usize)>,
 }
 
 impl Session {
@@ -103,6 +112,8 @@ impl Session {
             logits,
             logits_rows,
             io: IoBindCache::new(params),
+            adapter: None,
+            lora_t: None,
         };
         s.reset();
         Ok(s)
@@ -118,12 +129,45 @@ impl Session {
         self.pos
     }
 
+    /// The adapter the next step applies.
+    pub fn adapter(&self) -> Option<&ActiveAdapter> {
+        self.adapter.as_ref()
+    }
+
+    /// Apply `adapter` with `scale` from the next step on (`None`: the base model). This binds
+    /// other bind groups; nothing is uploaded unless the session's LoRA scratch must grow. The
+    /// caches are kept: tokens already in them keep the states computed under the previous
+    /// adapter (switching between tokens of one generation). Call [`Session::reset`] to start a
+    /// request cleanly under the new adapter. On error nothing changes.
+    pub fn set_adapter(&mut self, adapter: Option<(Arc<LoraAdapter>, f32)>) -> Result<(), AdapterError> {
+        let Some((adapter, scale)) = adapter else {
+            self.adapter = None;
+            return Ok(());
+        };
+        if !scale.is_finite() {
+            return Err(AdapterError::BadScale(scale));
+        }
+        if !adapter.is_for(&self.model) {
+            return Err(AdapterError::BadConfig {
+                field: "adapter".into(),
+                expected: "an adapter loaded for this session's model".into(),
+                found: format!("{} (loaded for another model)", adapter.info.name),
+            });
+        }
+        let width = adapter.max_group_rank();
+        if self.lora_t.as_ref().is_none_or(|(_, w)| *w < width) {
+            let bytes = (self.opts.max_batch * width * 4) as u64;
+            let buffer = self.model.ctx.storage_buffer("lora t", bytes, true)?;
+            self.lora_t = Some((buffer, width));
+        }
+        self.adapter = Some(ActiveAdapter { adapter, scale });
+        Ok(())
+    }
+
     /// Forget the sequence: zero the GDN states and rewind the position.
     pub fn reset(&mut self) {
         let ctx = &self.model.ctx;
-        let mut enc = ctx
-            .device
-            .create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reset") });
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reset") });
         for st in &self.states {
             if let LayerState::Gdn { conv, state } = st {
                 enc.clear_buffer(conv, 0, None);
@@ -161,6 +205,33 @@ impl Session {
         Ok((out.logits, out.hidden.unwrap_or_default()))
     }
 
+    /// The final-norm hidden states `[T, H]` of `ids` (the input of lm_head), extending the caches.
+    pub fn final_hidden(&mut self, ids: &[u32]) -> Result<Vec<f32>, RunError> {
+        self.check(ids)?;
+        let h = self.model.config.hidden_size;
+        let mut out = Vec::with_capacity(ids.len() * h);
+        for chunk in ids.chunks(self.opts.max_batch) {
+            forward::step(self, chunk, Rows::Hidden, false)?;
+            out.extend(read_f32(self.ctx(), &self.scratch.xnorm, 0, chunk.len() * h)?);
+            self.pos += chunk.len();
+        }
+        Ok(out)
+    }
+
+    fn check(&self, ids: &[u32]) -> Result<(), RunError> {
+        if ids.is_empty() {
+            return Err(RunError::EmptyInput);
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(RunError::TokenOutOfRange { id, index, vocab });
+        }
+        if self.pos + ids.len() > self.opts.max_context {
+            return Err(RunError::ContextFull { needed: self.pos + ids.len(), capacity: self.opts.max_context });
+        }
+        Ok(())
+    }
+
     fn run(&mut self, ids: &[u32], all: bool, capture: bool) -> Result<StepOutput, RunError> {
         if ids.is_empty() {
             return Err(RunError::EmptyInput);
@@ -170,19 +241,12 @@ impl Session {
             return Err(RunError::TokenOutOfRange { id, index, vocab });
         }
         if self.pos + ids.len() > self.opts.max_context {
-            return Err(RunError::ContextFull {
-                needed: self.pos + ids.len(),
-                capacity: self.opts.max_context,
-            });
+            return Err(RunError::ContextFull { needed: self.pos + ids.len(), capacity: self.opts.max_context });
         }
-        let mut logits = Logits {
-            rows: 0,
-            vocab,
-            data: Vec::new(),
-        };
+        let mut logits = Logits { rows: 0, vocab, data: Vec::new() };
         let mut hidden = None;
         for chunk in ids.chunks(self.opts.max_batch) {
-            let out = forward::step(self, chunk, all, capture)?;
+            let out = forward::step(self, chunk, if all { Rows::All } else { Rows::Last }, capture)?;
             self.pos += chunk.len();
             if all {
                 logits.rows += out.logits.rows;
@@ -200,11 +264,6 @@ impl Session {
     }
 
     pub(crate) fn read_logits(&self, rows: usize) -> Result<Vec<f32>, RunError> {
-        Ok(read_f32(
-            self.ctx(),
-            &self.logits,
-            0,
-            rows * self.model.config.vocab_size,
-        )?)
+        Ok(read_f32(self.ctx(), &self.logits, 0, rows * self.model.config.vocab_size)?)
     }
 }

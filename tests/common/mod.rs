@@ -29,10 +29,7 @@ pub fn gpu() -> Option<Arc<GpuContext>> {
     match ctx {
         Ok(ctx) => {
             if std::env::var("QWEN35_REJECT_CPU_ADAPTER").as_deref() == Ok("1") && ctx.is_cpu() {
-                panic!(
-                    "adapter {:?} is a CPU rasteriser; test-gpu needs a real GPU (or --allow-cpu)",
-                    ctx.info.name
-                );
+                panic!("adapter {:?} is a CPU rasteriser; test-gpu needs a real GPU (or --allow-cpu)", ctx.info.name);
             }
             Some(ctx.clone())
         }
@@ -56,19 +53,13 @@ pub struct Reference {
 impl Reference {
     /// Load `tests/fixtures/reference/<name>.safetensors`.
     pub fn load(name: &str) -> Self {
-        let path = root()
-            .join("tests/fixtures/reference")
-            .join(format!("{name}.safetensors"));
-        Self {
-            bytes: std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
-        }
+        let path = root().join("tests/fixtures/reference").join(format!("{name}.safetensors"));
+        Self { bytes: std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())) }
     }
 
     fn view(&self, name: &str) -> (Vec<usize>, Vec<u8>, safetensors::Dtype) {
         let st = safetensors::SafeTensors::deserialize(&self.bytes).expect("reference file parses");
-        let t = st
-            .tensor(name)
-            .unwrap_or_else(|_| panic!("reference tensor {name} missing"));
+        let t = st.tensor(name).unwrap_or_else(|_| panic!("reference tensor {name} missing"));
         (t.shape().to_vec(), t.data().to_vec(), t.dtype())
     }
 
@@ -76,12 +67,7 @@ impl Reference {
     pub fn f32(&self, name: &str) -> (Vec<usize>, Vec<f32>) {
         let (shape, data, dtype) = self.view(name);
         assert_eq!(dtype, safetensors::Dtype::F32, "{name}");
-        (
-            shape,
-            data.chunks_exact(4)
-                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                .collect(),
-        )
+        (shape, data.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect())
     }
 
     /// An i64 tensor as u32 token ids.
@@ -127,11 +113,8 @@ pub fn assert_close(what: &str, ours: &[f32], want: &[f32], atol: f32, rtol: f32
         .collect();
     if !bad.is_empty() {
         bad.sort_by(|a, b| b.3.total_cmp(&a.3));
-        let worst: Vec<String> = bad
-            .iter()
-            .take(8)
-            .map(|(i, o, w, e)| format!("[{i}] ours {o} want {w} err {e:.3e}"))
-            .collect();
+        let worst: Vec<String> =
+            bad.iter().take(8).map(|(i, o, w, e)| format!("[{i}] ours {o} want {w} err {e:.3e}")).collect();
         panic!(
             "{what}: {} of {} values off (atol {atol}, rtol {rtol}); worst:\n  {}",
             bad.len(),

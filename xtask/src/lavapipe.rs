@@ -10,11 +10,7 @@ const MANUAL: &str = "install a Vulkan driver: on Debian/Ubuntu `apt-get install
 (lavapipe; Debian 12: from bookworm-backports for Mesa 25), on macOS nothing is needed (Metal)";
 
 fn is_root() -> bool {
-    Command::new("id")
-        .arg("-u")
-        .output()
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0")
-        .unwrap_or(false)
+    Command::new("id").arg("-u").output().map(|o| String::from_utf8_lossy(&o.stdout).trim() == "0").unwrap_or(false)
 }
 
 fn apt(args: &[&str]) -> Result<()> {
@@ -77,15 +73,7 @@ pub fn install() -> Result<()> {
     let backports = enable_backports()?;
     apt(&["update", "-q"])?;
     if backports {
-        apt(&[
-            "install",
-            "-y",
-            "-q",
-            "-t",
-            "bookworm-backports",
-            "mesa-vulkan-drivers",
-            "libvulkan1",
-        ])
+        apt(&["install", "-y", "-q", "-t", "bookworm-backports", "mesa-vulkan-drivers", "libvulkan1"])
     } else {
         apt(&["install", "-y", "-q", "mesa-vulkan-drivers", "libvulkan1"])
     }

@@ -15,19 +15,14 @@ cargo xtask <command>
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
-  fixtures             regenerate tests/fixtures and the embedded model with transformers
-                       (creates target/fixtures-venv with pinned torch/transformers/peft)
+  fixtures             regenerate tests/fixtures (models, PEFT adapters, reference outputs) and
+                       the embedded model with transformers + peft (creates target/fixtures-venv
+                       with pinned torch/transformers/peft; CPU only)
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
 /// Pinned oracle versions (the fixtures committed were made with these).
-const PY_PINS: &[&str] = &[
-    "torch==2.15.0",
-    "transformers==5.23.0",
-    "peft==0.21.2",
-    "safetensors==0.8.0",
-    "numpy",
-];
+const PY_PINS: &[&str] = &["torch==2.15.0", "transformers==5.23.0", "peft==0.21.2", "safetensors==0.8.0", "numpy"];
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
@@ -48,10 +43,7 @@ fn main() -> Result<()> {
 }
 
 fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default()
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().map(Path::to_path_buf).unwrap_or_default()
 }
 
 fn cargo() -> Command {
@@ -84,10 +76,7 @@ fn adapter() -> Option<(String, bool)> {
 fn probe() -> Result<()> {
     match qwen35_wgpu::GpuContext::new() {
         Ok(ctx) => {
-            println!(
-                "{} [{:?}] ({:?})",
-                ctx.info.name, ctx.info.backend, ctx.info.device_type
-            );
+            println!("{} [{:?}] ({:?})", ctx.info.name, ctx.info.backend, ctx.info.device_type);
             Ok(())
         }
         Err(e) => {
@@ -120,17 +109,8 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
     }
     eprintln!("GPU adapter: {name}");
     let mut cmd = cargo();
-    cmd.args([
-        "test",
-        "--release",
-        "--test",
-        "parity",
-        "--test",
-        "kernels",
-        "--test",
-        "model_errors",
-    ])
-    .env("QWEN35_REQUIRE_ADAPTER", "1");
+    cmd.args(["test", "--release", "--test", "parity", "--test", "kernels", "--test", "model_errors"])
+        .env("QWEN35_REQUIRE_ADAPTER", "1");
     if !allow_cpu {
         cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
     }
@@ -150,8 +130,6 @@ fn fixtures() -> Result<()> {
     pip.args(["-m", "pip", "install", "-q"]).args(PY_PINS);
     run(pip)?;
     let mut make = Command::new(&python);
-    make.arg(root.join("xtask/python/make_fixtures.py"))
-        .arg("--root")
-        .arg(&root);
+    make.arg(root.join("xtask/python/make_fixtures.py")).arg("--root").arg(&root);
     run(make)
 }

@@ -1,0 +1,162 @@
+//! An adapter resident on the GPU. Uploaded once at load; sessions switch adapters by binding
+//! other bind groups, never by uploading.
+//!
+//! Per (layer, input group) the A matrices of the projections that read the same input are
+//! concatenated into one `[Σr, in]` f32 matrix, so one shrink dispatch computes `t = x·Aᵀ` for
+//! all of them; each projection's B `[out, r]` (f32) has its own group-2 bind group, used by the
+//! fused expand in the base matmul.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::error::AdapterError;
+use crate::gpu::{GpuContext, GpuWeight};
+use crate::lora::peft::{parse, ConfigSource, ParsedAdapter};
+use crate::lora::{InputGroup, Proj};
+use crate::model::{Dtype, Model};
+
+/// One projection's slot.
+pub struct LoraMember {
+    /// The projection.
+    pub proj: Proj,
+    /// First column of its rank in the group's t.
+    pub t_offset: usize,
+    /// Rank r.
+    pub rank: usize,
+    /// alpha / r (or alpha / √r), before the user's scale.
+    pub scaling: f32,
+    /// B `[out, r]` f32.
+    pub b: wgpu::Buffer,
+    /// Group-2 bind group over `b`.
+    pub bind_group: wgpu::BindGroup,
+}
+
+/// The projections of one layer that share an input.
+pub struct LoraGroup {
+    /// Concatenated A `[Σr, in]` f32, the weight of the shrink dispatch.
+    pub a: GpuWeight,
+    /// Σr: the row stride of t.
+    pub rank_total: usize,
+    /// The projections, in [`Proj::ALL`] order.
+    pub members: Vec<LoraMember>,
+}
+
+impl LoraGroup {
+    /// The slot of `proj`, if adapted.
+    pub fn member(&self, proj: Proj) -> Option<&LoraMember> {
+        self.members.iter().find(|m| m.proj == proj)
+    }
+}
+
+/// What an adapter is and covers.
+#[derive(Clone, Debug)]
+pub struct AdapterInfo {
+    /// Name (directory name or file stem).
+    pub name: String,
+    /// The path loaded.
+    pub path: PathBuf,
+    /// Distinct ranks, ascending.
+    pub ranks: Vec<usize>,
+    /// Where rank and alpha came from.
+    pub config_source: ConfigSource,
+    /// The (layer, projection) pairs adapted.
+    pub modules: Vec<(usize, Proj)>,
+    /// Keys skipped as irrelevant to text generation (vision tower).
+    pub ignored: Vec<String>,
+    /// Bytes held on the GPU.
+    pub gpu_bytes: u64,
+}
+
+/// An adapter uploaded for one model.
+pub struct LoraAdapter {
+    /// What it is.
+    pub info: AdapterInfo,
+    model: usize,
+    layers: Vec<[Option<LoraGroup>; 4]>,
+}
+
+impl LoraAdapter {
+    /// Parse, validate and upload the adapter at `path` for `model`. Nothing is changed on
+    /// failure.
+    pub fn load(model: &Arc<Model>, path: &Path) -> Result<Self, AdapterError> {
+        let parsed = parse(path, &model.config)?;
+        Self::upload(model, &parsed)
+    }
+
+    /// Upload an already parsed adapter.
+    pub fn upload(model: &Arc<Model>, parsed: &ParsedAdapter) -> Result<Self, AdapterError> {
+        let ctx: &GpuContext = &model.ctx;
+        let mut layers: Vec<[Option<LoraGroup>; 4]> =
+            (0..model.config.num_layers()).map(|_| Default::default()).collect();
+        let mut bytes = 0u64;
+        for (layer, slots) in layers.iter_mut().enumerate() {
+            for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
+                let deltas: Vec<_> =
+                    parsed.deltas.iter().filter(|d| d.layer == layer && d.proj.group() == group).collect();
+                if deltas.is_empty() {
+                    continue;
+                }
+                let fan_in = deltas[0].proj.dims(&model.config).0;
+                let rank_total: usize = deltas.iter().map(|d| d.rank).sum();
+                let a_cat: Vec<f32> = deltas.iter().flat_map(|d| d.a.iter().copied()).collect();
+                let label = format!("lora {} layers.{layer} {group:?} A", parsed.name);
+                let a = GpuWeight::upload(
+                    ctx,
+                    &label,
+                    Dtype::F32,
+                    rank_total,
+                    fan_in,
+                    bytemuck::cast_slice(&a_cat),
+                    u64::MAX,
+                )?;
+                bytes += a.bytes();
+                let mut members = Vec::with_capacity(deltas.len());
+                let mut t_offset = 0;
+                for d in deltas {
+                    let label = format!("lora {} layers.{layer}.{} B", parsed.name, d.proj.path());
+                    let b = ctx.upload(&label, bytemuck::cast_slice(&d.b))?;
+                    bytes += b.size();
+                    let bind_group = ctx.weights_bind_group(&b, &label);
+                    members.push(LoraMember {
+                        proj: d.proj,
+                        t_offset,
+                        rank: d.rank,
+                        scaling: d.scaling,
+                        b,
+                        bind_group,
+                    });
+                    t_offset += d.rank;
+                }
+                slots[group as usize] = Some(LoraGroup { a, rank_total, members });
+            }
+        }
+        let mut ranks: Vec<usize> = parsed.deltas.iter().map(|d| d.rank).collect();
+        ranks.sort_unstable();
+        ranks.dedup();
+        let info = AdapterInfo {
+            name: parsed.name.clone(),
+            path: parsed.path.clone(),
+            ranks,
+            config_source: parsed.config.source,
+            modules: parsed.deltas.iter().map(|d| (d.layer, d.proj)).collect(),
+            ignored: parsed.ignored.clone(),
+            gpu_bytes: bytes,
+        };
+        Ok(Self { info, model: Arc::as_ptr(model) as usize, layers })
+    }
+
+    /// Whether this adapter was uploaded for `model`.
+    pub fn is_for(&self, model: &Arc<Model>) -> bool {
+        self.model == Arc::as_ptr(model) as usize
+    }
+
+    /// The adapted projections of `layer` that read `group`'s input.
+    pub fn group(&self, layer: usize, group: InputGroup) -> Option<&LoraGroup> {
+        self.layers.get(layer).and_then(|g| g[group as usize].as_ref())
+    }
+
+    /// The largest Σr of any group (sizes a session's t scratch).
+    pub fn max_group_rank(&self) -> usize {
+        self.layers.iter().flatten().flatten().map(|g| g.rank_total).max().unwrap_or(0)
+    }
+}

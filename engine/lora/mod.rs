@@ -1,0 +1,10 @@
+//! LoRA adapters: PEFT parsing ([`peft`]), the twelve targetable projections ([`target`]) and the
+//! GPU-resident form that sessions bind per (layer, projection) ([`adapter`]).
+
+pub mod adapter;
+pub mod peft;
+pub mod target;
+
+pub use adapter::{AdapterInfo, LoraAdapter, LoraGroup, LoraMember};
+pub use peft::{ConfigSource, ParsedAdapter};
+pub use target::{InputGroup, Proj};

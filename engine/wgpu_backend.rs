@@ -1,0 +1,230 @@
+//! [`WgpuBackend`]: the [`LlmBackend`] of this crate. Adapters stay resident on the GPU;
+//! activating, switching or deactivating one changes which bind groups the next step binds.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
+use crate::error::AdapterError;
+use crate::gpu::GpuContext;
+use crate::lora::{AdapterInfo, LoraAdapter};
+use crate::model::Model;
+use crate::runtime::{GenerateParams, Session, SessionOptions};
+
+struct Loaded {
+    path: PathBuf,
+    model: Arc<Model>,
+    session: Session,
+}
+
+/// The wgpu backend: one model, one session, any number of resident adapters, one active.
+pub struct WgpuBackend {
+    ctx: Arc<GpuContext>,
+    opts: SessionOptions,
+    loaded: Option<Loaded>,
+    resident: Vec<(AdapterId, Arc<LoraAdapter>)>,
+    active: Option<(AdapterId, f32)>,
+}
+
+impl WgpuBackend {
+    /// A backend on the default GPU (see [`GpuContext::new`]).
+    pub fn new(opts: SessionOptions) -> Result<Self, BackendError> {
+        Ok(Self::with_context(Arc::new(GpuContext::new()?), opts))
+    }
+
+    /// A backend on an existing context.
+    pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
+        Self { ctx, opts, loaded: None, resident: Vec::new(), active: None }
+    }
+
+    fn loaded(&mut self) -> Result<&mut Loaded, BackendError> {
+        self.loaded.as_mut().ok_or(BackendError::NoModel)
+    }
+
+    fn find(&self, id: &str) -> Result<&Arc<LoraAdapter>, AdapterError> {
+        self.resident.iter().find(|(i, _)| i == id).map(|(_, a)| a).ok_or_else(|| AdapterError::UnknownId {
+            id: id.to_string(),
+            resident: self.resident.iter().map(|(i, _)| i.clone()).collect(),
+        })
+    }
+
+    /// Bind `active` to the session (nothing else changes on error).
+    fn bind(&mut self, active: Option<(AdapterId, f32)>) -> Result<(), BackendError> {
+        let adapter = match &active {
+            Some((id, scale)) => Some((self.find(id)?.clone(), *scale)),
+            None => None,
+        };
+        self.loaded()?.session.set_adapter(adapter)?;
+        self.active = active;
+        Ok(())
+    }
+
+    fn unique_id(&self, wanted: &str) -> AdapterId {
+        let taken = |id: &str| self.resident.iter().any(|(i, _)| i == id);
+        if !taken(wanted) {
+            return wanted.to_string();
+        }
+        (2..).map(|n| format!("{wanted}-{n}")).find(|id| !taken(id)).unwrap_or_default()
+    }
+
+    /// The session (for token-level control: feed, logits, switching between tokens).
+    pub fn session(&mut self) -> Result<&mut Session, BackendError> {
+        Ok(&mut self.loaded()?.session)
+    }
+
+    /// Like [`LlmBackend::generate_tokens`], but the callback may switch adapters between
+    /// tokens: the next token is computed with the new adapter, while the caches keep what the
+    /// earlier tokens computed under the previous one (as if the adapter had changed at that
+    /// position). The backend's active adapter afterwards is the last one switched to.
+    pub fn generate_tokens_with(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32, &mut AdapterSwitch) -> bool,
+    ) -> Result<Vec<u32>, BackendError> {
+        let mut sampler = crate::runtime::Sampler::new(params.temperature, params.top_k, params.top_p, params.seed)?;
+        let eos = self.loaded()?.model.eos_token_ids.clone();
+        let session = &mut self.loaded()?.session;
+        session.reset();
+        let mut out = Vec::new();
+        if params.max_tokens == 0 {
+            return Ok(out);
+        }
+        let mut logits = session.feed(prompt)?;
+        loop {
+            let next = sampler.sample(logits.last());
+            out.push(next);
+            let mut switch = AdapterSwitch::default();
+            let go_on = on_token(next, &mut switch);
+            if let Some(request) = switch.request {
+                self.bind(request)?;
+            }
+            let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
+            if !go_on || stop {
+                return Ok(out);
+            }
+            logits = self.loaded()?.session.feed(&[next])?;
+        }
+    }
+}
+
+impl LlmBackend for WgpuBackend {
+    fn backend_name(&self) -> &str {
+        "wgpu"
+    }
+
+    fn load_model(&mut self, path: &Path) -> Result<(), BackendError> {
+        let model = Arc::new(Model::load(self.ctx.clone(), path)?);
+        let session = Session::new(model.clone(), self.opts.clone())?;
+        self.resident.clear();
+        self.active = None;
+        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session });
+        Ok(())
+    }
+
+    fn unload_model(&mut self) {
+        self.loaded = None;
+        self.resident.clear();
+        self.active = None;
+    }
+
+    fn is_model_loaded(&self) -> bool {
+        self.loaded.is_some()
+    }
+
+    fn model_info(&self) -> Option<ModelInfo> {
+        self.loaded.as_ref().map(|l| ModelInfo {
+            path: l.path.clone(),
+            config: l.model.config.clone(),
+            device: self.ctx.info.name.clone(),
+        })
+    }
+
+    fn generate_tokens(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Vec<u32>, BackendError> {
+        let session = &mut self.loaded()?.session;
+        session.reset();
+        Ok(session.generate(prompt, params, on_token)?)
+    }
+
+    fn embeddings(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
+        let session = &mut self.loaded()?.session;
+        session.reset();
+        let hidden = session.final_hidden(ids)?;
+        session.reset();
+        let h = hidden.len() / ids.len();
+        let mut mean = vec![0.0f32; h];
+        for row in hidden.chunks(h) {
+            mean.iter_mut().zip(row).for_each(|(m, v)| *m += v / ids.len() as f32);
+        }
+        Ok(mean)
+    }
+
+    fn load_adapter(&mut self, path: &Path, scale: f32) -> Result<AdapterId, BackendError> {
+        let previous = self.active.clone();
+        let id = self.preload_adapter(path, None)?;
+        if let Err(e) = self.activate_adapter(&id, scale) {
+            self.resident.retain(|(i, _)| *i != id);
+            return Err(e);
+        }
+        if let Some((old, _)) = previous {
+            self.resident.retain(|(i, _)| *i != old);
+        }
+        Ok(id)
+    }
+
+    fn unload_adapter(&mut self) -> Result<(), BackendError> {
+        if let Some((id, _)) = self.active.clone() {
+            self.bind(None)?;
+            self.resident.retain(|(i, _)| *i != id);
+        }
+        Ok(())
+    }
+
+    fn active_adapter(&self) -> Result<Option<ActiveAdapterInfo>, BackendError> {
+        Ok(self.active.as_ref().and_then(|(id, scale)| {
+            let adapter = self.find(id).ok()?;
+            Some(ActiveAdapterInfo { id: id.clone(), scale: *scale, info: adapter.info.clone() })
+        }))
+    }
+
+    fn preload_adapter(&mut self, path: &Path, id: Option<&str>) -> Result<AdapterId, BackendError> {
+        let model = self.loaded()?.model.clone();
+        let adapter = LoraAdapter::load(&model, path)?;
+        let id = self.unique_id(id.unwrap_or(&adapter.info.name));
+        self.resident.push((id.clone(), Arc::new(adapter)));
+        Ok(id)
+    }
+
+    fn activate_adapter(&mut self, id: &str, scale: f32) -> Result<(), BackendError> {
+        self.bind(Some((id.to_string(), scale)))
+    }
+
+    fn deactivate_adapter(&mut self) -> Result<(), BackendError> {
+        self.bind(None)
+    }
+
+    fn set_adapter_scale(&mut self, scale: f32) -> Result<(), BackendError> {
+        match self.active.clone() {
+            Some((id, _)) => self.bind(Some((id, scale))),
+            None => Err(AdapterError::UnknownId { id: "(active adapter)".into(), resident: Vec::new() }.into()),
+        }
+    }
+
+    fn list_adapters(&self) -> Result<Vec<(AdapterId, AdapterInfo)>, BackendError> {
+        Ok(self.resident.iter().map(|(id, a)| (id.clone(), a.info.clone())).collect())
+    }
+
+    fn remove_adapter(&mut self, id: &str) -> Result<(), BackendError> {
+        self.find(id)?;
+        if self.active.as_ref().is_some_and(|(a, _)| a == id) {
+            self.bind(None)?;
+        }
+        self.resident.retain(|(i, _)| i != id);
+        Ok(())
+    }
+}

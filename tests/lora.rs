@@ -1,0 +1,441 @@
+//! LoRA adapters against the transformers + peft oracle, the adapter API, and failure semantics.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use common::tolerance::{LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
+use common::{fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
+use qwen35_wgpu::{
+    AdapterError, BackendError, GenerateParams, LlmBackend, LoraAdapter, Model, ModelInfo, Proj, Session,
+    SessionOptions, WgpuBackend,
+};
+
+/// (adapter, base model, scales with a reference).
+const CASES: [(&str, &str, &[f32]); 6] = [
+    ("all12_r8", "gva_tied_f32", &[1.0, 0.5, 2.0, -1.0]),
+    ("gdn_mlp_r4_rslora", "gva_tied_f32", &[1.0]),
+    ("patterns_r16", "gva_tied_f32", &[1.0]),
+    ("layers_0_3", "gva_tied_f32", &[1.0]),
+    ("vlm_bf16_r8", "vlm_bf16_sharded", &[1.0]),
+    ("odd_r4", "odd_untied_f32", &[1.0]),
+];
+
+fn adapter_path(name: &str) -> PathBuf {
+    root().join("tests/fixtures/adapters").join(name)
+}
+
+fn opts() -> SessionOptions {
+    SessionOptions { max_context: 64, max_batch: 16 }
+}
+
+fn load_model(name: &str) -> Option<Arc<Model>> {
+    let ctx = gpu()?;
+    Some(Arc::new(Model::load(ctx, &fixture_model(name)).expect("model")))
+}
+
+fn check(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
+    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (rel, max) = rel_and_max(o, w);
+        assert!(
+            rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
+            "{what} position {pos}: rel {rel:.3e} (≤ {LOGITS_REL}), max abs {max:.3e} (≤ {LOGITS_MAX_ABS})"
+        );
+    }
+}
+
+#[test]
+fn logits_and_greedy_match_peft_for_every_adapter_and_scale() {
+    let r = Reference::load("adapters");
+    for (name, base, scales) in CASES {
+        let Some(model) = load_model(base) else { return };
+        let adapter =
+            Arc::new(LoraAdapter::load(&model, &adapter_path(name)).unwrap_or_else(|e| panic!("{name}: {e}")));
+        let ids = r.ids(&format!("{name}.ids"));
+        let base_logits = Session::new(model.clone(), opts()).expect("session").feed_all(&ids).expect("base");
+        for &scale in scales {
+            let key = format!("{name}.s{scale}");
+            let (_, want) = r.f32(&format!("{key}.logits"));
+            let mut s = Session::new(model.clone(), opts()).expect("session");
+            s.set_adapter(Some((adapter.clone(), scale))).expect("activate");
+            let got = s.feed_all(&ids).expect("forward");
+            check(&key, &got.data, &want, model.config.vocab_size);
+            let (rel, _) = rel_and_max(&got.data, &base_logits.data);
+            assert!(rel > 1e-2, "{key}: the adapter barely changes the logits (rel {rel:.2e})");
+
+            let gen_want = r.ids(&format!("{key}.generated"));
+            let mut s = Session::new(model.clone(), opts()).expect("session");
+            s.set_adapter(Some((adapter.clone(), scale))).expect("activate");
+            let params = GenerateParams { max_tokens: gen_want.len(), stop_at_eos: false, ..Default::default() };
+            assert_eq!(s.generate(&ids, &params, |_| true).expect("generate"), gen_want, "{key}: greedy");
+        }
+    }
+}
+
+#[test]
+fn adapter_info_reports_ranks_and_covered_modules() {
+    let Some(model) = load_model("gva_tied_f32") else {
+        return;
+    };
+    let a = LoraAdapter::load(&model, &adapter_path("patterns_r16")).expect("load");
+    assert_eq!(a.info.ranks, vec![4, 8, 16]);
+    assert!(a.info.modules.contains(&(3, Proj::QProj)));
+    assert_eq!(a.info.modules.len(), 2 * 4 + 6 * 5 + 8 * 3);
+    let l = LoraAdapter::load(&model, &adapter_path("layers_0_3")).expect("load");
+    assert!(l.info.modules.iter().all(|(layer, _)| *layer == 0 || *layer == 3));
+    assert_eq!(l.info.modules.len(), 2 * 3 + 5 + 4);
+}
+
+#[test]
+fn metadata_only_file_uses_its_alpha() {
+    let Some(model) = load_model("gva_tied_f32") else {
+        return;
+    };
+    let r = Reference::load("adapters");
+    let a = LoraAdapter::load(&model, &root().join("tests/fixtures/adapters/meta_only.safetensors")).expect("load");
+    assert_eq!(a.info.config_source, qwen35_wgpu::lora::ConfigSource::FileMetadata);
+    let ids = r.ids("all12_r8.ids");
+    let mut s = Session::new(model.clone(), opts()).expect("session");
+    s.set_adapter(Some((Arc::new(a), 1.0))).expect("activate");
+    // alpha 32 at r 8 equals all12_r8 (alpha 16) at scale 2.
+    let (_, want) = r.f32("all12_r8.s2.logits");
+    check("meta_only", &s.feed_all(&ids).expect("forward").data, &want, model.config.vocab_size);
+}
+
+#[test]
+fn unload_and_switching_are_bit_identical() {
+    let Some(model) = load_model("gva_tied_f32") else {
+        return;
+    };
+    let ids = Reference::load("adapters").ids("all12_r8.ids");
+    let a = Arc::new(LoraAdapter::load(&model, &adapter_path("all12_r8")).expect("a"));
+    let b = Arc::new(LoraAdapter::load(&model, &adapter_path("patterns_r16")).expect("b"));
+    let mut s = Session::new(model.clone(), opts()).expect("session");
+    let base = s.feed_all(&ids).expect("base").data;
+    let mut run = |adapter: Option<(Arc<LoraAdapter>, f32)>| {
+        s.set_adapter(adapter).expect("set");
+        s.reset();
+        s.feed_all(&ids).expect("forward").data
+    };
+    let with_a = run(Some((a.clone(), 1.0)));
+    let with_b = run(Some((b.clone(), 1.0)));
+    let again_a = run(Some((a.clone(), 1.0)));
+    let unloaded = run(None);
+    assert_ne!(with_a, with_b);
+    assert_eq!(with_a, again_a, "A -> B -> A must give bit-identical A");
+    assert_eq!(unloaded, base, "unloading must restore the base model bit for bit");
+}
+
+#[test]
+fn prefill_with_adapter_equals_token_by_token_decode() {
+    let Some(model) = load_model("gva_tied_f32") else {
+        return;
+    };
+    let ids = Reference::load("adapters").ids("all12_r8.ids");
+    let a = Arc::new(LoraAdapter::load(&model, &adapter_path("all12_r8")).expect("a"));
+    let mut s = Session::new(model.clone(), opts()).expect("session");
+    s.set_adapter(Some((a, 1.0))).expect("set");
+    let full = s.feed_all(&ids).expect("prefill").data;
+    s.reset();
+    let mut steps = Vec::new();
+    for &id in &ids {
+        steps.extend(s.feed(&[id]).expect("decode").data);
+    }
+    let (rel, _) = rel_and_max(&steps, &full);
+    assert!(rel <= PATHS_REL, "decode vs prefill with adapter: rel {rel:.3e}");
+}
+
+/// A backend that keeps the trait's adapter defaults.
+struct NoAdapters;
+
+impl LlmBackend for NoAdapters {
+    fn backend_name(&self) -> &str {
+        "no-adapters"
+    }
+    fn load_model(&mut self, _: &Path) -> Result<(), BackendError> {
+        Ok(())
+    }
+    fn unload_model(&mut self) {}
+    fn is_model_loaded(&self) -> bool {
+        true
+    }
+    fn model_info(&self) -> Option<ModelInfo> {
+        None
+    }
+    fn generate_tokens(
+        &mut self,
+        prompt: &[u32],
+        _: &GenerateParams,
+        _: &mut dyn FnMut(u32) -> bool,
+    ) -> Result<Vec<u32>, BackendError> {
+        Ok(prompt.to_vec())
+    }
+    fn embeddings(&mut self, _: &[u32]) -> Result<Vec<f32>, BackendError> {
+        Ok(Vec::new())
+    }
+}
+
+#[test]
+fn default_adapter_methods_say_not_supported() {
+    let mut b = NoAdapters;
+    let not_supported = |r: Result<(), BackendError>| {
+        assert!(
+            matches!(r, Err(BackendError::AdapterNotSupported { ref backend }) if backend == "no-adapters"),
+            "{r:?}"
+        );
+    };
+    not_supported(b.load_adapter(Path::new("x"), 1.0).map(|_| ()));
+    not_supported(b.unload_adapter());
+    not_supported(b.active_adapter().map(|_| ()));
+    not_supported(b.preload_adapter(Path::new("x"), None).map(|_| ()));
+    not_supported(b.activate_adapter("x", 1.0));
+    not_supported(b.deactivate_adapter());
+    not_supported(b.set_adapter_scale(2.0));
+    not_supported(b.list_adapters().map(|_| ()));
+    not_supported(b.remove_adapter("x"));
+}
+
+fn backend() -> Option<WgpuBackend> {
+    let ctx = gpu()?;
+    let mut b = WgpuBackend::with_context(ctx, opts());
+    b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+    Some(b)
+}
+
+fn logits(b: &mut WgpuBackend, ids: &[u32]) -> Vec<f32> {
+    let s = b.session().expect("session");
+    s.reset();
+    s.feed_all(ids).expect("forward").data
+}
+
+#[test]
+fn backend_adapter_lifecycle() {
+    let Some(mut b) = backend() else { return };
+    let ids = Reference::load("adapters").ids("all12_r8.ids");
+    let base = logits(&mut b, &ids);
+    assert!(b.active_adapter().expect("query").is_none());
+    let a = b.load_adapter(&adapter_path("all12_r8"), 1.0).expect("load");
+    let active = b.active_adapter().expect("query").expect("active");
+    assert_eq!((active.id.as_str(), active.scale, active.info.ranks.as_slice()), (a.as_str(), 1.0, &[8][..]));
+    let with_a = logits(&mut b, &ids);
+    let p = b.preload_adapter(&adapter_path("patterns_r16"), Some("patterns")).expect("preload");
+    assert_eq!(p, "patterns");
+    assert_eq!(logits(&mut b, &ids), with_a, "preloading must not activate");
+    assert_eq!(b.list_adapters().expect("list").len(), 2);
+    b.activate_adapter("patterns", 0.5).expect("activate");
+    b.set_adapter_scale(1.0).expect("scale");
+    let with_p = logits(&mut b, &ids);
+    assert_ne!(with_p, with_a);
+    b.activate_adapter(&a, 1.0).expect("back to a");
+    assert_eq!(logits(&mut b, &ids), with_a);
+    b.deactivate_adapter().expect("deactivate");
+    assert_eq!(logits(&mut b, &ids), base);
+    b.activate_adapter(&a, 1.0).expect("a again");
+    b.unload_adapter().expect("unload");
+    assert_eq!(logits(&mut b, &ids), base);
+    assert_eq!(b.list_adapters().expect("list").len(), 1, "unload removes the active adapter");
+    assert!(matches!(b.activate_adapter(&a, 1.0), Err(BackendError::Adapter(AdapterError::UnknownId { .. }))));
+    b.remove_adapter("patterns").expect("remove");
+    assert!(b.list_adapters().expect("list").is_empty());
+}
+
+#[test]
+fn switching_between_tokens_applies_from_the_next_token() {
+    let Some(mut b) = backend() else { return };
+    let ids = Reference::load("adapters").ids("all12_r8.ids");
+    b.preload_adapter(&adapter_path("all12_r8"), Some("a")).expect("a");
+    let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
+    let base = b.generate(&ids, &params).expect("base");
+    let mut n = 0;
+    let switched = b
+        .generate_tokens_with(&ids, &params, &mut |_, switch| {
+            n += 1;
+            if n == 3 {
+                switch.activate("a", 1.0);
+            }
+            true
+        })
+        .expect("switched");
+    assert_eq!(switched[..3], base[..3], "tokens before the switch come from the base model");
+    assert_eq!(b.active_adapter().expect("q").map(|a| a.id), Some("a".to_string()));
+    // The same continuation by hand: base model for the prompt and two tokens, then the adapter.
+    let s = b.session().expect("session");
+    s.set_adapter(None).expect("base");
+    s.reset();
+    s.feed(&ids).expect("prompt");
+    s.feed(&base[..2]).expect("two base tokens");
+    let adapter = Arc::new(LoraAdapter::load(s.model(), &adapter_path("all12_r8")).expect("a"));
+    s.set_adapter(Some((adapter, 1.0))).expect("switch");
+    let mut by_hand = base[..3].to_vec();
+    let mut logits = s.feed(&base[2..3]).expect("third token under the adapter");
+    while by_hand.len() < 6 {
+        let next = qwen35_wgpu::runtime::argmax(logits.last());
+        by_hand.push(next);
+        logits = s.feed(&[next]).expect("step");
+    }
+    assert_eq!(switched, by_hand);
+}
+
+/// Write a modified copy of `all12_r8`: `edit` gets the tensors and the config.
+fn broken(
+    tag: &str,
+    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>, &mut serde_json::Value),
+) -> PathBuf {
+    let dir = scratch_copy(&adapter_path("all12_r8"), tag);
+    let file = dir.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Vec<_> =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    let cfg_path = dir.join("adapter_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).expect("cfg")).expect("json");
+    edit(&mut tensors, &mut cfg);
+    let views: std::collections::HashMap<String, safetensors::tensor::TensorView> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, &file).expect("write");
+    std::fs::write(&cfg_path, cfg.to_string()).expect("write cfg");
+    dir
+}
+
+fn rename(t: &mut [(String, safetensors::Dtype, Vec<usize>, Vec<u8>)], from: &str, to: &str) {
+    for e in t.iter_mut() {
+        e.0 = e.0.replace(from, to);
+    }
+}
+
+#[test]
+fn every_failed_load_leaves_the_state_unchanged() {
+    let Some(mut b) = backend() else { return };
+    let ids = Reference::load("adapters").ids("all12_r8.ids");
+    let active = b.load_adapter(&adapter_path("gdn_mlp_r4_rslora"), 0.5).expect("load");
+    let before = logits(&mut b, &ids);
+    let q_a = "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight";
+    type Case = (&'static str, PathBuf, fn(&AdapterError) -> bool);
+    let cases: Vec<Case> = vec![
+        ("missing", root().join("tests/fixtures/adapters/nope"), |e| matches!(e, AdapterError::Io { .. })),
+        ("not peft", fixture_model("gva_tied_f32"), |e| matches!(e, AdapterError::NotPeft { .. })),
+        (
+            "truncated",
+            {
+                let d = scratch_copy(&adapter_path("all12_r8"), "trunc");
+                let f = d.join("adapter_model.safetensors");
+                let bytes = std::fs::read(&f).expect("read");
+                std::fs::write(&f, &bytes[..bytes.len() - 100]).expect("truncate");
+                d
+            },
+            |e| matches!(e, AdapterError::BadSafetensors { .. }),
+        ),
+        ("rank", broken("rank", |_, c| c["r"] = 4.into()), |e| {
+            matches!(e, AdapterError::RankMismatch { expected: 4, found: 8, .. })
+        }),
+        (
+            "shape",
+            broken("shape", |t, _| {
+                let e = t.iter_mut().find(|e| e.0 == q_a).expect("q A");
+                e.2 = vec![4, 128];
+            }),
+            |e| matches!(e, AdapterError::ShapeMismatch { .. }),
+        ),
+        ("layer", broken("layer", |t, _| rename(t, "layers.7.", "layers.9.")), |e| {
+            matches!(e, AdapterError::LayerOutOfRange { layer: 9, layers: 8, .. })
+        }),
+        (
+            "wrong target",
+            broken("target", |t, _| rename(t, "layers.3.self_attn.q_proj", "layers.2.self_attn.q_proj")),
+            |e| matches!(e, AdapterError::WrongTarget { layer: 2, .. }),
+        ),
+        (
+            "unknown module",
+            broken("unknown", |t, _| rename(t, "linear_attn.in_proj_qkv", "linear_attn.in_proj_qkvz")),
+            |e| matches!(e, AdapterError::UnknownKey { .. }),
+        ),
+        ("untargeted", broken("untargeted", |_, c| c["layers_to_transform"] = serde_json::json!([0, 1])), |e| {
+            matches!(e, AdapterError::NotTargeted { .. })
+        }),
+        (
+            "nan",
+            broken("nan", |t, _| {
+                let e = t.iter_mut().find(|e| e.0 == q_a).expect("q A");
+                e.3[0..4].copy_from_slice(&f32::NAN.to_le_bytes());
+            }),
+            |e| matches!(e, AdapterError::NonFinite { index: 0, .. }),
+        ),
+        ("dora", broken("dora", |_, c| c["use_dora"] = true.into()), |e| matches!(e, AdapterError::Unsupported { .. })),
+        (
+            "dora key",
+            broken("dorakey", |t, _| {
+                t.push((
+                    "base_model.model.model.layers.0.mlp.up_proj.lora_magnitude_vector".into(),
+                    safetensors::Dtype::F32,
+                    vec![1],
+                    vec![0; 4],
+                ))
+            }),
+            |e| matches!(e, AdapterError::Unsupported { .. }),
+        ),
+        (
+            "lora bias",
+            broken("bias", |t, _| {
+                t.push((
+                    "base_model.model.model.layers.0.mlp.up_proj.lora_B.bias".into(),
+                    safetensors::Dtype::F32,
+                    vec![1],
+                    vec![0; 4],
+                ))
+            }),
+            |e| matches!(e, AdapterError::Unsupported { .. }),
+        ),
+        (
+            "embedding",
+            broken("embed", |t, _| {
+                t.push((
+                    "base_model.model.model.embed_tokens.lora_embedding_A".into(),
+                    safetensors::Dtype::F32,
+                    vec![1],
+                    vec![0; 4],
+                ))
+            }),
+            |e| matches!(e, AdapterError::Unsupported { .. }),
+        ),
+        ("modules_to_save", broken("mts", |_, c| c["modules_to_save"] = serde_json::json!(["lm_head"])), |e| {
+            matches!(e, AdapterError::Unsupported { .. })
+        }),
+        ("unpaired", broken("pair", |t, _| t.retain(|e| e.0 != q_a)), |e| {
+            matches!(e, AdapterError::MissingPair { .. })
+        }),
+        ("other model", adapter_path("odd_r4"), |e| {
+            matches!(
+                e,
+                AdapterError::ShapeMismatch { .. }
+                    | AdapterError::WrongTarget { .. }
+                    | AdapterError::LayerOutOfRange { .. }
+            )
+        }),
+        (
+            "dtype",
+            broken("dtype", |t, _| {
+                let e = t.iter_mut().find(|e| e.0 == q_a).expect("q A");
+                e.1 = safetensors::Dtype::I32;
+            }),
+            |e| matches!(e, AdapterError::UnsupportedDtype { .. }),
+        ),
+    ];
+    for (what, path, expected) in cases {
+        for result in [b.load_adapter(&path, 1.0).map(|_| ()), b.preload_adapter(&path, None).map(|_| ())] {
+            match result {
+                Err(BackendError::Adapter(e)) => assert!(expected(&e), "{what}: unexpected error {e}"),
+                other => panic!("{what}: expected an adapter error, got {other:?}"),
+            }
+        }
+        let now = b.active_adapter().expect("q").expect("still active");
+        assert_eq!((now.id.as_str(), now.scale), (active.as_str(), 0.5), "{what}: active adapter changed");
+        assert_eq!(b.list_adapters().expect("list").len(), 1, "{what}: resident set changed");
+        assert_eq!(logits(&mut b, &ids), before, "{what}: logits changed");
+    }
+    assert!(matches!(b.activate_adapter(&active, f32::NAN), Err(BackendError::Adapter(AdapterError::BadScale(_)))));
+    assert_eq!(logits(&mut b, &ids), before);
+}
