@@ -1,7 +1,10 @@
-//! Engine throughput on one checkpoint: model load, batched prefill and cached decode, median of
-//! repeats after a warm-up. (`cargo xtask bench` will drive this together with its peers.)
+//! Engine throughput on one checkpoint: model load, batched prefill and cached decode (median of
+//! repeats after a warm-up), and with `--adapter`: the same with a LoRA adapter applied, the
+//! adapter's load time against reading its file, and adapter swaps between tokens (latency and
+//! bytes uploaded). Prints one JSON line on stdout. (`cargo xtask bench` will drive this together
+//! with its peers.)
 //!
-//! `cargo run --release --example bench -- --model DIR [--prompt 128] [--decode 64] [--repeats 5]`
+//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--prompt 128] [--decode 64] [--repeats 5]`
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -9,13 +12,17 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
-use qwen35_wgpu::{GpuContext, Model, Session, SessionOptions};
+use qwen35_wgpu::runtime::argmax;
+use qwen35_wgpu::{GpuContext, LoraAdapter, Model, Session, SessionOptions};
 
 #[derive(Parser)]
 struct Args {
     /// Checkpoint directory.
     #[arg(long)]
     model: PathBuf,
+    /// A PEFT adapter directory to measure as well.
+    #[arg(long)]
+    adapter: Option<PathBuf>,
     /// Prompt tokens for the prefill measurement.
     #[arg(long, default_value_t = 128)]
     prompt: usize,
@@ -25,11 +32,50 @@ struct Args {
     /// Timed repeats (after one warm-up).
     #[arg(long, default_value_t = 5)]
     repeats: usize,
+    /// Adapter swaps timed.
+    #[arg(long, default_value_t = 1000)]
+    swaps: usize,
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
+#[derive(Default)]
+struct Series(Vec<f64>);
+
+impl Series {
+    fn json(&self) -> serde_json::Value {
+        let mut v = self.0.clone();
+        v.sort_by(f64::total_cmp);
+        if v.is_empty() {
+            return serde_json::Value::Null;
+        }
+        let pick = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+        serde_json::json!({"median": pick(0.5), "min": v[0], "max": v[v.len() - 1], "p99": pick(0.99), "n": v.len()})
+    }
+}
+
+/// Prefill `ids` then decode `decode` greedy tokens; returns (prefill tok/s, decode tok/s).
+fn run(session: &mut Session, ids: &[u32], decode: usize) -> Result<(f64, f64)> {
+    session.reset();
+    let t = Instant::now();
+    let mut logits = session.feed(ids)?;
+    let p = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    for _ in 0..decode {
+        logits = session.feed(&[argmax(logits.last())])?;
+    }
+    Ok((ids.len() as f64 / p, decode as f64 / t.elapsed().as_secs_f64()))
+}
+
+fn measure(session: &mut Session, ids: &[u32], args: &Args, label: &str) -> Result<(Series, Series)> {
+    let (mut prefill, mut decode) = (Series::default(), Series::default());
+    for rep in 0..=args.repeats {
+        let (p, d) = run(session, ids, args.decode)?;
+        eprintln!("{label} rep {rep}: prefill {p:.2} tok/s, decode {d:.2} tok/s");
+        if rep > 0 {
+            prefill.0.push(p);
+            decode.0.push(d);
+        }
+    }
+    Ok((prefill, decode))
 }
 
 fn main() -> Result<()> {
@@ -40,39 +86,92 @@ fn main() -> Result<()> {
     let load_s = t.elapsed().as_secs_f64();
     let vocab = model.config.vocab_size as u32;
     let ids: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
-    let opts = SessionOptions { max_context: args.prompt + args.decode + 1, max_batch: args.prompt.max(1) };
-    let mut session = Session::new(model, opts)?;
-    let (mut prefill, mut decode) = (Vec::new(), Vec::new());
-    for rep in 0..=args.repeats {
-        session.reset();
-        let t = Instant::now();
-        let mut logits = session.feed(&ids)?;
-        let p = t.elapsed().as_secs_f64();
-        let t = Instant::now();
-        for _ in 0..args.decode {
-            let next = qwen35_wgpu::runtime::argmax(logits.last());
-            logits = session.feed(&[next])?;
-        }
-        let d = t.elapsed().as_secs_f64();
-        eprintln!("rep {rep}: prefill {:.1} tok/s, decode {:.2} tok/s", args.prompt as f64 / p, args.decode as f64 / d);
-        if rep > 0 {
-            prefill.push(args.prompt as f64 / p);
-            decode.push(args.decode as f64 / d);
-        }
-    }
-    let summary = serde_json::json!({
+    let opts = SessionOptions { max_context: args.prompt + 3 * args.decode + 16, max_batch: args.prompt.max(1) };
+    let mut session = Session::new(model.clone(), opts)?;
+    let (prefill, decode) = measure(&mut session, &ids, &args, "base")?;
+    let mut summary = serde_json::json!({
         "gpu": ctx.info.name,
         "backend": format!("{:?}", ctx.info.backend),
         "model": args.model,
-        "load_s": load_s,
-        "prompt": args.prompt,
-        "prefill_tok_s_median": median(prefill.clone()),
-        "prefill_tok_s_min_max": [prefill.iter().cloned().fold(f64::MAX, f64::min), prefill.iter().cloned().fold(0.0, f64::max)],
+        "model_load_s": load_s,
+        "prompt_tokens": args.prompt,
         "decode_tokens": args.decode,
-        "decode_tok_s_median": median(decode.clone()),
-        "decode_tok_s_min_max": [decode.iter().cloned().fold(f64::MAX, f64::min), decode.iter().cloned().fold(0.0, f64::max)],
         "repeats": args.repeats,
+        "prefill_tok_s": prefill.json(),
+        "decode_tok_s": decode.json(),
     });
+    if let Some(path) = &args.adapter {
+        let file = path.join("adapter_model.safetensors");
+        let t = Instant::now();
+        let bytes = std::fs::read(&file)?.len();
+        let read_s = t.elapsed().as_secs_f64();
+        let mut loads = Series::default();
+        let mut adapter = None;
+        for _ in 0..3 {
+            let t = Instant::now();
+            let a = LoraAdapter::load(&model, path)?;
+            ctx.device.poll(wgpu::PollType::wait_indefinitely())?;
+            loads.0.push(t.elapsed().as_secs_f64());
+            adapter = Some(Arc::new(a));
+        }
+        let adapter = adapter.expect("loaded three times");
+        session.set_adapter(Some((adapter.clone(), 1.0)))?;
+        let (lp, ld) = measure(&mut session, &ids, &args, "adapter")?;
+        let second = Arc::new(LoraAdapter::load(&model, path)?);
+        let before = ctx.bytes_uploaded();
+        let mut swaps = Series::default();
+        for i in 0..args.swaps {
+            let next = if i % 2 == 0 { second.clone() } else { adapter.clone() };
+            let t = Instant::now();
+            session.set_adapter(Some((next, 1.0)))?;
+            swaps.0.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+        let swap_bytes = ctx.bytes_uploaded() - before;
+        // Decode while switching adapters before every token, against a fixed adapter.
+        session.reset();
+        let mut logits = session.feed(&ids[..8.min(ids.len())])?;
+        let steps = args.decode.min(32);
+        let count = |s: &mut Session, swap: bool, logits: &mut qwen35_wgpu::Logits| -> Result<(f64, u64)> {
+            let b0 = ctx.bytes_uploaded();
+            let t = Instant::now();
+            for i in 0..steps {
+                if swap {
+                    s.set_adapter(Some((if i % 2 == 0 { second.clone() } else { adapter.clone() }, 1.0)))?;
+                }
+                *logits = s.feed(&[argmax(logits.last())])?;
+            }
+            Ok((steps as f64 / t.elapsed().as_secs_f64(), (ctx.bytes_uploaded() - b0) / steps as u64))
+        };
+        let (fixed_tps, fixed_bytes) = count(&mut session, false, &mut logits)?;
+        let (swap_tps, swap_step_bytes) = count(&mut session, true, &mut logits)?;
+        let ratio = |a: &Series, b: &Series| {
+            let med = |s: &Series| {
+                let mut v = s.0.clone();
+                v.sort_by(f64::total_cmp);
+                v[v.len() / 2]
+            };
+            med(a) / med(b)
+        };
+        summary["adapter"] = serde_json::json!({
+            "path": path,
+            "ranks": adapter.info.ranks,
+            "modules": adapter.info.modules.len(),
+            "file_bytes": bytes,
+            "file_read_s": read_s,
+            "load_s": loads.json(),
+            "gpu_bytes": adapter.info.gpu_bytes,
+            "prefill_tok_s": lp.json(),
+            "decode_tok_s": ld.json(),
+            "prefill_ratio_adapter_over_base": ratio(&lp, &prefill),
+            "decode_ratio_adapter_over_base": ratio(&ld, &decode),
+            "swap_us": swaps.json(),
+            "swap_bytes_uploaded_total": swap_bytes,
+            "decode_fixed_adapter_tok_s": fixed_tps,
+            "decode_swapping_every_token_tok_s": swap_tps,
+            "bytes_uploaded_per_decode_step_fixed": fixed_bytes,
+            "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
+        });
+    }
     println!("{summary}");
     Ok(())
 }

@@ -1,6 +1,7 @@
 //! Device selection and the caches every model on a device shares.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::GpuError;
@@ -36,6 +37,7 @@ pub struct GpuContext {
     io_layouts: Mutex<HashMap<IoSpec, wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
+    uploaded: AtomicU64,
 }
 
 impl GpuContext {
@@ -103,7 +105,20 @@ impl GpuContext {
             io_layouts: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
             pipelines: Mutex::new(HashMap::new()),
+            uploaded: AtomicU64::new(0),
         })
+    }
+
+    /// Bytes written host → GPU through this context so far (weights, adapters, per-step
+    /// uniforms and token ids); benchmarks read it to show that an adapter swap uploads nothing.
+    pub fn bytes_uploaded(&self) -> u64 {
+        self.uploaded.load(Ordering::Relaxed)
+    }
+
+    /// Write `bytes` into `buffer` at `offset`, counted by [`GpuContext::bytes_uploaded`].
+    pub fn write(&self, buffer: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
+        self.uploaded.fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        self.queue.write_buffer(buffer, offset, bytes);
     }
 
     /// True when the adapter is a software rasteriser (lavapipe, llvmpipe, WARP).
@@ -246,12 +261,12 @@ impl GpuContext {
         let buffer = self.storage_buffer(label, bytes.len() as u64, true)?;
         let whole = bytes.len() / 4 * 4;
         if whole > 0 {
-            self.queue.write_buffer(&buffer, 0, &bytes[..whole]);
+            self.write(&buffer, 0, &bytes[..whole]);
         }
         if whole < bytes.len() {
             let mut tail = [0u8; 4];
             tail[..bytes.len() - whole].copy_from_slice(&bytes[whole..]);
-            self.queue.write_buffer(&buffer, whole as u64, &tail);
+            self.write(&buffer, whole as u64, &tail);
         }
         Ok(buffer)
     }

@@ -139,7 +139,7 @@ impl<'a> Recorder<'a> {
         }
         let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         if !self.params.is_empty() {
-            self.ctx.queue.write_buffer(arena, 0, &self.params);
+            self.ctx.write(arena, 0, &self.params);
         }
         let mut encoder =
             self.ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });

@@ -293,7 +293,7 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: bool) -> R
     let c = &model.config;
     let t = ids.len();
     let h = c.hidden_size;
-    ctx.queue.write_buffer(&s.ids, 0, bytemuck::cast_slice(ids));
+    ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
     let slot_bytes = (t * h * 4) as u64;
     let captured = if capture {
         Some(ctx.storage_buffer("hidden capture", slot_bytes * (c.num_layers() as u64 + 1), false)?)

@@ -223,6 +223,22 @@ def bench_model(out_dir):
                 p.normal_(0.0, 1.0 / p.shape[-1] ** 0.5)
     save_model(model, spec, out_dir)
     print(f"wrote {out_dir}")
+    # A rank-16 PEFT adapter on all 12 projections with nonzero random A and B, beside the model.
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+               "out_proj", "gate_proj", "up_proj", "down_proj"]
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
+    g = torch.Generator().manual_seed(9)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1 / p.shape[1] ** 0.5)
+    adapter_dir = out_dir.rstrip("/") + "-lora-r16"
+    peft_model.save_pretrained(adapter_dir)
+    print(f"wrote {adapter_dir}")
 
 
 def main():
