@@ -3,11 +3,13 @@
 //! apply adapters says so instead of pretending; [`crate::WgpuBackend`] implements them.
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, ModelError, RunError};
 use crate::lora::AdapterInfo;
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
+use crate::text::{ChatMessage, TextError, TextTokenizer};
 
 /// The id of a resident adapter.
 pub type AdapterId = String;
@@ -24,6 +26,15 @@ pub enum BackendError {
     /// No model is loaded.
     #[error("no model is loaded")]
     NoModel,
+    /// The model directory has no tokenizer, so text entry points cannot work.
+    #[error("the {backend} backend has no tokenizer for this model (tokenizer.json missing)")]
+    NoTokenizer {
+        /// The backend's name.
+        backend: String,
+    },
+    /// Tokenizing, detokenizing or rendering the chat template failed.
+    #[error(transparent)]
+    Text(#[from] TextError),
     /// Loading the model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
@@ -78,8 +89,53 @@ impl AdapterSwitch {
     }
 }
 
-/// An LLM engine as an application embeds it. Generation works on token ids here; text entry
-/// points come with the tokenizer.
+/// Emits text deltas while holding back any tail that could still become a stop string.
+struct StopFilter<'a> {
+    stop: &'a [String],
+    text: String,
+    emitted: usize,
+    stopped: bool,
+}
+
+impl<'a> StopFilter<'a> {
+    fn new(stop: &'a [String]) -> Self {
+        Self { stop, text: String::new(), emitted: 0, stopped: false }
+    }
+
+    /// Add a delta; returns the text that is safe to emit now.
+    fn push(&mut self, delta: &str) -> &str {
+        let start = self.emitted;
+        self.text.push_str(delta);
+        let hit = self.stop.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min();
+        let safe = match hit {
+            Some(at) => {
+                self.stopped = true;
+                self.text.truncate(at);
+                at
+            }
+            None => {
+                let hold = self.stop.iter().map(|s| s.len().saturating_sub(1)).max().unwrap_or(0);
+                let mut cut = self.text.len().saturating_sub(hold).max(start);
+                while !self.text.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                cut.max(start)
+            }
+        };
+        self.emitted = safe;
+        &self.text[start..safe]
+    }
+
+    /// The held-back tail at the end of generation.
+    fn finish(&mut self) -> &str {
+        let start = self.emitted;
+        self.emitted = self.text.len();
+        &self.text[start..]
+    }
+}
+
+/// An LLM engine as an application embeds it: text in, text out (through the model's own
+/// tokenizer and chat template), with token-id entry points underneath.
 pub trait LlmBackend {
     /// A short name for messages (`"wgpu"`, …).
     fn backend_name(&self) -> &str;
@@ -105,14 +161,80 @@ pub trait LlmBackend {
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>, BackendError>;
 
-    /// Generate and collect the tokens.
-    fn generate(&mut self, prompt: &[u32], params: &GenerateParams) -> Result<Vec<u32>, BackendError> {
+    /// Generate from token ids and collect the tokens.
+    fn generate_ids(&mut self, prompt: &[u32], params: &GenerateParams) -> Result<Vec<u32>, BackendError> {
         self.generate_tokens(prompt, params, &mut |_| true)
+    }
+
+    /// The model's tokenizer (`None` without `tokenizer.json`).
+    fn tokenizer(&self) -> Option<Arc<TextTokenizer>> {
+        None
+    }
+
+    /// Generate from raw `prompt` text (no chat template), streaming text deltas to `on_text`
+    /// (return `false` to stop). Deltas never split a UTF-8 character; generation stops at EOS,
+    /// `max_tokens` or the first of `params.stop`, which is not included.
+    fn generate_stream(
+        &mut self,
+        prompt: &str,
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<String, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
+        let ids = tok.encode(prompt)?;
+        let mut stream = tok.stream();
+        let mut filter = StopFilter::new(&params.stop);
+        let mut failure = None;
+        self.generate_tokens(&ids, params, &mut |id| match stream.step(id) {
+            Ok(Some(delta)) => {
+                let safe = filter.push(&delta);
+                let go_on = safe.is_empty() || on_text(safe);
+                go_on && !filter.stopped
+            }
+            Ok(None) => true,
+            Err(e) => {
+                failure = Some(e);
+                false
+            }
+        })?;
+        if let Some(e) = failure {
+            return Err(e.into());
+        }
+        let tail = filter.finish().to_string();
+        if !tail.is_empty() {
+            on_text(&tail);
+        }
+        Ok(filter.text)
+    }
+
+    /// Generate from raw `prompt` text and return the text.
+    fn generate(&mut self, prompt: &str, params: &GenerateParams) -> Result<String, BackendError> {
+        self.generate_stream(prompt, params, &mut |_| true)
+    }
+
+    /// Render `messages` with the model's chat template (with the generation prompt) and
+    /// generate the reply, streaming deltas.
+    fn chat(
+        &mut self,
+        messages: &[ChatMessage],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<String, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
+        let prompt = tok.apply_chat_template(messages)?;
+        self.generate_stream(&prompt, params, on_text)
     }
 
     /// An embedding of `ids`: the mean over positions of the model's final (normalised) hidden
     /// states, `[hidden_size]`.
-    fn embeddings(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError>;
+    fn embeddings_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError>;
+
+    /// An embedding of `text` (see [`LlmBackend::embeddings_ids`] for the pooling).
+    fn embeddings(&mut self, text: &str) -> Result<Vec<f32>, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
+        let ids = tok.encode(text)?;
+        self.embeddings_ids(&ids)
+    }
 
     /// Load a PEFT adapter (directory or `.safetensors` file) and apply it with `scale`; the
     /// adapter it replaces is unloaded. A failed load changes nothing.
@@ -168,5 +290,32 @@ pub trait LlmBackend {
     /// The error the default adapter methods return.
     fn no_adapters(&self) -> BackendError {
         BackendError::AdapterNotSupported { backend: self.backend_name().to_string() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::StopFilter;
+
+    fn run(stop: &[&str], deltas: &[&str]) -> (String, String, bool) {
+        let stop: Vec<String> = stop.iter().map(|s| s.to_string()).collect();
+        let mut f = StopFilter::new(&stop);
+        let mut streamed = String::new();
+        for d in deltas {
+            streamed.push_str(f.push(d));
+            if f.stopped {
+                break;
+            }
+        }
+        streamed.push_str(f.finish());
+        (streamed, f.text.clone(), f.stopped)
+    }
+
+    #[test]
+    fn stop_strings_cut_the_text_and_are_never_streamed() {
+        assert_eq!(run(&["END"], &["hello E", "N", "D more"]), ("hello ".into(), "hello ".into(), true));
+        assert_eq!(run(&["xx", "END"], &["aEN", "Xb"]), ("aENXb".into(), "aENXb".into(), false));
+        assert_eq!(run(&[], &["é", "ü"]), ("éü".into(), "éü".into(), false));
+        assert_eq!(run(&["ü!"], &["aé", "ü", "!"]), ("aé".into(), "aé".into(), true));
     }
 }

@@ -25,6 +25,7 @@ pub mod lora;
 pub mod model;
 pub mod reference;
 pub mod runtime;
+pub mod text;
 mod wgpu_backend;
 
 pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
@@ -33,4 +34,5 @@ pub use gpu::GpuContext;
 pub use lora::{AdapterInfo, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, TextConfig};
 pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};
+pub use text::{ChatMessage, TextError, TextTokenizer};
 pub use wgpu_backend::WgpuBackend;

@@ -10,11 +10,13 @@ use crate::gpu::GpuContext;
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::Model;
 use crate::runtime::{GenerateParams, Session, SessionOptions};
+use crate::text::TextTokenizer;
 
 struct Loaded {
     path: PathBuf,
     model: Arc<Model>,
     session: Session,
+    tokenizer: Option<Arc<TextTokenizer>>,
 }
 
 /// The wgpu backend: one model, one session, any number of resident adapters, one active.
@@ -35,6 +37,11 @@ impl WgpuBackend {
     /// A backend on an existing context.
     pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
         Self { ctx, opts, loaded: None, resident: Vec::new(), active: None }
+    }
+
+    /// The GPU context (e.g. to read [`GpuContext::bytes_uploaded`]).
+    pub fn context(&self) -> &Arc<GpuContext> {
+        &self.ctx
     }
 
     fn loaded(&mut self) -> Result<&mut Loaded, BackendError> {
@@ -82,7 +89,7 @@ impl WgpuBackend {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32, &mut AdapterSwitch) -> bool,
     ) -> Result<Vec<u32>, BackendError> {
-        let mut sampler = crate::runtime::Sampler::new(params.temperature, params.top_k, params.top_p, params.seed)?;
+        let mut sampler = crate::runtime::Sampler::from_params(params)?;
         let eos = self.loaded()?.model.eos_token_ids.clone();
         let session = &mut self.loaded()?.session;
         session.reset();
@@ -90,9 +97,11 @@ impl WgpuBackend {
         if params.max_tokens == 0 {
             return Ok(out);
         }
+        let mut history = prompt.to_vec();
         let mut logits = session.feed(prompt)?;
         loop {
-            let next = sampler.sample(logits.last());
+            let next = sampler.sample_after(logits.last(), &history);
+            history.push(next);
             out.push(next);
             let mut switch = AdapterSwitch::default();
             let go_on = on_token(next, &mut switch);
@@ -115,10 +124,12 @@ impl LlmBackend for WgpuBackend {
 
     fn load_model(&mut self, path: &Path) -> Result<(), BackendError> {
         let model = Arc::new(Model::load(self.ctx.clone(), path)?);
+        let tokenizer =
+            if path.join("tokenizer.json").is_file() { Some(Arc::new(TextTokenizer::from_dir(path)?)) } else { None };
         let session = Session::new(model.clone(), self.opts.clone())?;
         self.resident.clear();
         self.active = None;
-        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session });
+        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer });
         Ok(())
     }
 
@@ -151,7 +162,11 @@ impl LlmBackend for WgpuBackend {
         Ok(session.generate(prompt, params, on_token)?)
     }
 
-    fn embeddings(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
+    fn tokenizer(&self) -> Option<Arc<TextTokenizer>> {
+        self.loaded.as_ref().and_then(|l| l.tokenizer.clone())
+    }
+
+    fn embeddings_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
         let session = &mut self.loaded()?.session;
         session.reset();
         let hidden = session.final_hidden(ids)?;

@@ -12,6 +12,7 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
+use qwen35_wgpu::gpu::{IoBindCache, Recorder};
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::{GpuContext, LoraAdapter, Model, Session, SessionOptions};
 
@@ -35,6 +36,36 @@ struct Args {
     /// Adapter swaps timed.
     #[arg(long, default_value_t = 1000)]
     swaps: usize,
+    /// MiB copied per repeat by the bandwidth yardstick (0 = skip).
+    #[arg(long, default_value_t = 128)]
+    copy_mib: u64,
+}
+
+/// The device's copy bandwidth (bytes read + written per second), median of 5 after a warm-up.
+fn copy_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
+    let bytes = (mib << 20).min(ctx.max_binding()) / 16 * 16;
+    let src = ctx.storage_buffer("copy src", bytes, true)?;
+    let dst = ctx.storage_buffer("copy dst", bytes, true)?;
+    let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("copy arena"),
+        size: 256,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut cache = IoBindCache::new(arena);
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        let t = Instant::now();
+        let mut rec = Recorder::new(ctx, &mut cache);
+        qwen35_wgpu::kernels::misc::copy(&mut rec, &src, &dst, bytes)?;
+        rec.submit()?;
+        ctx.device.poll(wgpu::PollType::wait_indefinitely())?;
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(2.0 * bytes as f64 / times[times.len() / 2])
 }
 
 #[derive(Default)]
@@ -89,6 +120,21 @@ fn main() -> Result<()> {
     let opts = SessionOptions { max_context: args.prompt + 3 * args.decode + 16, max_batch: args.prompt.max(1) };
     let mut session = Session::new(model.clone(), opts)?;
     let (prefill, decode) = measure(&mut session, &ids, &args, "base")?;
+    let weight_bytes = model.decode_weight_bytes();
+    let bandwidth = if args.copy_mib > 0 { Some(copy_bandwidth(&ctx, args.copy_mib)?) } else { None };
+    let floor = bandwidth.map(|bw| {
+        let mut d = decode.0.clone();
+        d.sort_by(f64::total_cmp);
+        let per_token = 1.0 / d[d.len() / 2];
+        let floor_s = weight_bytes as f64 / bw;
+        serde_json::json!({
+            "copy_bandwidth_gb_s": bw / 1e9,
+            "weight_bytes_per_decode_token": weight_bytes,
+            "floor_ms_per_token": floor_s * 1e3,
+            "measured_ms_per_token": per_token * 1e3,
+            "decode_efficiency_of_floor": floor_s / per_token,
+        })
+    });
     let mut summary = serde_json::json!({
         "gpu": ctx.info.name,
         "backend": format!("{:?}", ctx.info.backend),
@@ -99,6 +145,7 @@ fn main() -> Result<()> {
         "repeats": args.repeats,
         "prefill_tok_s": prefill.json(),
         "decode_tok_s": decode.json(),
+        "bandwidth_floor": floor,
     });
     if let Some(path) = &args.adapter {
         let file = path.join("adapter_model.safetensors");

@@ -1,27 +1,31 @@
-//! The README's main command: greedy or sampled generation from token ids on the embedded
-//! default model (or `--model DIR`). Tokens stream to stdout; timings go to stderr.
+//! Chat with a model: render the question with the model's chat template, stream the answer.
 //!
-//! `cargo run --release --example generate [-- --model DIR --ids 1,2,3 --max-tokens 32]`
+//! `cargo run --release --example generate -- [--model DIR] [--adapter DIR[:SCALE]] [--prompt TEXT]
+//!  [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
+//!
+//! Defaults to the embedded demo model. The answer streams to stdout; timings go to stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{GenerateParams, GpuContext, Model, Session, SessionOptions};
+use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, SessionOptions, WgpuBackend};
 
 #[derive(Parser)]
 struct Args {
-    /// Checkpoint directory (default: the embedded tiny random-weight model).
+    /// Model directory (default: the embedded demo model).
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Prompt token ids, comma-separated.
-    #[arg(long, value_delimiter = ',', default_value = "1,2,3,4,5")]
-    ids: Vec<u32>,
+    /// PEFT adapter, `PATH[:SCALE]`.
+    #[arg(long)]
+    adapter: Option<String>,
+    /// The user's message.
+    #[arg(long, default_value = "What color is the sky?")]
+    prompt: String,
     /// Most new tokens.
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 64)]
     max_tokens: usize,
     /// Sampling temperature (0 = greedy).
     #[arg(long, default_value_t = 0.0)]
@@ -35,52 +39,50 @@ struct Args {
     /// Sampling seed.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Repetition penalty (1 = off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Stop strings.
+    #[arg(long)]
+    stop: Vec<String>,
 }
 
 fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
-    let dir = args
-        .model
-        .clone()
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/assets/tiny-qwen35"));
-    let t0 = Instant::now();
-    let ctx = Arc::new(GpuContext::new()?);
-    eprintln!("adapter: {} ({:?})", ctx.info.name, ctx.info.backend);
-    let model = Arc::new(Model::load(ctx, &dir).with_context(|| format!("loading {}", dir.display()))?);
-    eprintln!("loaded {} in {:.2} s ({} layers)", dir.display(), t0.elapsed().as_secs_f64(), model.config.num_layers());
-    let mut session = Session::new(
-        model,
-        SessionOptions { max_context: args.ids.len() + args.max_tokens + 1, ..Default::default() },
-    )?;
+    let dir =
+        args.model.clone().unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/assets/demo"));
+    let mut backend = WgpuBackend::new(SessionOptions { max_context: 1024, max_batch: 128 })?;
+    eprintln!("adapter: {} ({:?})", backend.context().info.name, backend.context().info.backend);
+    let t = Instant::now();
+    backend.load_model(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    eprintln!("loaded {} in {:.2} s", dir.display(), t.elapsed().as_secs_f64());
+    if let Some(spec) = &args.adapter {
+        let (path, scale) = match spec.rsplit_once(':').and_then(|(p, s)| Some((p, s.parse::<f32>().ok()?))) {
+            Some((p, s)) => (PathBuf::from(p), s),
+            None => (PathBuf::from(spec), 1.0),
+        };
+        backend.load_adapter(&path, scale).with_context(|| format!("loading adapter {}", path.display()))?;
+    }
     let params = GenerateParams {
         max_tokens: args.max_tokens,
         temperature: args.temperature,
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
+        repetition_penalty: args.repetition_penalty,
+        stop: args.stop.clone(),
         stop_at_eos: true,
     };
-    println!("prompt: {:?}", args.ids);
-    print!("tokens:");
-    let t1 = Instant::now();
-    let mut first = None;
-    let out = session.generate(&args.ids, &params, |t| {
-        first.get_or_insert_with(|| t1.elapsed());
-        print!(" {t}");
+    let t = Instant::now();
+    let mut deltas = 0;
+    backend.chat(&[ChatMessage::new("user", &args.prompt)], &params, &mut |d| {
+        deltas += 1;
+        print!("{d}");
         let _ = std::io::stdout().flush();
         true
     })?;
     println!();
-    let total = t1.elapsed().as_secs_f64();
-    let prefill = first.map(|d| d.as_secs_f64()).unwrap_or(total);
-    let decode_tps = if out.len() > 1 { (out.len() - 1) as f64 / (total - prefill) } else { 0.0 };
-    eprintln!(
-        "{} prompt tokens in {:.1} ms, {} new tokens, decode {:.1} tok/s",
-        args.ids.len(),
-        prefill * 1e3,
-        out.len(),
-        decode_tps
-    );
+    eprintln!("{deltas} text deltas in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     Ok(())
 }

@@ -171,7 +171,7 @@ impl LlmBackend for NoAdapters {
     ) -> Result<Vec<u32>, BackendError> {
         Ok(prompt.to_vec())
     }
-    fn embeddings(&mut self, _: &[u32]) -> Result<Vec<f32>, BackendError> {
+    fn embeddings_ids(&mut self, _: &[u32]) -> Result<Vec<f32>, BackendError> {
         Ok(Vec::new())
     }
 }
@@ -246,7 +246,7 @@ fn switching_between_tokens_applies_from_the_next_token() {
     let ids = Reference::load("adapters").ids("all12_r8.ids");
     b.preload_adapter(&adapter_path("all12_r8"), Some("a")).expect("a");
     let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
-    let base = b.generate(&ids, &params).expect("base");
+    let base = b.generate_ids(&ids, &params).expect("base");
     let mut n = 0;
     let switched = b
         .generate_tokens_with(&ids, &params, &mut |_, switch| {

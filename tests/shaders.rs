@@ -6,7 +6,7 @@ use naga::valid::{Capabilities, ValidationFlags, Validator};
 use qwen35_wgpu::kernels::{Kernel, PipelineKey, Shader};
 use qwen35_wgpu::model::Dtype;
 
-const KERNELS: [Kernel; 13] = [
+const KERNELS: [Kernel; 14] = [
     Kernel::Matmul,
     Kernel::Matvec,
     Kernel::MatmulLora,
@@ -20,6 +20,7 @@ const KERNELS: [Kernel; 13] = [
     Kernel::DeltaRule,
     Kernel::Embed,
     Kernel::Swiglu,
+    Kernel::Copy,
 ];
 
 fn parse(shader: Shader) -> (naga::Module, naga::valid::ModuleInfo) {

@@ -183,8 +183,31 @@ fn first_row(wg: vec3<u32>, nwg: vec3<u32>) -> u32 {
     return (wg.y * nwg.x + wg.x) * ROWS;
 }
 
+// Two 16-bit weights of one u32 word, low half first.
+fn pair(word: u32) -> vec2<f32> {
+    if (W_DTYPE == 1u) {
+        return vec2<f32>(bitcast<f32>(word << 16u), bitcast<f32>(word & 0xffff0000u));
+    }
+    return unpack2x16float(word);
+}
+
 fn base_rows(row0: u32, li: u32) -> vec4<f32> {
     var acc = vec4<f32>(0.0);
+    if (W_DTYPE != 0u && (p.k & 1u) == 0u) {
+        // 16-bit weights, even K: each invocation reads whole words (two weights), neighbours
+        // read neighbouring words, so every weight byte is loaded once.
+        let words = p.k >> 1u;
+        for (var j = li; j < words; j += WG) {
+            let xv = vec2<f32>(x[p.x_offset + 2u * j], x[p.x_offset + 2u * j + 1u]);
+            for (var r = 0u; r < ROWS; r++) {
+                if (row0 + r < p.n) {
+                    let wv = pair(w[(((row0 + r) * p.k) >> 1u) + j]);
+                    acc[r] = fma(wv.y, xv.y, fma(wv.x, xv.x, acc[r]));
+                }
+            }
+        }
+        return acc;
+    }
     for (var k = li; k < p.k; k += WG) {
         let xv = x[p.x_offset + k];
         for (var r = 0u; r < ROWS; r++) {

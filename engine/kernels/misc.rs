@@ -1,4 +1,4 @@
-//! `embed.wgsl` and `swiglu.wgsl`.
+//! `embed.wgsl`, `swiglu.wgsl` and `copy.wgsl`.
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
@@ -46,4 +46,12 @@ pub fn swiglu(rec: &mut Recorder, g: &wgpu::Buffer, u: &wgpu::Buffer, n: usize) 
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     let groups = grid_1d((n as u32).div_ceil(64), max);
     rec.dispatch(PipelineKey::plain(Kernel::Swiglu), &params, &[u, g], &[], groups)
+}
+
+/// Record a copy of `bytes` (a multiple of 16) from `src` to `dst`.
+pub fn copy(rec: &mut Recorder, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<(), GpuError> {
+    let n = (bytes / 16) as u32;
+    let params = EmbedParams { n, ..Default::default() };
+    let groups = [n.div_ceil(256).clamp(1, 4096), 1, 1];
+    rec.dispatch(PipelineKey::plain(Kernel::Copy), &params, &[src, dst], &[], groups)
 }

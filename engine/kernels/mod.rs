@@ -31,11 +31,13 @@ pub enum Shader {
     Embed,
     /// `swiglu.wgsl`
     Swiglu,
+    /// `copy.wgsl`
+    Copy,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 8] = [
+    pub const ALL: [Shader; 9] = [
         Shader::Matmul,
         Shader::Norm,
         Shader::AttentionPrep,
@@ -44,6 +46,7 @@ impl Shader {
         Shader::GdnRule,
         Shader::Embed,
         Shader::Swiglu,
+        Shader::Copy,
     ];
 
     /// The file name under `wgsl/`.
@@ -57,6 +60,7 @@ impl Shader {
             Shader::GdnRule => "gdn_rule.wgsl",
             Shader::Embed => "embed.wgsl",
             Shader::Swiglu => "swiglu.wgsl",
+            Shader::Copy => "copy.wgsl",
         }
     }
 
@@ -71,6 +75,7 @@ impl Shader {
             Shader::GdnRule => include_str!("../../wgsl/gdn_rule.wgsl"),
             Shader::Embed => include_str!("../../wgsl/embed.wgsl"),
             Shader::Swiglu => include_str!("../../wgsl/swiglu.wgsl"),
+            Shader::Copy => include_str!("../../wgsl/copy.wgsl"),
         }
     }
 }
@@ -104,6 +109,8 @@ pub enum Kernel {
     Embed,
     /// SwiGLU product.
     Swiglu,
+    /// Buffer copy (bandwidth yardstick).
+    Copy,
 }
 
 impl Kernel {
@@ -118,6 +125,7 @@ impl Kernel {
             Kernel::DeltaRule => Shader::GdnRule,
             Kernel::Embed => Shader::Embed,
             Kernel::Swiglu => Shader::Swiglu,
+            Kernel::Copy => Shader::Copy,
         }
     }
 
@@ -137,6 +145,7 @@ impl Kernel {
             Kernel::DeltaRule => "delta_rule",
             Kernel::Embed => "embed",
             Kernel::Swiglu => "swiglu",
+            Kernel::Copy => "copy",
         }
     }
 
@@ -144,7 +153,7 @@ impl Kernel {
     pub fn io(self) -> IoSpec {
         match self {
             Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
-            Kernel::Embed | Kernel::Swiglu => &[R, W],
+            Kernel::Embed | Kernel::Swiglu | Kernel::Copy => &[R, W],
             Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],
@@ -156,7 +165,7 @@ impl Kernel {
 
     /// Whether the kernel binds a group-1 weight buffer.
     pub fn has_weights(self) -> bool {
-        !matches!(self, Kernel::Attend | Kernel::Swiglu)
+        !matches!(self, Kernel::Attend | Kernel::Swiglu | Kernel::Copy)
     }
 
     /// Whether the kernel binds a group-2 adapter slot (LoRA B).

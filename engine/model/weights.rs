@@ -240,6 +240,26 @@ impl Model {
     pub fn output(&self) -> &GpuWeight {
         self.lm_head.as_ref().unwrap_or(&self.embed)
     }
+
+    /// Weight bytes a decode step must read: every projection of every layer and the output
+    /// projection (the embedding gather reads one row).
+    pub fn decode_weight_bytes(&self) -> u64 {
+        let mut total = self.output().bytes();
+        for l in &self.layers {
+            total += l.mlp.gate_proj.bytes() + l.mlp.up_proj.bytes() + l.mlp.down_proj.bytes();
+            total += match &l.mixer {
+                Mixer::Attention(a) => a.q_proj.bytes() + a.k_proj.bytes() + a.v_proj.bytes() + a.o_proj.bytes(),
+                Mixer::Gdn(g) => {
+                    g.in_proj_qkv.bytes()
+                        + g.in_proj_z.bytes()
+                        + g.in_proj_b.bytes()
+                        + g.in_proj_a.bytes()
+                        + g.out_proj.bytes()
+                }
+            };
+        }
+        total
+    }
 }
 
 fn read_generation_eos(dir: &Path) -> Result<Option<Vec<u32>>, ModelError> {

@@ -18,13 +18,27 @@ pub struct GenerateParams {
     pub top_p: f32,
     /// Sampling seed.
     pub seed: u64,
+    /// transformers' repetition penalty over prompt and generated tokens (1 = off).
+    pub repetition_penalty: f32,
+    /// Stop when the generated text contains one of these (text entry points only; the
+    /// returned text ends before it).
+    pub stop: Vec<String>,
     /// Stop at the model's EOS ids (the EOS token is returned, as transformers does).
     pub stop_at_eos: bool,
 }
 
 impl Default for GenerateParams {
     fn default() -> Self {
-        Self { max_tokens: 64, temperature: 0.0, top_k: 0, top_p: 1.0, seed: 0, stop_at_eos: true }
+        Self {
+            max_tokens: 64,
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            seed: 0,
+            repetition_penalty: 1.0,
+            stop: Vec::new(),
+            stop_at_eos: true,
+        }
     }
 }
 
@@ -37,15 +51,17 @@ impl Session {
         params: &GenerateParams,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Vec<u32>, RunError> {
-        let mut sampler = Sampler::new(params.temperature, params.top_k, params.top_p, params.seed)?;
+        let mut sampler = Sampler::from_params(params)?;
         let eos = self.model.eos_token_ids.clone();
         let mut out = Vec::new();
         if params.max_tokens == 0 {
             return Ok(out);
         }
+        let mut history = prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
-            let next = sampler.sample(logits.last());
+            let next = sampler.sample_after(logits.last(), &history);
+            history.push(next);
             out.push(next);
             let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
             if !on_token(next) || stop {

@@ -2,6 +2,7 @@
 //! (the order transformers applies its warpers in).
 
 use crate::error::RunError;
+use crate::runtime::GenerateParams;
 
 /// A small deterministic PRNG (SplitMix64) so that a seed reproduces a generation.
 #[derive(Clone, Debug)]
@@ -25,6 +26,7 @@ impl SplitMix64 {
 /// Chooses the next token.
 #[derive(Clone, Debug)]
 pub struct Sampler {
+    repetition_penalty: f32,
     temperature: f32,
     top_k: usize,
     top_p: f32,
@@ -41,12 +43,41 @@ impl Sampler {
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(RunError::BadParam { name: "top_p", value: top_p.to_string(), expected: "in (0, 1]" });
         }
-        Ok(Self { temperature, top_k, top_p, rng: SplitMix64(seed) })
+        Ok(Self { repetition_penalty: 1.0, temperature, top_k, top_p, rng: SplitMix64(seed) })
+    }
+
+    /// The sampler a [`GenerateParams`] describes.
+    pub fn from_params(p: &GenerateParams) -> Result<Self, RunError> {
+        if !(p.repetition_penalty.is_finite() && p.repetition_penalty > 0.0) {
+            return Err(RunError::BadParam {
+                name: "repetition_penalty",
+                value: p.repetition_penalty.to_string(),
+                expected: "> 0",
+            });
+        }
+        let mut s = Self::new(p.temperature, p.top_k, p.top_p, p.seed)?;
+        s.repetition_penalty = p.repetition_penalty;
+        Ok(s)
+    }
+
+    /// Pick a token after applying the repetition penalty to the ids in `history`
+    /// (transformers' rule: positive logits are divided by the penalty, negative multiplied).
+    pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+        if self.repetition_penalty == 1.0 {
+            return self.sample(logits);
+        }
+        let mut l = logits.to_vec();
+        for &id in history {
+            if let Some(v) = l.get_mut(id as usize) {
+                *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
+            }
+        }
+        self.sample(&l)
     }
 
     /// Greedy decoding.
     pub fn greedy() -> Self {
-        Self { temperature: 0.0, top_k: 0, top_p: 1.0, rng: SplitMix64(0) }
+        Self { repetition_penalty: 1.0, temperature: 0.0, top_k: 0, top_p: 1.0, rng: SplitMix64(0) }
     }
 
     /// Pick a token from one row of logits.
@@ -129,6 +160,16 @@ mod tests {
         let logits = [0.1, 2.0, 0.3, 1.9];
         let mut s = Sampler::new(1.0, 0, 1e-6, 3).expect("valid params");
         assert!((0..10).all(|_| s.sample(&logits) == 1));
+    }
+
+    #[test]
+    fn repetition_penalty_follows_transformers() {
+        let p = GenerateParams { repetition_penalty: 2.0, ..Default::default() };
+        let mut s = Sampler::from_params(&p).expect("valid");
+        // Token 0 (logit 3) is penalised to 1.5, below token 1 (2.0); a negative logit falls.
+        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[0]), 1);
+        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[]), 0);
+        assert_eq!(s.sample_after(&[-1.0, -1.5], &[0]), 1);
     }
 
     #[test]

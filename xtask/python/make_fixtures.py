@@ -12,7 +12,6 @@ Outputs (all small, committed):
       prompt{i}.logits     [T, V] f32     logits at every prompt position (full prefill)
       prompt{i}.hidden     [L+1, T, H]    residual stream: embeddings, then after each layer
       prompt{i}.generated  [N] i64        greedy continuation computed with the cache
-  examples/assets/tiny-qwen35/           the embedded default model (README's main command)
 """
 
 import argparse
@@ -96,17 +95,6 @@ MODELS = {
         ),
     ),
 }
-
-DEFAULT_MODEL = dict(
-    kind="vlm",
-    dtype=torch.bfloat16,
-    text=text_config(
-        vocab_size=1024, hidden_size=128, intermediate_size=320, num_hidden_layers=8,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, tie_word_embeddings=True,
-    ),
-)
 
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=48,
               patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
@@ -270,11 +258,6 @@ def main():
             summary[f"{name}/prompt{i}"] = gen.tolist()
         save_file(tensors, os.path.join(ref_dir, f"{name}.safetensors"))
         save_model(model, spec, os.path.join(models_dir, name))
-    model, _ = build(DEFAULT_MODEL, 1234)
-    default_dir = os.path.join(args.root, "examples", "assets", "tiny-qwen35")
-    save_model(model, DEFAULT_MODEL, default_dir)
-    with open(os.path.join(default_dir, "generation_config.json"), "w") as f:
-        json.dump({"eos_token_id": [0], "do_sample": False}, f, indent=2)
     print(json.dumps(summary, indent=1))
 
 

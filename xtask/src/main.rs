@@ -1,5 +1,6 @@
 //! Project automation: `cargo xtask <command>`.
 
+mod bench;
 mod lavapipe;
 
 use std::path::{Path, PathBuf};
@@ -15,21 +16,29 @@ cargo xtask <command>
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
-  fixtures             regenerate tests/fixtures (models, PEFT adapters, reference outputs) and
-                       the embedded model with transformers + peft (creates target/fixtures-venv
-                       with pinned torch/transformers/peft; CPU only)
+  fixtures             regenerate tests/fixtures (models, PEFT adapters, reference outputs) with
+                       transformers + peft (creates target/fixtures-venv with pinned
+                       torch/transformers/peft/tokenizers; CPU only)
+  train-demo           train the embedded demo model, its tokenizer and its two LoRA adapters on a
+                       synthetic corpus, and record transformers + peft generations (~20 min, CPU)
+  bench [--quick]      this engine and transformers + peft on the same 0.8B-dimension random model and
+                       rank-16 adapter, plus the copy-bandwidth floor; writes BENCHMARKS.md
+                       (--quick: tiny sizes, one repeat)
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
 /// Pinned oracle versions (the fixtures committed were made with these).
-const PY_PINS: &[&str] = &["torch==2.15.0", "transformers==5.23.0", "peft==0.21.2", "safetensors==0.8.0", "numpy"];
+const PY_PINS: &[&str] =
+    &["torch==2.15.0", "transformers==5.23.0", "peft==0.21.2", "safetensors==0.8.0", "tokenizers==0.23.3", "numpy"];
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
-        Some("fixtures") => fixtures(),
+        Some("fixtures") => python(&["make_fixtures.py", "make_adapters.py"]),
+        Some("train-demo") => python(&["train_demo.py"]),
+        Some("bench") => bench::run(&root(), &venv()?, args.iter().any(|a| a == "--quick")),
         Some("probe") => probe(),
         _ => {
             print!("{HELP}");
@@ -109,7 +118,8 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
     }
     eprintln!("GPU adapter: {name}");
     let mut cmd = cargo();
-    cmd.args(["test", "--release", "--test", "parity", "--test", "kernels", "--test", "model_errors"])
+    cmd.args(["test", "--release"])
+        .args(["--test", "parity", "--test", "kernels", "--test", "model_errors", "--test", "lora", "--test", "demo"])
         .env("QWEN35_REQUIRE_ADAPTER", "1");
     if !allow_cpu {
         cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
@@ -117,9 +127,9 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
     run(cmd)
 }
 
-fn fixtures() -> Result<()> {
-    let root = root();
-    let venv = root.join("target/fixtures-venv");
+/// The project's Python (a venv under target/ with the pinned oracle), created on first use.
+fn venv() -> Result<PathBuf> {
+    let venv = root().join("target/fixtures-venv");
     let python = venv.join("bin/python");
     if !python.exists() {
         let mut cmd = Command::new("python3");
@@ -129,7 +139,16 @@ fn fixtures() -> Result<()> {
     let mut pip = Command::new(&python);
     pip.args(["-m", "pip", "install", "-q"]).args(PY_PINS);
     run(pip)?;
-    let mut make = Command::new(&python);
-    make.arg(root.join("xtask/python/make_fixtures.py")).arg("--root").arg(&root);
-    run(make)
+    Ok(python)
+}
+
+fn python(scripts: &[&str]) -> Result<()> {
+    let root = root();
+    let python = venv()?;
+    for script in scripts {
+        let mut make = Command::new(&python);
+        make.arg(root.join("xtask/python").join(script)).arg("--root").arg(&root);
+        run(make)?;
+    }
+    Ok(())
 }

@@ -1,0 +1,164 @@
+//! Text in, text out: the checkpoint's own tokenizer (`tokenizer.json`, through the `tokenizers`
+//! crate) and chat template (`chat_template.jinja` or `tokenizer_config.json`, through
+//! `minijinja` with Python-compatible string methods), plus streaming decode that never splits a
+//! UTF-8 character across deltas.
+
+mod chat;
+
+use std::path::Path;
+
+pub use chat::{ChatMessage, ChatTemplate};
+
+/// Errors of the text layer.
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// A tokenizer file is missing or unreadable.
+    #[error("cannot read {path}: {message}")]
+    Io {
+        /// The file.
+        path: std::path::PathBuf,
+        /// Why.
+        message: String,
+    },
+    /// The tokenizer rejected a file or an input.
+    #[error("tokenizer error ({during}): {message}")]
+    Tokenizer {
+        /// What was being done.
+        during: &'static str,
+        /// The library's message.
+        message: String,
+    },
+    /// The chat template failed to parse or render.
+    #[error("chat template error: {0}")]
+    Template(String),
+    /// The directory has no chat template.
+    #[error("no chat template in {0} (neither chat_template.jinja nor tokenizer_config.json's chat_template)")]
+    NoTemplate(std::path::PathBuf),
+}
+
+/// A tokenizer with its special tokens and (optional) chat template.
+pub struct TextTokenizer {
+    inner: tokenizers::Tokenizer,
+    template: Option<ChatTemplate>,
+    eos_token: Option<String>,
+    bos_token: Option<String>,
+}
+
+fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
+    match v? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content").and_then(|c| c.as_str()).map(String::from),
+        _ => None,
+    }
+}
+
+impl TextTokenizer {
+    /// Load `tokenizer.json` and, if present, `tokenizer_config.json` / `chat_template.jinja`
+    /// from a model directory.
+    pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            return Err(TextError::Io { path, message: "no such file".into() });
+        }
+        let inner = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| TextError::Tokenizer { during: "loading tokenizer.json", message: e.to_string() })?;
+        let config_path = dir.join("tokenizer_config.json");
+        let config: serde_json::Value = if config_path.is_file() {
+            let text = std::fs::read_to_string(&config_path)
+                .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?;
+            serde_json::from_str(&text)
+                .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?
+        } else {
+            serde_json::Value::Null
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let source = if jinja.is_file() {
+            Some(std::fs::read_to_string(&jinja).map_err(|e| TextError::Io { path: jinja, message: e.to_string() })?)
+        } else {
+            match config.get("chat_template") {
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(serde_json::Value::Array(list)) => list
+                    .iter()
+                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
+                    .or(list.first())
+                    .and_then(|t| t.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(String::from),
+                _ => None,
+            }
+        };
+        let template = source.map(ChatTemplate::new).transpose()?;
+        Ok(Self {
+            inner,
+            template,
+            eos_token: token_string(config.get("eos_token")),
+            bos_token: token_string(config.get("bos_token")),
+        })
+    }
+
+    /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
+    /// ids; the post-processor's own additions are applied as transformers does by default).
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let enc = self
+            .inner
+            .encode(text, true)
+            .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Text of `ids`, special tokens skipped.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
+        self.inner.decode(ids, true).map_err(|e| TextError::Tokenizer { during: "decoding", message: e.to_string() })
+    }
+
+    /// The id of a token string (e.g. `"<|im_end|>"`).
+    pub fn token_id(&self, token: &str) -> Option<u32> {
+        self.inner.token_to_id(token)
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.inner.get_vocab_size(true)
+    }
+
+    /// The chat template, if the checkpoint has one.
+    pub fn chat_template(&self) -> Option<&ChatTemplate> {
+        self.template.as_ref()
+    }
+
+    /// Render `messages` with the checkpoint's chat template (with the generation prompt).
+    pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        let t = self.template.as_ref().ok_or_else(|| TextError::NoTemplate(Path::new("<model>").to_path_buf()))?;
+        t.render(messages, true, self.bos_token.as_deref(), self.eos_token.as_deref())
+    }
+
+    /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a
+    /// UTF-8 character.
+    pub fn stream(&self) -> TextStream<'_> {
+        TextStream { tokenizer: self, ids: Vec::new(), prefix: String::new(), prefix_index: 0 }
+    }
+}
+
+/// Incremental decoding of generated ids (see [`TextTokenizer::stream`]).
+pub struct TextStream<'a> {
+    tokenizer: &'a TextTokenizer,
+    ids: Vec<u32>,
+    prefix: String,
+    prefix_index: usize,
+}
+
+impl TextStream<'_> {
+    /// Add one id; returns the new text, or `None` while a character is incomplete (or the id
+    /// is a skipped special token).
+    pub fn step(&mut self, id: u32) -> Result<Option<String>, TextError> {
+        tokenizers::tokenizer::step_decode_stream(
+            &self.tokenizer.inner,
+            vec![id],
+            true,
+            &mut self.ids,
+            &mut self.prefix,
+            &mut self.prefix_index,
+        )
+        .map_err(|e| TextError::Tokenizer { during: "stream decoding", message: e.to_string() })
+    }
+}

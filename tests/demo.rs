@@ -1,0 +1,106 @@
+//! Text in, text out on the trained demo model: the engine's chat template, tokenizer and greedy
+//! text equal transformers + peft's, for the base model and each adapter.
+
+mod common;
+
+use common::{gpu, root};
+use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, SessionOptions, TextTokenizer, WgpuBackend};
+
+fn demo_dir() -> std::path::PathBuf {
+    root().join("examples/assets/demo")
+}
+
+fn reference() -> serde_json::Value {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/reference/demo.json")).expect("demo.json");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
+}
+
+#[test]
+fn template_and_tokenizer_match_transformers() {
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let r = reference();
+    for row in r["outputs"]["base"].as_array().expect("rows") {
+        let q = row["question"].as_str().expect("q");
+        let prompt = tok.apply_chat_template(&[ChatMessage::new("user", q)]).expect("template");
+        assert_eq!(prompt, row["prompt"].as_str().expect("prompt"), "rendered chat template");
+        assert_eq!(tok.encode(&prompt).expect("encode"), ids(&row["prompt_ids"]), "prompt ids for {q:?}");
+    }
+}
+
+#[test]
+fn streamed_decoding_never_splits_characters() {
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let text = "Le vélo est à l'école. La météo: éé ü ✓";
+    let ids = tok.encode(text).expect("encode");
+    let whole = tok.decode(&ids).expect("decode");
+    let mut stream = tok.stream();
+    let mut joined = String::new();
+    let mut held = 0;
+    for id in ids {
+        match stream.step(id).expect("step") {
+            Some(delta) => joined.push_str(&delta),
+            None => held += 1,
+        }
+    }
+    assert_eq!(joined, whole);
+    assert!(held > 0, "some multi-byte characters span tokens in this text, so some steps must wait");
+}
+
+#[test]
+fn greedy_text_matches_transformers_for_base_and_each_adapter() {
+    let Some(ctx) = gpu() else { return };
+    let r = reference();
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
+    let mut texts = Vec::new();
+    for (variant, rows) in r["outputs"].as_object().expect("outputs") {
+        if variant == "base" {
+            b.deactivate_adapter().expect("base");
+        } else {
+            let id = b.preload_adapter(&demo_dir().join("adapters").join(variant), None).expect("adapter");
+            b.activate_adapter(&id, 1.0).expect("activate");
+        }
+        for row in rows.as_array().expect("rows") {
+            let q = row["question"].as_str().expect("q");
+            let params = GenerateParams { max_tokens, ..Default::default() };
+            let got_ids = b.generate_ids(&ids(&row["prompt_ids"]), &params).expect("ids");
+            assert_eq!(got_ids, ids(&row["generated_ids"]), "{variant}: {q}");
+            let mut streamed = String::new();
+            let text = b
+                .chat(&[ChatMessage::new("user", q)], &params, &mut |d| {
+                    streamed.push_str(d);
+                    true
+                })
+                .expect("chat");
+            assert_eq!(text, row["text"].as_str().expect("text"), "{variant}: {q}");
+            assert_eq!(streamed, text, "{variant}: streamed deltas");
+            texts.push((variant.clone(), q.to_string(), text));
+        }
+    }
+    for (v, q, t) in &texts {
+        if v != "base" {
+            let base = texts.iter().find(|(bv, bq, _)| bv == "base" && bq == q).expect("base row");
+            assert_ne!(&base.2, t, "{v} must answer {q:?} differently from the base model");
+        }
+    }
+}
+
+#[test]
+fn stop_strings_end_the_text_before_them() {
+    let Some(ctx) = gpu() else { return };
+    let r = reference();
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    let row = &r["outputs"]["base"][0];
+    let full = row["text"].as_str().expect("text");
+    let cut = full.find(' ').expect("a space in the answer");
+    let stop = full[cut..cut + 2].to_string();
+    let params = GenerateParams { max_tokens: 32, stop: vec![stop], ..Default::default() };
+    let text = b.chat(&[ChatMessage::new("user", row["question"].as_str().expect("q"))], &params, &mut |_| true);
+    assert_eq!(text.expect("chat"), full[..cut]);
+}
