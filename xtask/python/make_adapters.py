@@ -23,12 +23,12 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
+
+from make_fixtures import greedy_with_cache
 
 ALL12 = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
          "out_proj", "gate_proj", "up_proj", "down_proj"]
-GREEDY_TOKENS = 8
-
 ADAPTERS = {
     # All twelve projections, r = 8; the scales test the user's multiplier (negative included).
     "all12_r8": dict(base="gva_tied_f32", scales=[1.0, 0.5, 2.0, -1.0],
@@ -86,14 +86,7 @@ def set_scale(model, scale):
 @torch.no_grad()
 def run(model, ids):
     logits = model(input_ids=ids, use_cache=False).logits[0].float().contiguous()
-    cache = DynamicCache(config=model.config.get_text_config())
-    step = model(input_ids=ids, past_key_values=cache, use_cache=True)
-    gen = []
-    for _ in range(GREEDY_TOKENS):
-        nxt = step.logits[0, -1].argmax()
-        gen.append(int(nxt))
-        step = model(input_ids=nxt.view(1, 1), past_key_values=cache, use_cache=True)
-    return logits, torch.tensor(gen, dtype=torch.int64)
+    return logits, greedy_with_cache(model, ids)
 
 
 def main():

@@ -153,15 +153,20 @@ def reference(model, ids):
     for h in hooks:
         h.remove()
     stack = torch.stack([emb[0]] + [h[0] for h in hidden])
-    # Greedy continuation through the cache (recurrent GDN path, KV cache), like generate().
+    return out.logits[0].float().contiguous(), stack.float().contiguous(), greedy_with_cache(model, ids)
+
+
+@torch.no_grad()
+def greedy_with_cache(model, ids, n=GREEDY_TOKENS):
+    """Greedy continuation through the cache (recurrent GDN path, KV cache), like generate()."""
     cache = DynamicCache(config=model.config.get_text_config())
     step = model(input_ids=ids, past_key_values=cache, use_cache=True)
     gen = []
-    for _ in range(GREEDY_TOKENS):
+    for _ in range(n):
         nxt = step.logits[0, -1].argmax()
         gen.append(int(nxt))
         step = model(input_ids=nxt.view(1, 1), past_key_values=cache, use_cache=True)
-    return out.logits[0].float().contiguous(), stack.float().contiguous(), torch.tensor(gen, dtype=torch.int64)
+    return torch.tensor(gen, dtype=torch.int64)
 
 
 def save_model(model, spec, out_dir):

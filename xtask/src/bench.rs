@@ -29,6 +29,18 @@ fn med(v: &Value) -> f64 {
     v["median"].as_f64().unwrap_or(f64::NAN)
 }
 
+/// `median (min–max)`.
+fn spread(v: &Value, digits: usize) -> String {
+    let f = |k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    format!("{:.d$} ({:.d$}–{:.d$})", f("median"), f("min"), f("max"), d = digits)
+}
+
+/// Whether two series' min–max ranges overlap (then their ratio is within this run's noise).
+fn overlap(a: &Value, b: &Value) -> bool {
+    let f = |v: &Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+    f(a, "min") <= f(b, "max") && f(b, "min") <= f(a, "max")
+}
+
 fn machine() -> String {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -98,20 +110,37 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         engine["gpu"].as_str().unwrap_or("?"),
         engine["backend"].as_str().unwrap_or("?"),
     ));
+    md.push_str("Tokens/s as median (min–max); an overhead marked ≈ comes from ranges that overlap, i.e. it is within this run's noise.\n\n");
     md.push_str("| engine | prefill tok/s | prefill with adapter | prefill overhead | decode tok/s | decode with adapter | decode overhead |\n");
     md.push_str("|---|---|---|---|---|---|---|\n");
+    let mark = |a: &Value, b: &Value| if overlap(a, b) { "≈ " } else { "" };
     md.push_str(&format!(
-        "| this engine (wgpu) | {p0:.2} | {p1:.2} | {:.1} % | {d0:.3} | {d1:.3} | {:.1} % |\n",
+        "| this engine (wgpu) | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n",
+        spread(&engine["prefill_tok_s"], 2),
+        spread(&a["prefill_tok_s"], 2),
+        mark(&engine["prefill_tok_s"], &a["prefill_tok_s"]),
         pct(p1, p0),
+        spread(&engine["decode_tok_s"], 3),
+        spread(&a["decode_tok_s"], 3),
+        mark(&engine["decode_tok_s"], &a["decode_tok_s"]),
         pct(d1, d0)
     ));
     md.push_str(&format!(
-        "| {} | {tp0:.2} | {tp1:.2} | {:.1} % | {td0:.3} | {td1:.3} | {:.1} % |\n",
+        "| {} | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n",
         torch["engine"].as_str().unwrap_or("transformers + peft"),
+        spread(&torch["prefill_tok_s"], 2),
+        spread(&torch["adapter_prefill_tok_s"], 2),
+        mark(&torch["prefill_tok_s"], &torch["adapter_prefill_tok_s"]),
         pct(tp1, tp0),
+        spread(&torch["decode_tok_s"], 3),
+        spread(&torch["adapter_decode_tok_s"], 3),
+        mark(&torch["decode_tok_s"], &torch["adapter_decode_tok_s"]),
         pct(td1, td0)
     ));
-    md.push_str("| llama.cpp | not measured yet | | | | | |\n\n");
+    md.push_str(
+        "| llama.cpp | not measured yet: the `llama-cpp-python` build and the GGUF conversion of this \
+         checkpoint and adapter are not wired into this command | | | | | |\n\n",
+    );
     md.push_str("| adapter operation | this engine | transformers + peft |\n|---|---|---|\n");
     md.push_str(&format!(
         "| switch adapters | median {:.2} µs, p99 {:.2} µs over {} swaps; {} bytes uploaded | `set_adapter` median {:.1} µs |\n",
@@ -122,7 +151,7 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         med(&torch["set_adapter_us"])
     ));
     md.push_str(&format!(
-        "| load adapter ({:.1} MB file) | {:.1} ms warm (reading the file: {:.1} ms) | merge + unmerge {:.0} ms |\n\n",
+        "| load adapter ({:.1} MB file, warm file cache) | {:.1} ms (reading the file alone: {:.1} ms) | merge + unmerge {:.0} ms |\n\n",
         a["file_bytes"].as_f64().unwrap_or(0.0) / 1e6,
         med(&a["load_s"]) * 1e3,
         a["file_read_s"].as_f64().unwrap_or(f64::NAN) * 1e3,
@@ -141,8 +170,8 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     md.push_str(&format!(
         "Targets: decode overhead with adapter ≤ 3 % ({}), prefill overhead ≤ 10 % ({}), swap ≤ 50 µs \
          with 0 bytes uploaded ({}), decode ≥ 70 % of the copy-bandwidth floor ({}).\n\n",
-        verdict(pct(d1, d0) <= 3.0),
-        verdict(pct(p1, p0) <= 10.0),
+        verdict_noisy(pct(d1, d0) <= 3.0, overlap(&engine["decode_tok_s"], &a["decode_tok_s"])),
+        verdict_noisy(pct(p1, p0) <= 10.0, overlap(&engine["prefill_tok_s"], &a["prefill_tok_s"])),
         verdict(med(swap) <= 50.0 && a["swap_bytes_uploaded_total"].as_u64() == Some(0)),
         verdict(floor["decode_efficiency_of_floor"].as_f64().unwrap_or(0.0) >= 0.7)
     ));
@@ -162,6 +191,15 @@ fn verdict(ok: bool) -> &'static str {
         "met"
     } else {
         "not met"
+    }
+}
+
+fn verdict_noisy(ok: bool, noisy: bool) -> &'static str {
+    match (ok, noisy) {
+        (true, false) => "met",
+        (true, true) => "met by the medians, within this run's noise",
+        (false, true) => "not met by the medians, within this run's noise",
+        (false, false) => "not met",
     }
 }
 

@@ -147,7 +147,8 @@ fn python(scripts: &[&str]) -> Result<()> {
     let python = venv()?;
     for script in scripts {
         let mut make = Command::new(&python);
-        make.arg(root.join("xtask/python").join(script)).arg("--root").arg(&root);
+        // peft saves target_modules from a set: a fixed hash seed keeps the files reproducible.
+        make.arg(root.join("xtask/python").join(script)).arg("--root").arg(&root).env("PYTHONHASHSEED", "0");
         run(make)?;
     }
     Ok(())
