@@ -158,3 +158,19 @@ fn reset_forgets_the_sequence() {
     let again = s.feed_all(&ids).expect("again");
     assert_eq!(first.data, again.data);
 }
+
+#[test]
+fn final_hidden_states_are_the_input_of_lm_head() {
+    // Embeddings pool these rows; check them against the logits through the tied embedding.
+    let name = "gva_tied_f32";
+    let Some(model) = load(name, &LoadOptions::default()) else { return };
+    let ids = Reference::load(name).ids("prompt1.ids");
+    let hidden = session(&model).final_hidden(&ids).expect("hidden");
+    let logits = session(&model).feed_all(&ids).expect("logits");
+    let ckpt = qwen35_wgpu::model::Checkpoint::open_dir(&fixture_model(name)).expect("checkpoint");
+    let (v, h) = (model.config.vocab_size, model.config.hidden_size);
+    let table = ckpt.read_f32("model.embed_tokens.weight", &[v, h]).expect("embedding");
+    let via_cpu = qwen35_wgpu::reference::linear(&hidden, &table, ids.len(), v, h);
+    let (rel, _) = rel_and_max(&via_cpu, &logits.data);
+    assert!(rel <= PATHS_REL, "final hidden · Eᵀ vs logits: rel {rel:.3e}");
+}
