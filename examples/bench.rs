@@ -220,6 +220,19 @@ fn main() -> Result<()> {
             "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
         });
     }
+    summary["gpu_bytes_allocated"] = ctx.bytes_allocated().into();
+    summary["peak_rss_bytes"] = peak_rss().into();
     println!("{summary}");
     Ok(())
+}
+
+/// The process's peak resident set (VmHWM), 0 where /proc is absent.
+fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            line.split_whitespace().nth(1)?.parse::<u64>().ok()
+        })
+        .map_or(0, |kib| kib * 1024)
 }

@@ -38,6 +38,7 @@ pub struct GpuContext {
     modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     uploaded: AtomicU64,
+    allocated: AtomicU64,
 }
 
 impl GpuContext {
@@ -106,6 +107,7 @@ impl GpuContext {
             modules: Mutex::new(HashMap::new()),
             pipelines: Mutex::new(HashMap::new()),
             uploaded: AtomicU64::new(0),
+            allocated: AtomicU64::new(0),
         })
     }
 
@@ -113,6 +115,13 @@ impl GpuContext {
     /// uniforms and token ids); benchmarks read it to show that an adapter swap uploads nothing.
     pub fn bytes_uploaded(&self) -> u64 {
         self.uploaded.load(Ordering::Relaxed)
+    }
+
+    /// Bytes of storage buffers created through this context so far (weights, adapters, caches,
+    /// scratch; buffers are never freed individually while a model lives, so this is the peak of
+    /// what the engine asked the device for, uniform and readback buffers aside).
+    pub fn bytes_allocated(&self) -> u64 {
+        self.allocated.load(Ordering::Relaxed)
     }
 
     /// Write `bytes` into `buffer` at `offset`, counted by [`GpuContext::bytes_uploaded`].
@@ -252,7 +261,10 @@ impl GpuContext {
                 during: format!("allocating {label} ({size} bytes)"),
                 message: err.to_string(),
             }),
-            None => Ok(buffer),
+            None => {
+                self.allocated.fetch_add(size, Ordering::Relaxed);
+                Ok(buffer)
+            }
         }
     }
 

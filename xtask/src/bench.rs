@@ -175,6 +175,12 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         verdict(med(swap) <= 50.0 && a["swap_bytes_uploaded_total"].as_u64() == Some(0)),
         verdict(floor["decode_efficiency_of_floor"].as_f64().unwrap_or(0.0) >= 0.7)
     ));
+    md.push_str(&format!(
+        "Memory: the engine allocated {:.0} MB of GPU buffers (weights, two resident copies of the \
+         adapter, caches, scratch, the copy test's 2 × 128 MiB); peak process RSS {:.0} MB.\n\n",
+        engine["gpu_bytes_allocated"].as_f64().unwrap_or(0.0) / 1e6,
+        engine["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
+    ));
     md.push_str("Raw results of this run:\n\n```json\n");
     md.push_str(&serde_json::to_string_pretty(&serde_json::json!({"engine": engine, "transformers_peft": torch}))?);
     md.push_str("\n```\n");
