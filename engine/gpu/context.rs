@@ -93,6 +93,9 @@ impl GpuContext {
             .await
             .map_err(|e| GpuError::RequestDevice(e.to_string()))?;
         log::info!("GPU adapter: {} ({:?}, {:?})", info.name, info.backend, info.device_type);
+        // Work that matters runs inside error scopes that become typed errors; anything else is
+        // logged instead of wgpu's default panic, so an embedding application never aborts.
+        device.on_uncaptured_error(std::sync::Arc::new(|e| log::error!("uncaptured wgpu error: {e}")));
         let weights_layout = device.create_bind_group_layout(&wgpu::BindGroupLayoutDescriptor {
             label: Some("weights"),
             entries: &[storage_entry(0, true)],

@@ -15,9 +15,13 @@ pub fn read_f32(ctx: &GpuContext, buffer: &wgpu::Buffer, offset: usize, len: usi
         usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
+    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
     let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
     encoder.copy_buffer_to_buffer(buffer, (offset * 4) as u64, &staging, 0, size);
     ctx.queue.submit([encoder.finish()]);
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(GpuError::Validation { during: "reading a buffer back".into(), message: e.to_string() });
+    }
     let slice = staging.slice(..);
     let (tx, rx) = std::sync::mpsc::channel();
     slice.map_async(wgpu::MapMode::Read, move |r| {
