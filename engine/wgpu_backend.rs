@@ -49,10 +49,7 @@ impl WgpuBackend {
     }
 
     fn find(&self, id: &str) -> Result<&Arc<LoraAdapter>, AdapterError> {
-        self.resident.iter().find(|(i, _)| i == id).map(|(_, a)| a).ok_or_else(|| AdapterError::UnknownId {
-            id: id.to_string(),
-            resident: self.resident.iter().map(|(i, _)| i.clone()).collect(),
-        })
+        find_in(&self.resident, id)
     }
 
     /// Bind `active` to the session (nothing else changes on error).
@@ -89,32 +86,34 @@ impl WgpuBackend {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32, &mut AdapterSwitch) -> bool,
     ) -> Result<Vec<u32>, BackendError> {
-        let mut sampler = crate::runtime::Sampler::from_params(params)?;
-        let eos = self.loaded()?.model.eos_token_ids.clone();
-        let session = &mut self.loaded()?.session;
-        session.reset();
-        let mut out = Vec::new();
-        if params.max_tokens == 0 {
-            return Ok(out);
-        }
-        let mut history = prompt.to_vec();
-        let mut logits = session.feed(prompt)?;
-        loop {
-            let next = sampler.sample_after(logits.last(), &history);
-            history.push(next);
-            out.push(next);
+        let resident = &self.resident;
+        let mut active = self.active.clone();
+        let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
+        loaded.session.reset();
+        let out = loaded.session.generate_with(prompt, params, |token, session| {
             let mut switch = AdapterSwitch::default();
-            let go_on = on_token(next, &mut switch);
+            let go_on = on_token(token, &mut switch);
             if let Some(request) = switch.request {
-                self.bind(request)?;
+                let adapter = match &request {
+                    Some((id, scale)) => Some((find_in(resident, id)?.clone(), *scale)),
+                    None => None,
+                };
+                session.set_adapter(adapter)?;
+                active = request;
             }
-            let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
-            if !go_on || stop {
-                return Ok(out);
-            }
-            logits = self.loaded()?.session.feed(&[next])?;
-        }
+            Ok::<bool, BackendError>(go_on)
+        });
+        self.active = active;
+        out
     }
+}
+
+/// The resident adapter `id`.
+fn find_in<'a>(resident: &'a [(AdapterId, Arc<LoraAdapter>)], id: &str) -> Result<&'a Arc<LoraAdapter>, AdapterError> {
+    resident.iter().find(|(i, _)| i == id).map(|(_, a)| a).ok_or_else(|| AdapterError::UnknownId {
+        id: id.to_string(),
+        resident: resident.iter().map(|(i, _)| i.clone()).collect(),
+    })
 }
 
 impl LlmBackend for WgpuBackend {

@@ -51,6 +51,17 @@ impl Session {
         params: &GenerateParams,
         mut on_token: impl FnMut(u32) -> bool,
     ) -> Result<Vec<u32>, RunError> {
+        self.generate_with(prompt, params, |token, _| Ok::<_, RunError>(on_token(token)))
+    }
+
+    /// Like [`Session::generate`], but the callback also gets the session, so it can change
+    /// what the next token is computed with (e.g. [`Session::set_adapter`] between tokens).
+    pub fn generate_with<E: From<RunError>>(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
+    ) -> Result<Vec<u32>, E> {
         let mut sampler = Sampler::from_params(params)?;
         let eos = self.model.eos_token_ids.clone();
         let mut out = Vec::new();
@@ -64,7 +75,7 @@ impl Session {
             history.push(next);
             out.push(next);
             let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
-            if !on_token(next) || stop {
+            if !on_token(next, self)? || stop {
                 return Ok(out);
             }
             logits = self.feed(&[next])?;
