@@ -221,13 +221,8 @@ impl PeftConfig {
             r: r.map(|r| r as usize),
             lora_alpha: num("lora_alpha")?,
             use_rslora: meta.get("use_rslora").is_some_and(|v| v == "true" || v == "True"),
-            rank_pattern: Vec::new(),
-            alpha_pattern: Vec::new(),
-            targets: None,
-            exclude: None,
-            layers_to_transform: None,
-            layers_pattern: Vec::new(),
             source: ConfigSource::FileMetadata,
+            ..Self::none()
         }))
     }
 
