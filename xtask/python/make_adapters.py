@@ -25,10 +25,8 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
-from make_fixtures import greedy_with_cache
+from make_fixtures import ALL12, greedy_with_cache, randomize_lora
 
-ALL12 = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-         "out_proj", "gate_proj", "up_proj", "down_proj"]
 ADAPTERS = {
     # All twelve projections, r = 8; the scales test the user's multiplier (negative included).
     "all12_r8": dict(base="gva_tied_f32", scales=[1.0, 0.5, 2.0, -1.0],
@@ -63,20 +61,6 @@ def load_base(root, name):
     return model.float().eval()
 
 
-def randomize(model, seed, bf16):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_A" in name:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.5 / p.shape[1] ** 0.5)
-            else:
-                continue
-            if bf16:
-                p.copy_(p.to(torch.bfloat16).float())
-
-
 def set_scale(model, scale):
     for m in model.modules():
         if isinstance(m, LoraLayer):
@@ -104,7 +88,7 @@ def main():
         ids = base_ref["prompt1.ids"].view(1, -1)
         model = load_base(args.root, spec["base"])
         peft_model = get_peft_model(model, LoraConfig(lora_dropout=0.0, **spec["config"]))
-        randomize(peft_model, 1000 + seed, spec.get("bf16", False))
+        randomize_lora(peft_model, 1000 + seed, b_scale=0.5, bf16=spec.get("bf16", False))
         peft_model.eval()
         ref[f"{name}.ids"] = ids[0].contiguous()
         for scale in spec["scales"]:

@@ -181,6 +181,27 @@ def save_model(model, spec, out_dir):
             os.remove(path)
 
 
+# The twelve LoRA-targetable projections of a Qwen 3.5 decoder layer.
+ALL12 = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
+         "out_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def randomize_lora(model, seed, b_scale, bf16=False):
+    """Nonzero random LoRA weights (peft initialises B to zero, which would hide every bug):
+    A ~ N(0, 1/in), B ~ N(0, b_scale^2/r); with bf16, rounded to bf16 values."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_A" in name:
+                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * b_scale / p.shape[1] ** 0.5)
+            else:
+                continue
+            if bf16:
+                p.copy_(p.to(torch.bfloat16).float())
+
+
 # Qwen3.5-0.8B text dimensions (qwen35-spec.md section 1.3), for benchmarks only (not committed).
 BENCH_MODEL = dict(
     kind="causal",
@@ -219,16 +240,8 @@ def bench_model(out_dir):
     # A rank-16 PEFT adapter on all 12 projections with nonzero random A and B, beside the model.
     from peft import LoraConfig, get_peft_model
 
-    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a",
-               "out_proj", "gate_proj", "up_proj", "down_proj"]
-    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets))
-    g = torch.Generator().manual_seed(9)
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_A" in name:
-                p.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
-            elif "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.1 / p.shape[1] ** 0.5)
+    peft_model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=ALL12))
+    randomize_lora(peft_model, 9, b_scale=0.1)
     adapter_dir = out_dir.rstrip("/") + "-lora-r16"
     peft_model.save_pretrained(adapter_dir)
     print(f"wrote {adapter_dir}")
