@@ -72,14 +72,26 @@ fn copy_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
 struct Series(Vec<f64>);
 
 impl Series {
-    fn json(&self) -> serde_json::Value {
+    /// The value at quantile `q` of the sorted series (NaN when empty).
+    fn quantile(&self, q: f64) -> f64 {
         let mut v = self.0.clone();
         v.sort_by(f64::total_cmp);
         if v.is_empty() {
+            return f64::NAN;
+        }
+        v[((v.len() - 1) as f64 * q).round() as usize]
+    }
+
+    fn median(&self) -> f64 {
+        self.quantile(0.5)
+    }
+
+    fn json(&self) -> serde_json::Value {
+        if self.0.is_empty() {
             return serde_json::Value::Null;
         }
-        let pick = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-        serde_json::json!({"median": pick(0.5), "min": v[0], "max": v[v.len() - 1], "p99": pick(0.99), "n": v.len()})
+        let q = |x| self.quantile(x);
+        serde_json::json!({"median": q(0.5), "min": q(0.0), "max": q(1.0), "p99": q(0.99), "n": self.0.len()})
     }
 }
 
@@ -123,9 +135,7 @@ fn main() -> Result<()> {
     let weight_bytes = model.decode_weight_bytes();
     let bandwidth = if args.copy_mib > 0 { Some(copy_bandwidth(&ctx, args.copy_mib)?) } else { None };
     let floor = bandwidth.map(|bw| {
-        let mut d = decode.0.clone();
-        d.sort_by(f64::total_cmp);
-        let per_token = 1.0 / d[d.len() / 2];
+        let per_token = 1.0 / decode.median();
         let floor_s = weight_bytes as f64 / bw;
         serde_json::json!({
             "copy_bandwidth_gb_s": bw / 1e9,
@@ -192,14 +202,7 @@ fn main() -> Result<()> {
         };
         let (fixed_tps, fixed_bytes) = count(&mut session, false, &mut logits)?;
         let (swap_tps, swap_step_bytes) = count(&mut session, true, &mut logits)?;
-        let ratio = |a: &Series, b: &Series| {
-            let med = |s: &Series| {
-                let mut v = s.0.clone();
-                v.sort_by(f64::total_cmp);
-                v[v.len() / 2]
-            };
-            med(a) / med(b)
-        };
+        let ratio = |a: &Series, b: &Series| a.median() / b.median();
         summary["adapter"] = serde_json::json!({
             "path": path,
             "ranks": adapter.info.ranks,
