@@ -1,8 +1,8 @@
-//! `cargo xtask bench`: our engine and transformers + peft on the same random-weight checkpoint
-//! at the real Qwen3.5-0.8B dimensions and the same rank-16 adapter on all 12 projections, in one
-//! run; writes the table into BENCHMARKS.md.
+//! `cargo xtask bench`: our engine, transformers + peft and llama.cpp on the same random-weight
+//! checkpoint at the real Qwen3.5-0.8B dimensions and the same rank-16 adapter on all 12
+//! projections, in one run; writes the table into BENCHMARKS.md.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
@@ -13,6 +13,9 @@ struct Sizes {
     decode: usize,
     repeats: usize,
 }
+
+/// The llama-cpp-python release built from source for the llama.cpp row (it knows `qwen35`).
+const LLAMA_CPP_PYTHON: &str = "0.3.36";
 
 fn capture(mut cmd: Command) -> Result<Value> {
     eprintln!("$ {cmd:?}");
@@ -57,7 +60,7 @@ fn machine() -> String {
 /// Run the benchmark; `quick` is a smoke run (tiny sizes, one repeat).
 pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     let sizes =
-        if quick { Sizes { prompt: 16, decode: 4, repeats: 1 } } else { Sizes { prompt: 128, decode: 32, repeats: 3 } };
+        if quick { Sizes { prompt: 16, decode: 4, repeats: 1 } } else { Sizes { prompt: 128, decode: 64, repeats: 5 } };
     let dir = root.join("target/bench");
     let model = dir.join("qwen35-0.8b-random");
     let adapter = dir.join("qwen35-0.8b-random-lora-r16");
@@ -77,6 +80,15 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     peers.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
     peers.args(["--repeats", &sizes.repeats.to_string()]);
     let torch = capture(peers)?;
+    let llama = llama_cpp(root, python).and_then(|src| {
+        let mut cmd = Command::new(python);
+        cmd.arg(root.join("xtask/python/bench_llama.py")).arg("--model").arg(&model).arg("--adapter").arg(&adapter);
+        cmd.arg("--llama-src").arg(src).arg("--tokenizer-from").arg(root.join("examples/assets/demo"));
+        cmd.arg("--out").arg(dir.join("gguf"));
+        cmd.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
+        cmd.args(["--repeats", &sizes.repeats.to_string()]);
+        capture(cmd)
+    });
 
     let a = &engine["adapter"];
     let (p0, p1, d0, d1) = (
@@ -137,10 +149,24 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         mark(&torch["decode_tok_s"], &torch["adapter_decode_tok_s"]),
         pct(td1, td0)
     ));
-    md.push_str(
-        "| llama.cpp | not measured yet: the `llama-cpp-python` build and the GGUF conversion of this \
-         checkpoint and adapter are not wired into this command | | | | | |\n\n",
-    );
+    match &llama {
+        Ok(l) => md.push_str(&format!(
+            "| {} | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n\n",
+            l["engine"].as_str().unwrap_or("llama.cpp"),
+            spread(&l["prefill_tok_s"], 2),
+            spread(&l["adapter_prefill_tok_s"], 2),
+            mark(&l["prefill_tok_s"], &l["adapter_prefill_tok_s"]),
+            pct(med(&l["adapter_prefill_tok_s"]), med(&l["prefill_tok_s"])),
+            spread(&l["decode_tok_s"], 3),
+            spread(&l["adapter_decode_tok_s"], 3),
+            mark(&l["decode_tok_s"], &l["adapter_decode_tok_s"]),
+            pct(med(&l["adapter_decode_tok_s"]), med(&l["decode_tok_s"]))
+        )),
+        Err(e) => {
+            let why = format!("{e:#}").replace('\n', " ").replace('|', "/");
+            md.push_str(&format!("| llama.cpp | not measured in this run: {why} | | | | | |\n\n"))
+        }
+    }
     md.push_str("| adapter operation | this engine | transformers + peft |\n|---|---|---|\n");
     md.push_str(&format!(
         "| switch adapters | median {:.2} µs, p99 {:.2} µs over {} swaps; {} bytes uploaded | `set_adapter` median {:.1} µs |\n",
@@ -182,7 +208,10 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         engine["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
     ));
     md.push_str("Raw results of this run:\n\n```json\n");
-    md.push_str(&serde_json::to_string_pretty(&serde_json::json!({"engine": engine, "transformers_peft": torch}))?);
+    let llama = llama.as_ref().map(Value::clone).unwrap_or_else(|e| Value::String(format!("{e:#}")));
+    md.push_str(&serde_json::to_string_pretty(
+        &serde_json::json!({"engine": engine, "transformers_peft": torch, "llama_cpp": llama}),
+    )?);
     md.push_str("\n```\n");
     let history = root.join("BENCHMARKS.md");
     let old = std::fs::read_to_string(&history).unwrap_or_default();
@@ -190,6 +219,35 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     std::fs::write(&history, md + kept)?;
     eprintln!("wrote {}", history.display());
     Ok(())
+}
+
+/// llama.cpp for the peer row: llama-cpp-python built from its source distribution into the
+/// bench venv (the sdist also carries llama.cpp's GGUF converters); returns that source tree.
+fn llama_cpp(root: &Path, python: &Path) -> Result<PathBuf> {
+    let dir = root.join("target/bench/llama-cpp-python");
+    let sdist = dir.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"));
+    if !sdist.is_file() {
+        let mut get = Command::new(python);
+        get.args(["-m", "pip", "download", "-q", "--no-deps", "--no-binary", "llama-cpp-python"]);
+        get.arg(format!("llama-cpp-python=={LLAMA_CPP_PYTHON}")).arg("-d").arg(&dir);
+        crate::run(get).context("downloading the llama-cpp-python source distribution")?;
+    }
+    let src = dir.join(format!("llama_cpp_python-{LLAMA_CPP_PYTHON}/vendor/llama.cpp"));
+    if !src.join("convert_lora_to_gguf.py").is_file() {
+        let mut untar = Command::new("tar");
+        untar.arg("xzf").arg(&sdist).arg("-C").arg(&dir);
+        crate::run(untar).context("unpacking the llama-cpp-python source distribution")?;
+    }
+    let mut check = Command::new(python);
+    check.args(["-c", &format!("import llama_cpp; assert llama_cpp.__version__ == '{LLAMA_CPP_PYTHON}'")]);
+    if !check.output().map(|o| o.status.success()).unwrap_or(false) {
+        let cores = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2);
+        eprintln!("building llama-cpp-python {LLAMA_CPP_PYTHON} from source (about 200 compile steps)");
+        let mut build = Command::new(python);
+        build.args(["-m", "pip", "install", "-q"]).arg(&sdist).env("CMAKE_BUILD_PARALLEL_LEVEL", cores.to_string());
+        crate::run(build).context("building llama-cpp-python from source")?;
+    }
+    Ok(src)
 }
 
 fn verdict(ok: bool) -> &'static str {
