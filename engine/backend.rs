@@ -1,11 +1,13 @@
 //! The [`LlmBackend`] trait: how an application embeds an engine. Adapter methods have default
-//! implementations that return [`BackendError::AdapterNotSupported`], so a backend that cannot
-//! apply adapters says so instead of pretending; [`crate::WgpuBackend`] implements them.
+//! implementations that return [`BackendError::AdapterNotSupported`], and learning methods
+//! [`BackendError::LearningNotSupported`], so a backend that cannot apply adapters or learn says so
+//! instead of pretending; [`crate::WgpuBackend`] implements both.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::error::{AdapterError, GpuError, ModelError, RunError};
+use crate::error::{AdapterError, GpuError, LearnError, ModelError, RunError};
+use crate::learn::{FeedbackEvent, LearnOptions, LearnReport, TrainSpec};
 use crate::lora::AdapterInfo;
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
@@ -20,6 +22,12 @@ pub enum BackendError {
     /// This backend does not apply LoRA adapters.
     #[error("adapters are not supported by the {backend} backend")]
     AdapterNotSupported {
+        /// The backend's name.
+        backend: String,
+    },
+    /// This backend does not learn from feedback.
+    #[error("learning from feedback is not supported by the {backend} backend")]
+    LearningNotSupported {
         /// The backend's name.
         backend: String,
     },
@@ -44,6 +52,10 @@ pub enum BackendError {
     /// Running the model failed.
     #[error(transparent)]
     Run(#[from] RunError),
+    /// A learning step, or creating, importing or exporting a trainable adapter, failed (the
+    /// adapter is unchanged).
+    #[error(transparent)]
+    Learn(#[from] LearnError),
     /// A GPU error.
     #[error(transparent)]
     Gpu(#[from] GpuError),
@@ -285,6 +297,38 @@ pub trait LlmBackend {
     fn remove_adapter(&mut self, id: &str) -> Result<(), BackendError> {
         let _ = id;
         Err(self.no_adapters())
+    }
+
+    /// Create a trainable LoRA adapter (PEFT initialisation: B = 0, so generation is unchanged
+    /// until the first step), make it resident and active at scale 1. Steps update it in place.
+    fn create_trainable_adapter(&mut self, spec: &TrainSpec) -> Result<AdapterId, BackendError> {
+        let _ = spec;
+        Err(self.no_learning())
+    }
+
+    /// Load a PEFT adapter to continue training it (its weights become the anchor), resident and
+    /// active at scale 1.
+    fn import_trainable_adapter(&mut self, path: &Path) -> Result<AdapterId, BackendError> {
+        let _ = path;
+        Err(self.no_learning())
+    }
+
+    /// One learning step on a batch of feedback events; the next generation uses the result.
+    fn learn(&mut self, events: &[FeedbackEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
+        let _ = (events, opts);
+        Err(self.no_learning())
+    }
+
+    /// Write the trainable adapter as a PEFT directory (`adapter_config.json` +
+    /// `adapter_model.safetensors`).
+    fn export_trainable_adapter(&mut self, dir: &Path) -> Result<(), BackendError> {
+        let _ = dir;
+        Err(self.no_learning())
+    }
+
+    /// The error of the learning defaults.
+    fn no_learning(&self) -> BackendError {
+        BackendError::LearningNotSupported { backend: self.backend_name().into() }
     }
 
     /// The error the default adapter methods return.

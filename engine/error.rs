@@ -316,3 +316,49 @@ pub enum AdapterError {
     #[error(transparent)]
     Gpu(#[from] GpuError),
 }
+
+/// Errors of on-GPU learning. A rejected event batch or option leaves the trainable adapter and
+/// its optimiser state unchanged.
+#[derive(Debug, thiserror::Error)]
+pub enum LearnError {
+    /// A module the backward pass cannot reach yet.
+    #[error("layers.{layer}.{module} cannot be trained: {why}")]
+    NotLearnable {
+        /// The layer.
+        layer: usize,
+        /// The projection path.
+        module: String,
+        /// Why.
+        why: String,
+    },
+    /// An option or event field is out of range.
+    #[error("invalid learning input {name}: expected {expected}, found {found}")]
+    BadInput {
+        /// The field (`events[2].response`, `lr`, …).
+        name: String,
+        /// What is allowed.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
+    /// No trainable adapter was created or imported.
+    #[error("no trainable adapter: create or import one first")]
+    NoTrainableAdapter,
+    /// Writing the exported adapter failed.
+    #[error("cannot write {path}: {message}")]
+    Export {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        message: String,
+    },
+    /// Loading the adapter to continue training failed.
+    #[error(transparent)]
+    Adapter(#[from] AdapterError),
+    /// Running the frozen forward pass failed.
+    #[error(transparent)]
+    Run(#[from] RunError),
+    /// A GPU error.
+    #[error(transparent)]
+    Gpu(#[from] GpuError),
+}

@@ -2,10 +2,12 @@
 //!
 //! Scope: the Qwen 3.5 dense text decoder (Gated DeltaNet + gated attention layers) loaded from a
 //! Hugging Face checkpoint directory (VLM or text-only layout, sharded or not, f32/bf16/f16),
-//! batched prefill and cached decode, greedy and seeded sampling on token ids.
+//! batched prefill and cached decode, greedy and seeded sampling, text in and out with the
+//! model's tokenizer and chat template, PEFT LoRA adapters resident on the GPU and switched by
+//! bind group, and learning from feedback into a live LoRA adapter ([`learn`]).
 //!
-//! Not done yet: LoRA adapters, tokenizers and chat templates, MoE variants (typed
-//! `Unsupported`), vision inputs.
+//! Not done yet: MoE variants (typed `Unsupported`), vision inputs, learning below the last
+//! layer's MLP and o_proj.
 //!
 //! ```no_run
 //! use std::sync::Arc;
@@ -21,6 +23,7 @@ pub mod backend;
 pub mod error;
 pub mod gpu;
 pub mod kernels;
+pub mod learn;
 pub mod lora;
 pub mod model;
 pub mod reference;
@@ -29,8 +32,9 @@ pub mod text;
 mod wgpu_backend;
 
 pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
-pub use error::{AdapterError, GpuError, ModelError, RunError};
+pub use error::{AdapterError, GpuError, LearnError, ModelError, RunError};
 pub use gpu::GpuContext;
+pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
 pub use lora::{AdapterInfo, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, TextConfig};
 pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};

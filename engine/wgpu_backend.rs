@@ -5,12 +5,15 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
-use crate::error::AdapterError;
+use crate::error::{AdapterError, LearnError};
 use crate::gpu::GpuContext;
+use crate::learn::{
+    export_peft, init_adapter, FeedbackEvent, LearnOptions, LearnReport, ModuleGrad, TokenEvent, TrainSpec, Trainer,
+};
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::Model;
 use crate::runtime::{GenerateParams, Session, SessionOptions};
-use crate::text::TextTokenizer;
+use crate::text::{ChatMessage, TextTokenizer};
 
 struct Loaded {
     path: PathBuf,
@@ -26,6 +29,7 @@ pub struct WgpuBackend {
     loaded: Option<Loaded>,
     resident: Vec<(AdapterId, Arc<LoraAdapter>)>,
     active: Option<(AdapterId, f32)>,
+    trainer: Option<(AdapterId, Trainer)>,
 }
 
 impl WgpuBackend {
@@ -36,7 +40,7 @@ impl WgpuBackend {
 
     /// A backend on an existing context.
     pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
-        Self { ctx, opts, loaded: None, resident: Vec::new(), active: None }
+        Self { ctx, opts, loaded: None, resident: Vec::new(), active: None, trainer: None }
     }
 
     /// The GPU context (e.g. to read [`GpuContext::bytes_uploaded`]).
@@ -61,6 +65,14 @@ impl WgpuBackend {
         self.loaded()?.session.set_adapter(adapter)?;
         self.active = active;
         Ok(())
+    }
+
+    /// Drop resident adapter `id` (and its trainer, if it was the trainable one).
+    fn forget(&mut self, id: &str) {
+        self.resident.retain(|(i, _)| i != id);
+        if self.trainer.as_ref().is_some_and(|(t, _)| t == id) {
+            self.trainer = None;
+        }
     }
 
     fn unique_id(&self, wanted: &str) -> AdapterId {
@@ -106,6 +118,79 @@ impl WgpuBackend {
         self.active = active;
         out
     }
+
+    /// Make `adapter` the trainable one: resident under `id`, active at scale 1. Nothing changes
+    /// on error.
+    fn start_training(&mut self, adapter: LoraAdapter, id: &str) -> Result<AdapterId, BackendError> {
+        let loaded = self.loaded()?;
+        let model = loaded.model.clone();
+        let max_tokens = self.opts.max_batch.min(self.opts.max_context);
+        let adapter = Arc::new(adapter);
+        let trainer = Trainer::new(&model, adapter.clone(), max_tokens)?;
+        let id = self.unique_id(id);
+        self.resident.push((id.clone(), adapter));
+        if let Err(e) = self.activate_adapter(&id, 1.0) {
+            self.resident.retain(|(i, _)| *i != id);
+            return Err(e);
+        }
+        if let Some((old, _)) = self.trainer.take() {
+            self.resident.retain(|(i, _)| *i != old);
+        }
+        self.trainer = Some((id.clone(), trainer));
+        Ok(id)
+    }
+
+    /// The trainable adapter's id, if any.
+    pub fn trainable_adapter(&self) -> Option<&str> {
+        self.trainer.as_ref().map(|(id, _)| id.as_str())
+    }
+
+    /// The session, the trainer and the scale the trainable adapter runs at (its active scale,
+    /// or 1 when another adapter is active).
+    fn training(&mut self) -> Result<(&mut Session, &mut Trainer, f32), BackendError> {
+        let (id, trainer) = self.trainer.as_mut().ok_or(LearnError::NoTrainableAdapter)?;
+        let scale = self.active.as_ref().filter(|(a, _)| a == id).map_or(1.0, |(_, s)| *s);
+        let session = &mut self.loaded.as_mut().ok_or(BackendError::NoModel)?.session;
+        Ok((session, trainer, scale))
+    }
+
+    /// One learning step on token-level events (see [`crate::learn`] for the loss).
+    pub fn learn_tokens(&mut self, events: &[TokenEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
+        let (session, trainer, scale) = self.training()?;
+        Ok(trainer.learn(session, events, opts, scale)?)
+    }
+
+    /// The gradients of the loss of `events` with respect to every adapted A and B, without
+    /// stepping (the adapter is unchanged): for checks against an autograd oracle.
+    pub fn learn_gradients(&mut self, events: &[TokenEvent]) -> Result<Vec<ModuleGrad>, BackendError> {
+        let (session, trainer, scale) = self.training()?;
+        Ok(trainer.gradients(session, events, scale)?)
+    }
+
+    /// Steps the trainable adapter has taken.
+    pub fn learn_steps(&self) -> Option<u64> {
+        self.trainer.as_ref().map(|(_, t)| t.steps())
+    }
+
+    /// Text events as token events: the prompt as a user message through the chat template
+    /// (raw text without one), the response followed by the first EOS token.
+    pub fn tokenize_events(&self, events: &[FeedbackEvent]) -> Result<Vec<TokenEvent>, BackendError> {
+        let loaded = self.loaded.as_ref().ok_or(BackendError::NoModel)?;
+        let tok = loaded.tokenizer.as_ref().ok_or_else(|| BackendError::NoTokenizer { backend: "wgpu".into() })?;
+        let eos = loaded.model.eos_token_ids.first().copied();
+        events
+            .iter()
+            .map(|e| {
+                let prompt = match tok.chat_template() {
+                    Some(_) => tok.apply_chat_template(&[ChatMessage::new("user", &e.prompt)])?,
+                    None => e.prompt.clone(),
+                };
+                let mut response = tok.encode(&e.response)?;
+                response.extend(eos);
+                Ok(TokenEvent { prompt: tok.encode(&prompt)?, response, signal: e.signal })
+            })
+            .collect()
+    }
 }
 
 /// The resident adapter `id`.
@@ -128,6 +213,7 @@ impl LlmBackend for WgpuBackend {
         let session = Session::new(model.clone(), self.opts.clone())?;
         self.resident.clear();
         self.active = None;
+        self.trainer = None;
         self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer });
         Ok(())
     }
@@ -136,6 +222,7 @@ impl LlmBackend for WgpuBackend {
         self.loaded = None;
         self.resident.clear();
         self.active = None;
+        self.trainer = None;
     }
 
     fn is_model_loaded(&self) -> bool {
@@ -186,7 +273,7 @@ impl LlmBackend for WgpuBackend {
             return Err(e);
         }
         if let Some((old, _)) = previous {
-            self.resident.retain(|(i, _)| *i != old);
+            self.forget(&old);
         }
         Ok(id)
     }
@@ -194,7 +281,7 @@ impl LlmBackend for WgpuBackend {
     fn unload_adapter(&mut self) -> Result<(), BackendError> {
         if let Some((id, _)) = self.active.clone() {
             self.bind(None)?;
-            self.resident.retain(|(i, _)| *i != id);
+            self.forget(&id);
         }
         Ok(())
     }
@@ -238,7 +325,34 @@ impl LlmBackend for WgpuBackend {
         if self.active.as_ref().is_some_and(|(a, _)| a == id) {
             self.bind(None)?;
         }
-        self.resident.retain(|(i, _)| i != id);
+        self.forget(id);
         Ok(())
+    }
+
+    fn create_trainable_adapter(&mut self, spec: &TrainSpec) -> Result<AdapterId, BackendError> {
+        let model = self.loaded()?.model.clone();
+        let parsed = init_adapter(&model.config, spec)?;
+        let adapter = LoraAdapter::upload(&model, &parsed)?;
+        let id = parsed.name.clone();
+        self.start_training(adapter, &id)
+    }
+
+    fn import_trainable_adapter(&mut self, path: &Path) -> Result<AdapterId, BackendError> {
+        let model = self.loaded()?.model.clone();
+        let adapter = LoraAdapter::load(&model, path)?;
+        let id = adapter.info.name.clone();
+        self.start_training(adapter, &id)
+    }
+
+    fn learn(&mut self, events: &[FeedbackEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
+        let tokens = self.tokenize_events(events)?;
+        self.learn_tokens(&tokens, opts)
+    }
+
+    fn export_trainable_adapter(&mut self, dir: &Path) -> Result<(), BackendError> {
+        let (_, trainer) = self.trainer.as_ref().ok_or(LearnError::NoTrainableAdapter)?;
+        let model = self.loaded.as_ref().ok_or(BackendError::NoModel)?.model.clone();
+        let weights = trainer.weights()?;
+        Ok(export_peft(dir, &model.config, &trainer.adapter, &weights)?)
     }
 }

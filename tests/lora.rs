@@ -8,8 +8,8 @@ use std::sync::Arc;
 use common::tolerance::{LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
 use common::{fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
 use qwen35_wgpu::{
-    AdapterError, BackendError, GenerateParams, LlmBackend, LoraAdapter, Model, ModelInfo, Proj, Session,
-    SessionOptions, WgpuBackend,
+    AdapterError, BackendError, GenerateParams, LearnOptions, LlmBackend, LoraAdapter, Model, ModelInfo, Proj, Session,
+    SessionOptions, TrainSpec, WgpuBackend,
 };
 
 /// (adapter, base model, scales with a reference).
@@ -194,6 +194,16 @@ fn default_adapter_methods_say_not_supported() {
     not_supported(b.set_adapter_scale(2.0));
     not_supported(b.list_adapters().map(|_| ()));
     not_supported(b.remove_adapter("x"));
+    let no_learning = |r: Result<(), BackendError>| {
+        assert!(
+            matches!(r, Err(BackendError::LearningNotSupported { ref backend }) if backend == "no-adapters"),
+            "{r:?}"
+        );
+    };
+    no_learning(b.create_trainable_adapter(&TrainSpec::default()).map(|_| ()));
+    no_learning(b.import_trainable_adapter(Path::new("x")).map(|_| ()));
+    no_learning(b.learn(&[], &LearnOptions::default()).map(|_| ()));
+    no_learning(b.export_trainable_adapter(Path::new("x")));
 }
 
 fn backend() -> Option<WgpuBackend> {

@@ -6,23 +6,6 @@ use naga::valid::{Capabilities, ValidationFlags, Validator};
 use qwen35_wgpu::kernels::{Kernel, PipelineKey, Shader};
 use qwen35_wgpu::model::Dtype;
 
-const KERNELS: [Kernel; 14] = [
-    Kernel::Matmul,
-    Kernel::Matvec,
-    Kernel::MatmulLora,
-    Kernel::MatvecLora,
-    Kernel::RmsNorm,
-    Kernel::RmsNormGated,
-    Kernel::PrepQ,
-    Kernel::PrepKv,
-    Kernel::Attend,
-    Kernel::ConvSilu,
-    Kernel::DeltaRule,
-    Kernel::Embed,
-    Kernel::Swiglu,
-    Kernel::Copy,
-];
-
 fn parse(shader: Shader) -> (naga::Module, naga::valid::ModuleInfo) {
     let src = shader.source();
     let module = naga::front::wgsl::parse_str(src)
@@ -52,7 +35,7 @@ fn resource_map(module: &naga::Module, entry: &str) -> msl::EntryPointResourceMa
 
 fn keys() -> Vec<PipelineKey> {
     let mut keys = Vec::new();
-    for kernel in KERNELS {
+    for kernel in Kernel::ALL {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for accumulate in [false, true] {
                 let key = PipelineKey { kernel, dtype, accumulate };
@@ -74,7 +57,7 @@ fn every_shader_parses_and_validates() {
 
 #[test]
 fn every_kernel_is_listed_once() {
-    let covered: std::collections::HashSet<Shader> = KERNELS.iter().map(|k| k.shader()).collect();
+    let covered: std::collections::HashSet<Shader> = Kernel::ALL.iter().map(|k| k.shader()).collect();
     assert_eq!(covered.len(), Shader::ALL.len(), "a shader file has no kernel in the test list");
 }
 

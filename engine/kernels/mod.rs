@@ -3,6 +3,7 @@
 
 pub mod attention;
 pub mod gdn;
+pub mod learn;
 pub mod matmul;
 pub mod misc;
 pub mod norm;
@@ -33,11 +34,21 @@ pub enum Shader {
     Swiglu,
     /// `copy.wgsl`
     Copy,
+    /// `ce_grad.wgsl`
+    CeGrad,
+    /// `matmul_dx.wgsl`
+    MatmulDx,
+    /// `lora_grad.wgsl`
+    LoraGrad,
+    /// `backward.wgsl`
+    Backward,
+    /// `adamw.wgsl`
+    Adamw,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 9] = [
+    pub const ALL: [Shader; 14] = [
         Shader::Matmul,
         Shader::Norm,
         Shader::AttentionPrep,
@@ -47,6 +58,11 @@ impl Shader {
         Shader::Embed,
         Shader::Swiglu,
         Shader::Copy,
+        Shader::CeGrad,
+        Shader::MatmulDx,
+        Shader::LoraGrad,
+        Shader::Backward,
+        Shader::Adamw,
     ];
 
     /// The file name under `wgsl/`.
@@ -61,6 +77,11 @@ impl Shader {
             Shader::Embed => "embed.wgsl",
             Shader::Swiglu => "swiglu.wgsl",
             Shader::Copy => "copy.wgsl",
+            Shader::CeGrad => "ce_grad.wgsl",
+            Shader::MatmulDx => "matmul_dx.wgsl",
+            Shader::LoraGrad => "lora_grad.wgsl",
+            Shader::Backward => "backward.wgsl",
+            Shader::Adamw => "adamw.wgsl",
         }
     }
 
@@ -76,6 +97,11 @@ impl Shader {
             Shader::Embed => include_str!("../../wgsl/embed.wgsl"),
             Shader::Swiglu => include_str!("../../wgsl/swiglu.wgsl"),
             Shader::Copy => include_str!("../../wgsl/copy.wgsl"),
+            Shader::CeGrad => include_str!("../../wgsl/ce_grad.wgsl"),
+            Shader::MatmulDx => include_str!("../../wgsl/matmul_dx.wgsl"),
+            Shader::LoraGrad => include_str!("../../wgsl/lora_grad.wgsl"),
+            Shader::Backward => include_str!("../../wgsl/backward.wgsl"),
+            Shader::Adamw => include_str!("../../wgsl/adamw.wgsl"),
         }
     }
 }
@@ -111,6 +137,47 @@ pub enum Kernel {
     Swiglu,
     /// Buffer copy (bandwidth yardstick).
     Copy,
+    /// Softmax cross-entropy and its logit gradient, in place.
+    CeGrad,
+    /// `dx = dy · W` (the input gradient of a linear layer).
+    MatmulDx,
+    /// A LoRA weight gradient: a sum of outer products over tokens.
+    LoraGrad,
+    /// Backward of RMSNorm1p.
+    RmsNormBwd,
+    /// Backward of SwiGLU.
+    SwigluBwd,
+    /// Squared norm of a gradient (for clipping).
+    SumSquares,
+    /// The AdamW update with clipping and the anchor pull.
+    AdamW,
+}
+
+impl Kernel {
+    /// Every entry point, for the naga translation tests.
+    pub const ALL: [Kernel; 21] = [
+        Kernel::Matmul,
+        Kernel::Matvec,
+        Kernel::MatmulLora,
+        Kernel::MatvecLora,
+        Kernel::RmsNorm,
+        Kernel::RmsNormGated,
+        Kernel::PrepQ,
+        Kernel::PrepKv,
+        Kernel::Attend,
+        Kernel::ConvSilu,
+        Kernel::DeltaRule,
+        Kernel::Embed,
+        Kernel::Swiglu,
+        Kernel::Copy,
+        Kernel::CeGrad,
+        Kernel::MatmulDx,
+        Kernel::LoraGrad,
+        Kernel::RmsNormBwd,
+        Kernel::SwigluBwd,
+        Kernel::SumSquares,
+        Kernel::AdamW,
+    ];
 }
 
 impl Kernel {
@@ -126,6 +193,11 @@ impl Kernel {
             Kernel::Embed => Shader::Embed,
             Kernel::Swiglu => Shader::Swiglu,
             Kernel::Copy => Shader::Copy,
+            Kernel::CeGrad => Shader::CeGrad,
+            Kernel::MatmulDx => Shader::MatmulDx,
+            Kernel::LoraGrad => Shader::LoraGrad,
+            Kernel::RmsNormBwd | Kernel::SwigluBwd => Shader::Backward,
+            Kernel::SumSquares | Kernel::AdamW => Shader::Adamw,
         }
     }
 
@@ -146,6 +218,13 @@ impl Kernel {
             Kernel::Embed => "embed",
             Kernel::Swiglu => "swiglu",
             Kernel::Copy => "copy",
+            Kernel::CeGrad => "ce_grad",
+            Kernel::MatmulDx => "matmul_dx",
+            Kernel::LoraGrad => "lora_grad",
+            Kernel::RmsNormBwd => "rms_norm_bwd",
+            Kernel::SwigluBwd => "swiglu_bwd",
+            Kernel::SumSquares => "sum_squares",
+            Kernel::AdamW => "adamw",
         }
     }
 
@@ -160,12 +239,32 @@ impl Kernel {
             Kernel::Attend => &[R, R, R, R, W],
             Kernel::ConvSilu => &[R, W, W],
             Kernel::DeltaRule => &[R, R, R, W, W],
+            Kernel::CeGrad => &[W, R, W],
+            Kernel::MatmulDx | Kernel::SumSquares => &[R, W],
+            Kernel::LoraGrad | Kernel::RmsNormBwd => &[R, R, W],
+            Kernel::SwigluBwd => &[R, R, W, W],
+            Kernel::AdamW => &[R, W, W, W, W, R],
         }
     }
 
     /// Whether the kernel binds a group-1 weight buffer.
     pub fn has_weights(self) -> bool {
-        !matches!(self, Kernel::Attend | Kernel::Swiglu | Kernel::Copy)
+        matches!(
+            self,
+            Kernel::Matmul
+                | Kernel::Matvec
+                | Kernel::MatmulLora
+                | Kernel::MatvecLora
+                | Kernel::RmsNorm
+                | Kernel::RmsNormGated
+                | Kernel::PrepQ
+                | Kernel::PrepKv
+                | Kernel::ConvSilu
+                | Kernel::DeltaRule
+                | Kernel::Embed
+                | Kernel::MatmulDx
+                | Kernel::RmsNormBwd
+        )
     }
 
     /// Whether the kernel binds a group-2 adapter slot (LoRA B).
@@ -173,12 +272,13 @@ impl Kernel {
         matches!(self, Kernel::MatmulLora | Kernel::MatvecLora)
     }
 
-    fn is_matmul(self) -> bool {
-        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora)
+    /// Whether the shader has the `ACCUMULATE` override.
+    fn has_accumulate(self) -> bool {
+        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora | Kernel::MatmulDx)
     }
 
     fn has_dtype(self) -> bool {
-        self.is_matmul() || self == Kernel::Embed
+        self.has_accumulate() || self == Kernel::Embed
     }
 }
 
@@ -205,7 +305,7 @@ impl PipelineKey {
         if self.kernel.has_dtype() {
             c.push(("W_DTYPE", self.dtype.shader_code() as f64));
         }
-        if self.kernel.is_matmul() {
+        if self.kernel.has_accumulate() {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
         c

@@ -6,5 +6,5 @@ pub mod peft;
 pub mod target;
 
 pub use adapter::{AdapterInfo, LoraAdapter, LoraGroup, LoraMember};
-pub use peft::{ConfigSource, ParsedAdapter};
+pub use peft::{ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig};
 pub use target::{InputGroup, Proj};

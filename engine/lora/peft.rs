@@ -30,6 +30,8 @@ pub enum ConfigSource {
     FileMetadata,
     /// Nothing: rank read from the tensors, alpha = r (scaling 1).
     DefaultAlphaEqualsRank,
+    /// Created on the GPU for learning (rank and alpha from its `TrainSpec`).
+    Trainable,
 }
 
 #[derive(Clone, Debug)]
@@ -226,7 +228,9 @@ impl PeftConfig {
         }))
     }
 
-    fn none() -> Self {
+    /// No config file: nothing targeted or excluded by name, alpha = r unless `source` says
+    /// otherwise.
+    pub(crate) fn none() -> Self {
         Self {
             r: None,
             lora_alpha: None,

@@ -275,6 +275,18 @@ fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, sl
     }
 }
 
+/// What a step copies out of the residual stream besides its result.
+#[derive(Clone, Copy)]
+pub(crate) enum Capture<'a> {
+    /// Nothing.
+    None,
+    /// The residual stream after the embedding and after every layer (`[L+1, T, H]`).
+    Layers,
+    /// Rows `row0..row0 + rows` of the residual stream entering the MLP of `layer` (after its
+    /// token mixer), into `dst` from element 0: the input a learning step differentiates.
+    MlpInput { layer: usize, row0: usize, rows: usize, dst: &'a wgpu::Buffer },
+}
+
 /// Which positions of a step get the final norm and lm_head.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Rows {
@@ -287,7 +299,7 @@ pub(crate) enum Rows {
 }
 
 /// Record and submit one step of `ids` (at most `max_batch` tokens) at the session's position.
-pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: bool) -> Result<StepOutput, RunError> {
+pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -> Result<StepOutput, RunError> {
     let model = s.model.clone();
     let ctx: &GpuContext = &model.ctx;
     let c = &model.config;
@@ -295,7 +307,7 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: bool) -> R
     let h = c.hidden_size;
     ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
     let slot_bytes = (t * h * 4) as u64;
-    let captured = if capture {
+    let captured = if matches!(capture, Capture::Layers) {
         Some(ctx.storage_buffer("hidden capture", slot_bytes * (c.num_layers() as u64 + 1), false)?)
     } else {
         None
@@ -324,6 +336,12 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: bool) -> R
                         during: format!("layer {i}"),
                         message: "layer state does not match the layer type".into(),
                     }))
+                }
+            }
+            if let Capture::MlpInput { layer, row0, rows, dst } = capture {
+                if layer == i {
+                    let row = (h * 4) as u64;
+                    rec.copy(&sc.hidden, row0 as u64 * row, dst, 0, rows as u64 * row);
                 }
             }
             rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;

@@ -1,12 +1,13 @@
 //! Running the model: per-session caches and scratch, the layer loop, sampling, generation.
 
 mod cache;
-mod forward;
+pub(crate) mod forward;
 mod generate;
 mod sampler;
 mod session;
 
 pub use cache::rope_table;
 pub use generate::GenerateParams;
+pub(crate) use sampler::SplitMix64;
 pub use sampler::{argmax, Sampler};
 pub use session::{ActiveAdapter, Logits, Session, SessionOptions};

@@ -8,7 +8,7 @@ use crate::gpu::{read_f32, GpuContext, IoBindCache};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::cache::{layer_states, rope_table, LayerState, Scratch};
-use crate::runtime::forward::{self, Rows, StepOutput};
+use crate::runtime::forward::{self, Capture, Rows, StepOutput};
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -211,7 +211,7 @@ impl Session {
         let h = self.model.config.hidden_size;
         let mut out = Vec::with_capacity(ids.len() * h);
         for chunk in ids.chunks(self.opts.max_batch) {
-            forward::step(self, chunk, Rows::Hidden, false)?;
+            forward::step(self, chunk, Rows::Hidden, Capture::None)?;
             out.extend(read_f32(self.ctx(), &self.scratch.xnorm, 0, chunk.len() * h)?);
             self.pos += chunk.len();
         }
@@ -238,7 +238,8 @@ impl Session {
         let mut logits = Logits { rows: 0, vocab, data: Vec::new() };
         let mut hidden = None;
         for chunk in ids.chunks(self.opts.max_batch) {
-            let out = forward::step(self, chunk, if all { Rows::All } else { Rows::Last }, capture)?;
+            let tap = if capture { Capture::Layers } else { Capture::None };
+            let out = forward::step(self, chunk, if all { Rows::All } else { Rows::Last }, tap)?;
             self.pos += chunk.len();
             if all {
                 logits.rows += out.logits.rows;

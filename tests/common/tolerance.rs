@@ -23,3 +23,9 @@ pub const KERNEL_RTOL: f32 = 1e-4;
 /// f32 math, but decode uses the matvec kernel and prefill the tiled matmul, which sum in other
 /// orders; the differences compound over layers (seen: up to 1.5e-5 on the 8-layer fixture).
 pub const PATHS_REL: f32 = 1e-4;
+
+/// LoRA gradients vs PyTorch autograd, per tensor: ‖ours − ref‖ / ‖ref‖. Both sides are f32, but
+/// the backward sums over the vocabulary (lm_head), the hidden and intermediate widths and the
+/// tokens in other orders, and the forward underneath already differs at LOGITS_REL; the issue's
+/// bound.
+pub const GRAD_REL: f32 = 1e-3;

@@ -21,9 +21,9 @@ cargo xtask <command>
                        torch/transformers/peft/tokenizers; CPU only)
   train-demo           train the embedded demo model, its tokenizer and its two LoRA adapters on a
                        synthetic corpus, and record transformers + peft generations (~20 min, CPU)
-  bench [--quick]      this engine and transformers + peft on the same 0.8B-dimension random model and
-                       rank-16 adapter, plus the copy-bandwidth floor; writes BENCHMARKS.md
-                       (--quick: tiny sizes, one repeat)
+  bench [--quick]      this engine, transformers + peft and llama.cpp (llama-cpp-python built from
+                       source) on the same 0.8B-dimension random model and rank-16 adapter, plus the
+                       copy-bandwidth floor; writes BENCHMARKS.md (--quick: tiny sizes, one repeat)
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
@@ -36,7 +36,7 @@ fn main() -> Result<()> {
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
-        Some("fixtures") => python(&["make_fixtures.py", "make_adapters.py"]),
+        Some("fixtures") => python(&["make_fixtures.py", "make_adapters.py", "make_learn.py"]),
         Some("train-demo") => python(&["train_demo.py"]),
         Some("bench") => bench::run(&root(), &venv()?, args.iter().any(|a| a == "--quick")),
         Some("probe") => probe(),

@@ -1,0 +1,317 @@
+//! The backward and optimiser kernels of on-GPU learning: `ce_grad.wgsl`, `matmul_dx.wgsl`,
+//! `lora_grad.wgsl`, `backward.wgsl` and `adamw.wgsl`.
+
+use std::ops::Range;
+
+use crate::error::GpuError;
+use crate::gpu::{grid_1d, GpuVector, GpuWeight, Recorder};
+use crate::kernels::{Kernel, PipelineKey};
+use crate::model::Dtype;
+
+/// Mirrors `Params` in `ce_grad.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct CeParams {
+    v: u32,
+    rows: u32,
+    _pad: [u32; 2],
+}
+
+/// Record the cross-entropy of `rows` logit rows (`[rows, vocab]`) against the targets in
+/// `rowinfo` (`[rows, 2]` u32: target id, coefficient as f32 bits): `loss` gets each row's CE and
+/// the logits are replaced by `coef · (softmax − onehot)`.
+pub fn ce_grad(
+    rec: &mut Recorder,
+    logits: &wgpu::Buffer,
+    rowinfo: &wgpu::Buffer,
+    loss: &wgpu::Buffer,
+    rows: usize,
+    vocab: usize,
+) -> Result<(), GpuError> {
+    let params = CeParams { v: vocab as u32, rows: rows as u32, _pad: [0; 2] };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    rec.dispatch(PipelineKey::plain(Kernel::CeGrad), &params, &[logits, rowinfo, loss], &[], grid_1d(rows as u32, max))
+}
+
+/// Mirrors `Params` in `matmul_dx.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct DxParams {
+    m: u32,
+    n: u32,
+    k: u32,
+    dy_offset: u32,
+    dy_stride: u32,
+    dx_offset: u32,
+    dx_stride: u32,
+    w_row: u32,
+    scale: f32,
+    _pad: [u32; 3],
+}
+
+/// Where `dx = dy · W` reads and writes.
+pub struct DxIo<'a> {
+    /// Output gradient `[m, *]`; the first weight row used pairs with column `dy_offset % dy_stride`.
+    pub dy: &'a wgpu::Buffer,
+    /// First element of dy.
+    pub dy_offset: usize,
+    /// Row stride of dy.
+    pub dy_stride: usize,
+    /// Tokens.
+    pub m: usize,
+    /// Input gradient `[m, dx_stride]`.
+    pub dx: &'a wgpu::Buffer,
+    /// First element of dx.
+    pub dx_offset: usize,
+    /// Row stride of dx.
+    pub dx_stride: usize,
+    /// Multiplies the product (a LoRA scaling).
+    pub scale: f32,
+    /// Add into dx instead of overwriting it.
+    pub accumulate: bool,
+}
+
+/// A weight matrix `[rows, k]` bound as group 1, for [`matmul_dx`].
+pub struct DxWeight<'a> {
+    /// The group-1 bind group over the rows from `row_start`.
+    pub bind_group: &'a wgpu::BindGroup,
+    /// Its dtype.
+    pub dtype: Dtype,
+    /// First row of the whole matrix held by this binding.
+    pub row_start: usize,
+    /// Rows held by this binding.
+    pub rows: usize,
+    /// Columns (input features).
+    pub k: usize,
+}
+
+impl<'a> DxWeight<'a> {
+    /// The chunks of a checkpoint or adapter weight.
+    pub fn chunks(w: &'a GpuWeight) -> Vec<DxWeight<'a>> {
+        w.chunks
+            .iter()
+            .map(|c| DxWeight {
+                bind_group: &c.bind_group,
+                dtype: w.dtype,
+                row_start: c.row_start,
+                rows: c.rows,
+                k: w.cols,
+            })
+            .collect()
+    }
+}
+
+/// Record `dx (+)= scale · dy · W[rows]`: the input gradient through the weight rows `rows` (all rows of
+/// a projection, or one projection's A inside a concatenated group), one dispatch per chunk.
+pub fn matmul_dx(rec: &mut Recorder, w: &[DxWeight], rows: Range<usize>, io: &DxIo) -> Result<(), GpuError> {
+    let mut first = true;
+    for c in w {
+        let lo = rows.start.max(c.row_start);
+        let hi = rows.end.min(c.row_start + c.rows);
+        if lo >= hi {
+            continue;
+        }
+        let params = DxParams {
+            m: io.m as u32,
+            n: (hi - lo) as u32,
+            k: c.k as u32,
+            dy_offset: (io.dy_offset + lo - rows.start) as u32,
+            dy_stride: io.dy_stride as u32,
+            dx_offset: io.dx_offset as u32,
+            dx_stride: io.dx_stride as u32,
+            w_row: (lo - c.row_start) as u32,
+            scale: io.scale,
+            _pad: [0; 3],
+        };
+        let key = PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate: io.accumulate || !first };
+        let groups = [(c.k as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1];
+        rec.dispatch(key, &params, &[io.dy, io.dx], &[c.bind_group], groups)?;
+        first = false;
+    }
+    Ok(())
+}
+
+/// Mirrors `Params` in `lora_grad.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct GradParams {
+    rows: u32,
+    cols: u32,
+    tokens: u32,
+    a_offset: u32,
+    a_stride: u32,
+    b_offset: u32,
+    b_stride: u32,
+    g_offset: u32,
+    g_stride: u32,
+    accumulate: u32,
+    scale: f32,
+    _pad: u32,
+}
+
+/// A strided f32 matrix view: element (row, col) at `offset + row · stride + col`.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    /// The buffer.
+    pub buf: &'a wgpu::Buffer,
+    /// First element.
+    pub offset: usize,
+    /// Row stride.
+    pub stride: usize,
+}
+
+/// Record `g[i, j] (+)= scale · Σ_t a[t, i] · b[t, j]` for `i < rows`, `j < cols`.
+#[allow(clippy::too_many_arguments)]
+pub fn lora_grad(
+    rec: &mut Recorder,
+    a: View,
+    b: View,
+    g: View,
+    rows: usize,
+    cols: usize,
+    tokens: usize,
+    scale: f32,
+    accumulate: bool,
+) -> Result<(), GpuError> {
+    let params = GradParams {
+        rows: rows as u32,
+        cols: cols as u32,
+        tokens: tokens as u32,
+        a_offset: a.offset as u32,
+        a_stride: a.stride as u32,
+        b_offset: b.offset as u32,
+        b_stride: b.stride as u32,
+        g_offset: g.offset as u32,
+        g_stride: g.stride as u32,
+        accumulate: accumulate as u32,
+        scale,
+        _pad: 0,
+    };
+    let groups = [(cols as u32).div_ceil(64), rows as u32, 1];
+    rec.dispatch(PipelineKey::plain(Kernel::LoraGrad), &params, &[a.buf, b.buf, g.buf], &[], groups)
+}
+
+/// Mirrors `Params` in `backward.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+struct BackwardParams {
+    n: u32,
+    rows: u32,
+    x_offset: u32,
+    dy_offset: u32,
+    dx_offset: u32,
+    accumulate: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+/// Record the RMSNorm1p backward over `rows` rows of length `n`: `dx (+)= ∂(x·r·(1+w))/∂x · dy`.
+#[allow(clippy::too_many_arguments)]
+pub fn rms_norm_bwd(
+    rec: &mut Recorder,
+    w: &GpuVector,
+    x: (&wgpu::Buffer, usize),
+    dy: (&wgpu::Buffer, usize),
+    dx: (&wgpu::Buffer, usize),
+    rows: usize,
+    n: usize,
+    eps: f32,
+    accumulate: bool,
+) -> Result<(), GpuError> {
+    let params = BackwardParams {
+        n: n as u32,
+        rows: rows as u32,
+        x_offset: x.1 as u32,
+        dy_offset: dy.1 as u32,
+        dx_offset: dx.1 as u32,
+        accumulate: accumulate as u32,
+        eps,
+        _pad: 0,
+    };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let key = PipelineKey::plain(Kernel::RmsNormBwd);
+    rec.dispatch(key, &params, &[x.0, dy.0, dx.0], &[&w.bind_group], grid_1d(rows as u32, max))
+}
+
+/// Record the SwiGLU backward over `n` elements: `da` becomes `dg`, `du` is written.
+pub fn swiglu_bwd(
+    rec: &mut Recorder,
+    g: &wgpu::Buffer,
+    u: &wgpu::Buffer,
+    da: &wgpu::Buffer,
+    du: &wgpu::Buffer,
+    n: usize,
+) -> Result<(), GpuError> {
+    let params = BackwardParams { n: n as u32, ..Default::default() };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let groups = grid_1d((n as u32).div_ceil(64), max);
+    rec.dispatch(PipelineKey::plain(Kernel::SwigluBwd), &params, &[g, u, da, du], &[], groups)
+}
+
+/// Mirrors `Params` in `adamw.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AdamParams {
+    /// Elements of the tensor.
+    pub n: u32,
+    /// Its slot in the norms buffer.
+    pub slot: u32,
+    /// Slots in use (all tensors of the adapter).
+    pub slots: u32,
+    /// Padding.
+    pub _pad: u32,
+    /// Learning rate.
+    pub lr: f32,
+    /// β1.
+    pub beta1: f32,
+    /// β2.
+    pub beta2: f32,
+    /// ε.
+    pub eps: f32,
+    /// Decoupled weight decay.
+    pub weight_decay: f32,
+    /// Strength of the L2 pull towards the starting weights.
+    pub anchor_l2: f32,
+    /// 1 − β1^t.
+    pub bc1: f32,
+    /// 1 − β2^t.
+    pub bc2: f32,
+    /// Global gradient-norm clip (0: none).
+    pub max_norm: f32,
+    /// Padding.
+    pub _pad1: [f32; 3],
+}
+
+/// Record `norms[slot] = Σ grad²`.
+pub fn sum_squares(
+    rec: &mut Recorder,
+    grad: &wgpu::Buffer,
+    norms: &wgpu::Buffer,
+    n: usize,
+    slot: usize,
+) -> Result<(), GpuError> {
+    let params = AdamParams { n: n as u32, slot: slot as u32, ..Default::default() };
+    rec.dispatch(PipelineKey::plain(Kernel::SumSquares), &params, &[grad, norms], &[], [1, 1, 1])
+}
+
+/// One trainable tensor and its optimiser state.
+pub struct AdamTensor<'a> {
+    /// The gradient.
+    pub grad: &'a wgpu::Buffer,
+    /// The weights, updated in place.
+    pub param: &'a wgpu::Buffer,
+    /// First moment.
+    pub m: &'a wgpu::Buffer,
+    /// Second moment.
+    pub v: &'a wgpu::Buffer,
+    /// The starting weights.
+    pub anchor: &'a wgpu::Buffer,
+}
+
+/// Record the AdamW update of one tensor (after [`sum_squares`] of every tensor).
+pub fn adamw(rec: &mut Recorder, t: &AdamTensor, norms: &wgpu::Buffer, params: &AdamParams) -> Result<(), GpuError> {
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let groups = grid_1d(params.n.div_ceil(256), max);
+    let buffers = [t.grad, norms, t.param, t.m, t.v, t.anchor];
+    rec.dispatch(PipelineKey::plain(Kernel::AdamW), params, &buffers, &[], groups)
+}

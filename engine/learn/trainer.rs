@@ -1,0 +1,468 @@
+//! The trainable adapter's optimiser state and one learning step: the frozen forward (with the
+//! live adapter) taps the last layer's MLP input, then one command buffer per event records the
+//! backward through lm_head, the final norm, the MLP, the post-attention norm and o_proj, summing
+//! the LoRA gradients; one more records clipping and AdamW on every tensor in place, so the next
+//! generation binds the updated weights without any upload.
+
+use std::sync::Arc;
+
+use crate::error::{GpuError, LearnError};
+use crate::gpu::{read_f32, GpuContext, IoBindCache, Recorder};
+use crate::kernels::learn::{
+    adamw, ce_grad, lora_grad, matmul_dx, rms_norm_bwd, sum_squares, swiglu_bwd, AdamParams, AdamTensor, DxIo,
+    DxWeight, View,
+};
+use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
+use crate::kernels::misc::swiglu;
+use crate::kernels::norm::{rms_norm, NormIo};
+use crate::learn::{validate_events, LearnOptions, LearnReport, ModuleGrad, Signal, TokenEvent, LEARNABLE};
+use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
+use crate::model::{Dtype, Mixer, Model};
+use crate::runtime::forward::{step, Capture, Rows};
+use crate::runtime::Session;
+
+/// One trainable tensor (a group's concatenated A, or one projection's B) and its state.
+struct Tensor {
+    param: wgpu::Buffer,
+    grad: wgpu::Buffer,
+    m: wgpu::Buffer,
+    v: wgpu::Buffer,
+    anchor: wgpu::Buffer,
+    n: usize,
+}
+
+/// Activations and gradients of one event's response rows (`rows` ≤ `max_rows`).
+struct Buffers {
+    tap: wgpu::Buffer,
+    logits: wgpu::Buffer,
+    rowinfo: wgpu::Buffer,
+    loss: wgpu::Buffer,
+    dxn: wgpu::Buffer,
+    dh: wgpu::Buffer,
+    n2: wgpu::Buffer,
+    dn2: wgpu::Buffer,
+    g: wgpu::Buffer,
+    u: wgpu::Buffer,
+    a: wgpu::Buffer,
+    du: wgpu::Buffer,
+    t: wgpu::Buffer,
+    ur: wgpu::Buffer,
+}
+
+/// A live adapter being trained.
+pub(crate) struct Trainer {
+    pub(crate) adapter: Arc<LoraAdapter>,
+    model: Arc<Model>,
+    layer: usize,
+    tensors: Vec<Tensor>,
+    /// Tensor index of each input group's A.
+    a_of: [Option<usize>; 4],
+    /// Tensor index of each projection's B.
+    b_of: Vec<(Proj, usize)>,
+    norms: wgpu::Buffer,
+    io: IoBindCache,
+    bufs: Buffers,
+    max_rows: usize,
+    max_tokens: usize,
+    step: u64,
+    baseline: f32,
+}
+
+/// The group slot of `proj` in `a_of`.
+fn slot(group: InputGroup) -> usize {
+    group as usize
+}
+
+impl Trainer {
+    /// Train `adapter` (already uploaded for `model`); events hold at most `max_tokens` tokens.
+    pub(crate) fn new(model: &Arc<Model>, adapter: Arc<LoraAdapter>, max_tokens: usize) -> Result<Self, LearnError> {
+        let c = &model.config;
+        let layer = c.num_layers() - 1;
+        if !matches!(model.layers[layer].mixer, Mixer::Attention(_)) {
+            return Err(LearnError::NotLearnable {
+                layer,
+                module: "(last layer)".into(),
+                why: "the last layer is not a full-attention layer".into(),
+            });
+        }
+        for &(l, proj) in &adapter.info.modules {
+            let why = if l != layer {
+                Some(format!("only the last layer ({layer}) can learn; the backward does not cross its attention"))
+            } else if !LEARNABLE.contains(&proj) {
+                Some("q/k/v need the softmax-attention backward, which is not implemented".to_string())
+            } else {
+                None
+            };
+            if let Some(why) = why {
+                return Err(LearnError::NotLearnable { layer: l, module: proj.path().into(), why });
+            }
+        }
+        let ctx: &GpuContext = &model.ctx;
+        let mut tensors = Vec::new();
+        let mut a_of = [None; 4];
+        let mut b_of = Vec::new();
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("anchors") });
+        let mut add = |name: String, param: &wgpu::Buffer, n: usize| -> Result<usize, LearnError> {
+            let bytes = (n * 4) as u64;
+            let f = |what: &str| ctx.storage_buffer(&format!("{name} {what}"), bytes, true);
+            let t = Tensor { param: param.clone(), grad: f("grad")?, m: f("m")?, v: f("v")?, anchor: f("anchor")?, n };
+            enc.copy_buffer_to_buffer(param, 0, &t.anchor, 0, bytes);
+            tensors.push(t);
+            Ok(tensors.len() - 1)
+        };
+        for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
+            let Some(g) = adapter.group(layer, group) else { continue };
+            let [chunk] = g.a.chunks.as_slice() else {
+                return Err(LearnError::NotLearnable {
+                    layer,
+                    module: format!("{group:?} A"),
+                    why: "a LoRA A larger than one storage binding".into(),
+                });
+            };
+            a_of[slot(group)] = Some(add(format!("{group:?} A"), &chunk.buffer, g.rank_total * g.a.cols)?);
+            for m in &g.members {
+                let out = m.proj.dims(c).1;
+                b_of.push((m.proj, add(format!("{} B", m.proj.path()), &m.b, out * m.rank)?));
+            }
+        }
+        ctx.queue.submit([enc.finish()]);
+        let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let max_rows = ((ctx.max_binding() / (v * 4) as u64) as usize).clamp(1, max_tokens);
+        let rank = adapter.max_group_rank().max(1);
+        let f = |name: &str, width: usize| ctx.storage_buffer(name, (max_rows * width * 4) as u64, true);
+        let bufs = Buffers {
+            tap: f("learn tap", h)?,
+            logits: f("learn logits", v)?,
+            rowinfo: f("learn rowinfo", 2)?,
+            loss: f("learn loss", 1)?,
+            dxn: f("learn dxn", h)?,
+            dh: f("learn dh", h)?,
+            n2: f("learn n2", h)?,
+            dn2: f("learn dn2", h)?,
+            g: f("learn g", i)?,
+            u: f("learn u", i)?,
+            a: f("learn a", i)?,
+            du: f("learn du", i)?,
+            t: f("learn t", rank)?,
+            ur: f("learn ur", rank)?,
+        };
+        let norms = ctx.storage_buffer("learn norms", (tensors.len() * 4) as u64, true)?;
+        let chunks = |w: &crate::gpu::GpuWeight| w.chunks.len();
+        let l = &model.layers[layer];
+        let weights = 3 * chunks(model.output()) + 2 * (chunks(&l.mlp.gate_proj) + chunks(&l.mlp.up_proj));
+        let slots = 64 + weights + 2 * chunks(&l.mlp.down_proj) + 2 * tensors.len();
+        let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("learn uniform arena"),
+            size: slots as u64 * 256,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Ok(Self {
+            adapter,
+            model: model.clone(),
+            layer,
+            tensors,
+            a_of,
+            b_of,
+            norms,
+            io: IoBindCache::new(arena),
+            bufs,
+            max_rows,
+            max_tokens,
+            step: 0,
+            baseline: 0.5,
+        })
+    }
+
+    /// Steps taken.
+    pub(crate) fn steps(&self) -> u64 {
+        self.step
+    }
+
+    /// Per-event loss weights `w_e / E` for the current baseline.
+    fn coefficients(&self, events: &[TokenEvent]) -> Vec<f32> {
+        let e = events.len() as f32;
+        events
+            .iter()
+            .map(|ev| match ev.signal {
+                Signal::Preferred => 1.0 / e,
+                Signal::Score(s) => (s - self.baseline) / e,
+            })
+            .collect()
+    }
+
+    /// Sum the gradients of `events` into the gradient buffers (running the frozen forward with
+    /// the adapter at `scale`); returns each event's mean response cross-entropy.
+    fn accumulate(&mut self, session: &mut Session, events: &[TokenEvent], scale: f32) -> Result<Vec<f32>, LearnError> {
+        let vocab = self.model.config.vocab_size;
+        validate_events(events, vocab, self.max_tokens.min(session.opts.max_context), self.max_rows)?;
+        let coefs = self.coefficients(events);
+        let previous = session.adapter().cloned();
+        session.set_adapter(Some((self.adapter.clone(), scale)))?;
+        let mut ce = Vec::with_capacity(events.len());
+        let mut result = Ok(());
+        for (i, (ev, coef)) in events.iter().zip(&coefs).enumerate() {
+            match self.event(session, ev, *coef, scale, i == 0) {
+                Ok(c) => ce.push(c),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        session.reset();
+        session.set_adapter(previous.map(|a| (a.adapter, a.scale)))?;
+        result.map(|_| ce)
+    }
+
+    /// Forward and backward of one event; `first` overwrites the gradients instead of adding.
+    fn event(
+        &mut self,
+        session: &mut Session,
+        ev: &TokenEvent,
+        coef: f32,
+        scale: f32,
+        first: bool,
+    ) -> Result<f32, LearnError> {
+        let model = self.model.clone();
+        let c = &model.config;
+        let (p, r) = (ev.prompt.len(), ev.response.len());
+        let ids: Vec<u32> = ev.prompt.iter().chain(&ev.response).copied().collect();
+        session.reset();
+        let tap = Capture::MlpInput { layer: self.layer, row0: p - 1, rows: r, dst: &self.bufs.tap };
+        step(session, &ids, Rows::Hidden, tap)?;
+        let rowinfo: Vec<u32> = ev.response.iter().flat_map(|&t| [t, (coef / r as f32).to_bits()]).collect();
+        model.ctx.write(&self.bufs.rowinfo, 0, bytemuck::cast_slice(&rowinfo));
+        let Self { io, bufs: b, tensors, a_of, b_of, adapter, layer: li, .. } = self;
+        let params = |proj: Proj| -> Option<(&Tensor, &Tensor)> {
+            let a = a_of[slot(proj.group())]?;
+            let (_, bi) = b_of.iter().find(|(q, _)| *q == proj)?;
+            Some((&tensors[a], &tensors[*bi]))
+        };
+        let mut rec = Recorder::new(&model.ctx, io);
+        let sc = &session.scratch;
+        let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
+        let layer = &model.layers[*li];
+        let grads =
+            |rec: &mut Recorder, g: &LoraGroup, m: &LoraMember, dy: (&wgpu::Buffer, usize), x: View| match params(
+                m.proj,
+            ) {
+                Some((ta, tb)) => module_grads(rec, b, (ta, tb), g, m, dy, x, r, m.scaling * scale, first),
+                None => Ok(()),
+            };
+        // Head: logits of the rows predicting the response, CE gradient, back through lm_head
+        // and the final norm: dh = ∂L/∂(residual after the last layer).
+        linear(&mut rec, model.output(), &lin(r, &sc.xnorm, (p - 1) * h, &b.logits, v), None)?;
+        ce_grad(&mut rec, &b.logits, &b.rowinfo, &b.loss, r, v)?;
+        matmul_dx(&mut rec, &DxWeight::chunks(model.output()), 0..v, &dx(r, &b.logits, v, &b.dxn, h))?;
+        let eps = c.rms_norm_eps;
+        rms_norm_bwd(&mut rec, &model.norm, (&sc.hidden, (p - 1) * h), (&b.dxn, 0), (&b.dh, 0), r, h, eps, false)?;
+        // MLP recompute from the tapped input: n2, g, u (with the adapter), a = silu(g)·u.
+        let norm = NormIo { x: &b.tap, y: &b.n2, x_offset: 0, y_offset: 0, rows: r, n: h, eps };
+        rms_norm(&mut rec, &layer.post_norm, &norm)?;
+        let mlp_in = adapter.group(*li, InputGroup::MlpIn);
+        if let Some(g) = mlp_in {
+            linear(&mut rec, &g.a, &lin(r, &b.n2, 0, &b.t, g.rank_total), None)?;
+        }
+        let expand = |proj: Proj| -> Option<LoraExpand<'_>> {
+            let g = mlp_in?;
+            let m = g.member(proj)?;
+            Some(LoraExpand {
+                t: &b.t,
+                t_offset: m.t_offset,
+                t_stride: g.rank_total,
+                rank: m.rank,
+                scale: m.scaling * scale,
+                b: &m.bind_group,
+            })
+        };
+        linear(&mut rec, &layer.mlp.gate_proj, &lin(r, &b.n2, 0, &b.g, i), expand(Proj::GateProj).as_ref())?;
+        linear(&mut rec, &layer.mlp.up_proj, &lin(r, &b.n2, 0, &b.u, i), expand(Proj::UpProj).as_ref())?;
+        rec.copy(&b.g, 0, &b.a, 0, (r * i * 4) as u64);
+        swiglu(&mut rec, &b.a, &b.u, r * i)?;
+        // down_proj: da = dh · W (into du), its LoRA gradients, and da += s · (dh·B) · A.
+        matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.down_proj), 0..h, &dx(r, &b.dh, h, &b.du, i))?;
+        if let Some(g) = adapter.group(*li, InputGroup::MlpOut) {
+            linear(&mut rec, &g.a, &lin(r, &b.a, 0, &b.t, g.rank_total), None)?;
+            for m in &g.members {
+                grads(&mut rec, g, m, (&b.dh, h), View { buf: &b.a, offset: 0, stride: i })?;
+                let da = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.du, i) };
+                matmul_dx(&mut rec, &DxWeight::chunks(&g.a), m.t_offset..m.t_offset + m.rank, &da)?;
+            }
+        }
+        // SwiGLU backward: with da moved into a, a becomes ∂L/∂g and du ∂L/∂u.
+        rec.copy(&b.du, 0, &b.a, 0, (r * i * 4) as u64);
+        swiglu_bwd(&mut rec, &b.g, &b.u, &b.a, &b.du, r * i)?;
+        // dn2 = ∂L/∂(post-norm output), needed only to reach o_proj.
+        let o_group = adapter.group(*li, InputGroup::MixerOut);
+        if o_group.is_some() {
+            matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.gate_proj), 0..i, &dx(r, &b.a, i, &b.dn2, h))?;
+            let up = DxIo { accumulate: true, ..dx(r, &b.du, i, &b.dn2, h) };
+            matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.up_proj), 0..i, &up)?;
+        }
+        // gate/up LoRA gradients (t = n2·Aᵀ again: the down shrink reused the buffer).
+        if let Some(g) = mlp_in {
+            linear(&mut rec, &g.a, &lin(r, &b.n2, 0, &b.t, g.rank_total), None)?;
+            for m in &g.members {
+                let dy = if m.proj == Proj::GateProj { &b.a } else { &b.du };
+                grads(&mut rec, g, m, (dy, i), View { buf: &b.n2, offset: 0, stride: h })?;
+                if o_group.is_some() {
+                    let dn2 = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.dn2, h) };
+                    matmul_dx(&mut rec, &DxWeight::chunks(&g.a), m.t_offset..m.t_offset + m.rank, &dn2)?;
+                }
+            }
+        }
+        // o_proj: dh += the post-attention norm's backward of dn2, then its LoRA gradients from
+        // the attention output the forward left in the scratch.
+        if let Some(g) = o_group {
+            rms_norm_bwd(&mut rec, &layer.post_norm, (&b.tap, 0), (&b.dn2, 0), (&b.dh, 0), r, h, eps, true)?;
+            let attn = c.num_heads * c.head_dim;
+            linear(&mut rec, &g.a, &lin(r, &sc.mid_b, (p - 1) * attn, &b.t, g.rank_total), None)?;
+            for m in &g.members {
+                grads(&mut rec, g, m, (&b.dh, h), View { buf: &sc.mid_b, offset: (p - 1) * attn, stride: attn })?;
+            }
+        }
+        rec.submit()?;
+        let loss = read_f32(&model.ctx, &b.loss, 0, r)?;
+        Ok(loss.iter().sum::<f32>() / r as f32)
+    }
+
+    /// Sum `events`' gradients and return them per module, without stepping.
+    pub(crate) fn gradients(
+        &mut self,
+        session: &mut Session,
+        events: &[TokenEvent],
+        scale: f32,
+    ) -> Result<Vec<ModuleGrad>, LearnError> {
+        self.accumulate(session, events, scale)?;
+        self.read(|t| &t.grad)
+    }
+
+    /// The adapter's current weights per module.
+    pub(crate) fn weights(&self) -> Result<Vec<ModuleGrad>, LearnError> {
+        self.read(|t| &t.param)
+    }
+
+    fn read(&self, pick: impl Fn(&Tensor) -> &wgpu::Buffer) -> Result<Vec<ModuleGrad>, LearnError> {
+        let ctx = &self.model.ctx;
+        let mut out = Vec::new();
+        for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
+            let (Some(g), Some(ai)) = (self.adapter.group(self.layer, group), self.a_of[slot(group)]) else {
+                continue;
+            };
+            let a = read_f32(ctx, pick(&self.tensors[ai]), 0, self.tensors[ai].n)?;
+            for m in &g.members {
+                let Some((_, bi)) = self.b_of.iter().find(|(p, _)| *p == m.proj) else { continue };
+                let cols = g.a.cols;
+                out.push(ModuleGrad {
+                    layer: self.layer,
+                    proj: m.proj,
+                    a: a[m.t_offset * cols..(m.t_offset + m.rank) * cols].to_vec(),
+                    b: read_f32(ctx, pick(&self.tensors[*bi]), 0, self.tensors[*bi].n)?,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// One optimiser step on `events`: gradients, global-norm clipping, AdamW with the anchor
+    /// pull, in place on the live adapter.
+    pub(crate) fn learn(
+        &mut self,
+        session: &mut Session,
+        events: &[TokenEvent],
+        opts: &LearnOptions,
+        scale: f32,
+    ) -> Result<LearnReport, LearnError> {
+        opts.validate()?;
+        let event_ce = self.accumulate(session, events, scale)?;
+        let t = (self.step + 1) as i32;
+        let ctx = self.model.ctx.clone();
+        let mut rec = Recorder::new(&ctx, &mut self.io);
+        for (k, x) in self.tensors.iter().enumerate() {
+            sum_squares(&mut rec, &x.grad, &self.norms, x.n, k)?;
+        }
+        for (k, x) in self.tensors.iter().enumerate() {
+            let params = AdamParams {
+                n: x.n as u32,
+                slot: k as u32,
+                slots: self.tensors.len() as u32,
+                lr: opts.lr,
+                beta1: opts.beta1,
+                beta2: opts.beta2,
+                eps: opts.eps,
+                weight_decay: opts.weight_decay,
+                anchor_l2: opts.anchor_l2,
+                bc1: 1.0 - opts.beta1.powi(t),
+                bc2: 1.0 - opts.beta2.powi(t),
+                max_norm: opts.max_grad_norm,
+                ..Default::default()
+            };
+            let tensor = AdamTensor { grad: &x.grad, param: &x.param, m: &x.m, v: &x.v, anchor: &x.anchor };
+            adamw(&mut rec, &tensor, &self.norms, &params)?;
+        }
+        rec.submit()?;
+        self.step += 1;
+        let norms = read_f32(&ctx, &self.norms, 0, self.tensors.len())?;
+        let scores: Vec<f32> =
+            events.iter().filter_map(|e| if let Signal::Score(s) = e.signal { Some(s) } else { None }).collect();
+        if !scores.is_empty() {
+            let mean = scores.iter().sum::<f32>() / scores.len() as f32;
+            self.baseline = opts.baseline_momentum * self.baseline + (1.0 - opts.baseline_momentum) * mean;
+        }
+        Ok(LearnReport {
+            step: self.step,
+            event_ce,
+            grad_norm: norms.iter().sum::<f32>().sqrt(),
+            baseline: self.baseline,
+        })
+    }
+}
+
+/// A linear layer over `m` rows from `x_offset` of x into `y` (row stride `y_stride`).
+fn lin<'a>(m: usize, x: &'a wgpu::Buffer, x_offset: usize, y: &'a wgpu::Buffer, y_stride: usize) -> LinearIo<'a> {
+    LinearIo { x, x_offset, m, y, y_offset: 0, y_stride, accumulate: false }
+}
+
+/// `dx = dy · W` over `m` rows, both from element 0.
+fn dx<'a>(m: usize, dy: &'a wgpu::Buffer, dy_stride: usize, dx: &'a wgpu::Buffer, dx_stride: usize) -> DxIo<'a> {
+    DxIo { dy, dy_offset: 0, dy_stride, m, dx, dx_offset: 0, dx_stride, scale: 1.0, accumulate: false }
+}
+
+/// dB = s·dyᵀ·t and dA = s·(dy·B)ᵀ·x for member `m` of group `g` (its shrink `t = x·Aᵀ` already
+/// in `b.t`; dy·B is left in `b.ur` for the caller's input gradient).
+#[allow(clippy::too_many_arguments)]
+fn module_grads(
+    rec: &mut Recorder,
+    b: &Buffers,
+    (ta, tb): (&Tensor, &Tensor),
+    g: &LoraGroup,
+    m: &LoraMember,
+    dy: (&wgpu::Buffer, usize),
+    x: View,
+    rows: usize,
+    s: f32,
+    first: bool,
+) -> Result<(), GpuError> {
+    let out = dy.1;
+    let dy_view = View { buf: dy.0, offset: 0, stride: out };
+    let t_view = View { buf: &b.t, offset: m.t_offset, stride: g.rank_total };
+    let gb = View { buf: &tb.grad, offset: 0, stride: m.rank };
+    lora_grad(rec, dy_view, t_view, gb, out, m.rank, rows, s, !first)?;
+    let bw = DxWeight { bind_group: &m.bind_group, dtype: Dtype::F32, row_start: 0, rows: out, k: m.rank };
+    let io = DxIo {
+        dy: dy.0,
+        dy_offset: 0,
+        dy_stride: out,
+        m: rows,
+        dx: &b.ur,
+        dx_offset: 0,
+        dx_stride: m.rank,
+        scale: 1.0,
+        accumulate: false,
+    };
+    matmul_dx(rec, &[bw], 0..out, &io)?;
+    let ga = View { buf: &ta.grad, offset: m.t_offset * g.a.cols, stride: g.a.cols };
+    let ur = View { buf: &b.ur, offset: 0, stride: m.rank };
+    lora_grad(rec, ur, x, ga, m.rank, g.a.cols, rows, s, !first)
+}

@@ -1,0 +1,175 @@
+//! On-GPU learning against the oracle: LoRA gradients vs PyTorch autograd through transformers +
+//! peft, steps that change generation, export/import round trips and failure semantics.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::tolerance::GRAD_REL;
+use common::{fixture_model, gpu, rel_and_max, root, Reference};
+use qwen35_wgpu::learn::ModuleGrad;
+use qwen35_wgpu::{
+    BackendError, LearnError, LearnOptions, LlmBackend, Proj, SessionOptions, Signal, TokenEvent, TrainSpec,
+    WgpuBackend,
+};
+
+fn backend(model: &str) -> Option<WgpuBackend> {
+    let ctx = gpu()?;
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 64, max_batch: 16 });
+    b.load_model(&fixture_model(model)).expect("model");
+    Some(b)
+}
+
+fn events(r: &Reference, case: &str, reward: bool) -> Vec<TokenEvent> {
+    let (_, scores) = r.f32(&format!("{case}.scores"));
+    (0..scores.len())
+        .map(|i| TokenEvent {
+            prompt: r.ids(&format!("{case}.e{i}.prompt")),
+            response: r.ids(&format!("{case}.e{i}.response")),
+            signal: if reward { Signal::Score(scores[i]) } else { Signal::Preferred },
+        })
+        .collect()
+}
+
+fn module_key(g: &ModuleGrad) -> String {
+    format!("layers.{}.{}", g.layer, g.proj.path())
+}
+
+#[test]
+fn lora_gradients_match_pytorch_autograd() {
+    let r = Reference::load("learn");
+    for (case, model) in [("gva_last", "gva_tied_f32"), ("vlm_last", "vlm_bf16_sharded")] {
+        let Some(mut b) = backend(model) else { return };
+        b.import_trainable_adapter(&root().join("tests/fixtures/learn").join(case)).expect("import");
+        for (loss, reward) in [("supervised", false), ("reward", true)] {
+            let grads = b.learn_gradients(&events(&r, case, reward)).expect("gradients");
+            assert_eq!(grads.len(), 4, "{case}: o/gate/up/down");
+            for g in &grads {
+                for (which, ours) in [("lora_A", &g.a), ("lora_B", &g.b)] {
+                    let key = format!("{case}.{loss}.{}.{which}", module_key(g));
+                    let (_, want) = r.f32(&key);
+                    let (rel, _) = rel_and_max(ours, &want);
+                    let norm = want.iter().map(|v| v * v).sum::<f32>().sqrt();
+                    assert!(norm > 1e-4, "{key}: the oracle's gradient is ~0, the check would be empty");
+                    assert!(rel <= GRAD_REL, "{key}: rel {rel:.3e} (≤ {GRAD_REL})");
+                }
+            }
+        }
+    }
+}
+
+fn logits(b: &mut WgpuBackend, ids: &[u32]) -> Vec<f32> {
+    let s = b.session().expect("session");
+    s.reset();
+    let out = s.feed_all(ids).expect("feed").data;
+    s.reset();
+    out
+}
+
+fn supervised(prompt: &[u32], response: &[u32]) -> TokenEvent {
+    TokenEvent { prompt: prompt.to_vec(), response: response.to_vec(), signal: Signal::Preferred }
+}
+
+#[test]
+fn a_step_changes_the_live_adapter_and_the_export_loads_back_bit_identical() {
+    let Some(mut b) = backend("gva_tied_f32") else { return };
+    let ids = [3u32, 17, 42, 99, 7, 150, 8];
+    let base = logits(&mut b, &ids);
+    let id = b.create_trainable_adapter(&TrainSpec::default()).expect("create");
+    assert_eq!(b.active_adapter().expect("active").map(|a| a.id), Some(id));
+    assert_eq!(logits(&mut b, &ids), base, "B = 0: a new adapter starts as the base model");
+    let opts = LearnOptions { lr: 1e-2, ..Default::default() };
+    for _ in 0..3 {
+        b.learn_tokens(&[supervised(&ids[..4], &ids[4..])], &opts).expect("step");
+    }
+    let live = logits(&mut b, &ids);
+    let (rel, _) = rel_and_max(&live, &base);
+    assert!(rel > 1e-3, "three steps at lr 1e-2 must change the logits (rel {rel:.2e})");
+    let dir = std::env::temp_dir().join(format!("qwen35-learn-export-{}", std::process::id()));
+    b.export_trainable_adapter(&dir).expect("export");
+    let mut fresh = backend("gva_tied_f32").expect("backend");
+    fresh.load_adapter(&dir, 1.0).expect("load the export");
+    assert_eq!(logits(&mut fresh, &ids), live, "exported adapter = live adapter, bit for bit");
+    fresh.import_trainable_adapter(&dir).expect("import to continue");
+    fresh.learn_tokens(&[supervised(&ids[..4], &ids[4..])], &opts).expect("continue training");
+    assert_ne!(logits(&mut fresh, &ids), live, "a step after import changes the adapter");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
+fn a_step_uploads_no_weights() {
+    // What a step writes from the host (token ids, row coefficients, dispatch uniforms) does not
+    // depend on the adapter's size: the weights are updated on the GPU, never uploaded. A context
+    // of its own, so that other tests' uploads are not counted.
+    if gpu().is_none() {
+        return;
+    }
+    let ctx = std::sync::Arc::new(qwen35_wgpu::GpuContext::new().expect("second context"));
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 64, max_batch: 16 });
+    b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+    let mut per_step = Vec::new();
+    for rank in [2, 32] {
+        b.create_trainable_adapter(&TrainSpec { rank, ..Default::default() }).expect("create");
+        let event = [supervised(&[5, 6, 7], &[8, 9])];
+        b.learn_tokens(&event, &LearnOptions::default()).expect("warm-up step");
+        let before = b.context().bytes_uploaded();
+        b.learn_tokens(&event, &LearnOptions::default()).expect("step");
+        per_step.push(b.context().bytes_uploaded() - before);
+    }
+    assert_eq!(per_step[0], per_step[1], "bytes uploaded per step at rank 2 and rank 32");
+}
+
+#[test]
+fn bad_input_is_a_typed_error_and_changes_nothing() {
+    let Some(mut b) = backend("gva_tied_f32") else { return };
+    b.create_trainable_adapter(&TrainSpec::default()).expect("create");
+    let opts = LearnOptions { lr: 1e-2, ..Default::default() };
+    b.learn_tokens(&[supervised(&[1, 2, 3], &[4, 5])], &opts).expect("step");
+    let ids = [3u32, 17, 42, 99];
+    let before = logits(&mut b, &ids);
+    let vocab = 256;
+    let cases: Vec<(Vec<TokenEvent>, LearnOptions, &str)> = vec![
+        (vec![supervised(&[1, 2], &[])], opts.clone(), "events[0].response"),
+        (vec![supervised(&[], &[1])], opts.clone(), "events[0].prompt"),
+        (vec![supervised(&[1, 2], &[3, vocab])], opts.clone(), "events[0].response[1]"),
+        (
+            vec![TokenEvent { prompt: vec![1], response: vec![2], signal: Signal::Score(f32::NAN) }],
+            opts.clone(),
+            "events[0].score",
+        ),
+        (vec![supervised(&[1], &[2])], LearnOptions { lr: 0.0, ..opts.clone() }, "lr"),
+        (vec![supervised(&[1], &[2])], LearnOptions { lr: -1e-3, ..opts.clone() }, "lr"),
+        (vec![supervised(&[1; 10], &[2; 10])], opts.clone(), "events[0]"),
+        (vec![], opts.clone(), "events"),
+    ];
+    for (events, o, field) in cases {
+        match b.learn_tokens(&events, &o) {
+            Err(BackendError::Learn(LearnError::BadInput { name, .. })) => assert_eq!(name, field),
+            other => panic!("{field}: expected a BadInput error, got {other:?}"),
+        }
+        assert_eq!(b.learn_steps(), Some(1), "{field}: no step taken");
+        assert_eq!(logits(&mut b, &ids), before, "{field}: the adapter changed");
+    }
+}
+
+#[test]
+fn targets_the_backward_cannot_reach_are_typed_errors() {
+    let Some(mut b) = backend("gva_tied_f32") else { return };
+    for spec in [
+        TrainSpec { targets: vec![Proj::QProj], ..Default::default() },
+        TrainSpec { layers: Some(vec![3]), ..Default::default() },
+        TrainSpec { targets: vec![Proj::InProjQkv], ..Default::default() },
+    ] {
+        match b.create_trainable_adapter(&spec) {
+            Err(BackendError::Learn(LearnError::NotLearnable { .. })) => {}
+            other => panic!("{spec:?}: expected NotLearnable, got {other:?}"),
+        }
+    }
+    assert!(b.list_adapters().expect("list").is_empty(), "a refused spec leaves nothing resident");
+    let all12: PathBuf = root().join("tests/fixtures/adapters/all12_r8");
+    assert!(matches!(b.import_trainable_adapter(&all12), Err(BackendError::Learn(LearnError::NotLearnable { .. }))));
+    assert!(matches!(
+        b.learn_tokens(&[supervised(&[1], &[2])], &LearnOptions::default()),
+        Err(BackendError::Learn(LearnError::NoTrainableAdapter))
+    ));
+}

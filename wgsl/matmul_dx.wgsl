@@ -1,0 +1,112 @@
+// dx[m, k] (+)= scale * sum_n dy[m, n] * w[n, k]: the input gradient of nn.Linear (y = x W^T), i.e. the
+// product with W itself rather than W^T. 64x64 output tile (tokens x input features) per
+// workgroup, 4x4 per invocation, reduction over the output features n in steps of 16; both tiles
+// are staged from rows read along their contiguous axis. f32 accumulation.
+//
+// dy: f32 [M, *] (row stride dy_stride; this weight chunk's column n starts at dy_offset + n).
+// w:  one row-chunk of the weight in its checkpoint dtype, packed in u32 words, [N, K]; the rows
+//     used start at w_row (so one LoRA A of a concatenated group can be selected).
+// dx: f32 [M, K] (row stride dx_stride, starting dx_offset).
+
+override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
+override ACCUMULATE: bool = false;
+
+struct Params {
+    m: u32,
+    n: u32,
+    k: u32,
+    dy_offset: u32,
+    dy_stride: u32,
+    dx_offset: u32,
+    dx_stride: u32,
+    w_row: u32,
+    scale: f32,
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
+}
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> dy: array<f32>;
+@group(0) @binding(2) var<storage, read_write> dx: array<f32>;
+@group(1) @binding(0) var<storage, read> w: array<u32>;
+
+fn weight(idx: u32) -> f32 {
+    if (W_DTYPE == 1u) {
+        let word = w[idx >> 1u];
+        return bitcast<f32>(((word >> ((idx & 1u) * 16u)) & 0xffffu) << 16u);
+    }
+    if (W_DTYPE == 2u) {
+        return unpack2x16float(w[idx >> 1u])[idx & 1u];
+    }
+    return bitcast<f32>(w[idx]);
+}
+
+const TILE: u32 = 64u;
+const BN: u32 = 16u;
+
+var<workgroup> ys: array<f32, 1024>; // [BN][TILE]: dy, n-major
+var<workgroup> ws: array<f32, 1024>; // [BN][TILE]: w, n-major
+
+@compute @workgroup_size(16, 16)
+fn matmul_dx(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(local_invocation_id) lid: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let row0 = wg.y * TILE;
+    let col0 = wg.x * TILE;
+    var acc: array<f32, 16>;
+    for (var n0 = 0u; n0 < p.n; n0 += BN) {
+        for (var e = 0u; e < 4u; e++) {
+            let idx = li + e * 256u;
+            // dy tile: 64 rows x 16 n, read along n.
+            let r = idx / BN;
+            let nn = idx % BN;
+            var yv = 0.0;
+            if (row0 + r < p.m && n0 + nn < p.n) {
+                yv = dy[p.dy_offset + (row0 + r) * p.dy_stride + n0 + nn];
+            }
+            ys[nn * TILE + r] = yv;
+            // w tile: 16 n x 64 k, read along k.
+            let wn = idx / TILE;
+            let c = idx % TILE;
+            var wv = 0.0;
+            if (n0 + wn < p.n && col0 + c < p.k) {
+                wv = weight((p.w_row + n0 + wn) * p.k + col0 + c);
+            }
+            ws[wn * TILE + c] = wv;
+        }
+        workgroupBarrier();
+        for (var nn = 0u; nn < BN; nn++) {
+            let a = vec4<f32>(
+                ys[nn * TILE + lid.y * 4u], ys[nn * TILE + lid.y * 4u + 1u],
+                ys[nn * TILE + lid.y * 4u + 2u], ys[nn * TILE + lid.y * 4u + 3u]);
+            let b = vec4<f32>(
+                ws[nn * TILE + lid.x * 4u], ws[nn * TILE + lid.x * 4u + 1u],
+                ws[nn * TILE + lid.x * 4u + 2u], ws[nn * TILE + lid.x * 4u + 3u]);
+            for (var i = 0u; i < 4u; i++) {
+                acc[i * 4u] = fma(a[i], b.x, acc[i * 4u]);
+                acc[i * 4u + 1u] = fma(a[i], b.y, acc[i * 4u + 1u]);
+                acc[i * 4u + 2u] = fma(a[i], b.z, acc[i * 4u + 2u]);
+                acc[i * 4u + 3u] = fma(a[i], b.w, acc[i * 4u + 3u]);
+            }
+        }
+        workgroupBarrier();
+    }
+    for (var i = 0u; i < 4u; i++) {
+        let r = row0 + lid.y * 4u + i;
+        for (var j = 0u; j < 4u; j++) {
+            let c = col0 + lid.x * 4u + j;
+            if (r < p.m && c < p.k) {
+                let o = p.dx_offset + r * p.dx_stride + c;
+                let v = acc[i * 4u + j] * p.scale;
+                if (ACCUMULATE) {
+                    dx[o] = dx[o] + v;
+                } else {
+                    dx[o] = v;
+                }
+            }
+        }
+    }
+}
