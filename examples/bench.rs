@@ -1,8 +1,9 @@
 //! Engine throughput on one checkpoint: model load, batched prefill and cached decode (median of
 //! repeats after a warm-up), and with `--adapter`: the same with a LoRA adapter applied, the
 //! adapter's load time against reading its file, and adapter swaps between tokens (latency and
-//! bytes uploaded). Prints one JSON line on stdout. (`cargo xtask bench` will drive this together
-//! with its peers.)
+//! bytes uploaded); then one learning step (forward of an event, backward, AdamW) on a rank-16
+//! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
+//! its peers.
 //!
 //! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--prompt 128] [--decode 64] [--repeats 5]`
 
@@ -14,7 +15,10 @@ use anyhow::Result;
 use clap::Parser;
 use qwen35_wgpu::gpu::{IoBindCache, Recorder};
 use qwen35_wgpu::runtime::argmax;
-use qwen35_wgpu::{GpuContext, LoraAdapter, Model, Session, SessionOptions};
+use qwen35_wgpu::{
+    GpuContext, LearnOptions, LlmBackend, LoraAdapter, Model, Session, SessionOptions, Signal, TokenEvent, TrainSpec,
+    WgpuBackend,
+};
 
 #[derive(Parser)]
 struct Args {
@@ -39,6 +43,9 @@ struct Args {
     /// MiB copied per repeat by the bandwidth yardstick (0 = skip).
     #[arg(long, default_value_t = 128)]
     copy_mib: u64,
+    /// Tokens of the learning step's event (half prompt, half response; 0 = skip).
+    #[arg(long, default_value_t = 64)]
+    learn_tokens: usize,
 }
 
 /// The device's copy bandwidth (bytes read + written per second), median of 5 after a warm-up.
@@ -225,8 +232,42 @@ fn main() -> Result<()> {
     }
     summary["gpu_bytes_allocated"] = ctx.bytes_allocated().into();
     summary["peak_rss_bytes"] = peak_rss().into();
+    drop((session, model));
+    if args.learn_tokens >= 2 {
+        summary["learn"] = learn_step(&ctx, &args, &ids)?;
+    }
     println!("{summary}");
     Ok(())
+}
+
+/// Time learning steps of one supervised event of `--learn-tokens` tokens on a rank-16 adapter
+/// over the four learnable projections of the last layer (median after a warm-up step).
+fn learn_step(ctx: &Arc<GpuContext>, args: &Args, ids: &[u32]) -> Result<serde_json::Value> {
+    let n = args.learn_tokens;
+    let opts = SessionOptions { max_context: n, max_batch: n };
+    let mut backend = WgpuBackend::with_context(ctx.clone(), opts);
+    backend.load_model(&args.model)?;
+    backend.create_trainable_adapter(&TrainSpec { rank: 16, alpha: 32.0, ..Default::default() })?;
+    let all: Vec<u32> = ids.iter().cycle().take(n).copied().collect();
+    let event =
+        TokenEvent { prompt: all[..n / 2].to_vec(), response: all[n / 2..].to_vec(), signal: Signal::Preferred };
+    let mut steps = Series::default();
+    for rep in 0..=args.repeats {
+        let t = Instant::now();
+        let report = backend.learn_tokens(std::slice::from_ref(&event), &LearnOptions::default())?;
+        let s = t.elapsed().as_secs_f64();
+        eprintln!("learn rep {rep}: {s:.3} s, mean CE {:.3}", report.event_ce[0]);
+        if rep > 0 {
+            steps.0.push(s);
+        }
+    }
+    Ok(serde_json::json!({
+        "event_tokens": n,
+        "response_tokens": n - n / 2,
+        "rank": 16,
+        "targets": "o_proj, gate_proj, up_proj, down_proj",
+        "step_s": steps.json(),
+    }))
 }
 
 /// The process's peak resident set (VmHWM), 0 where /proc is absent.

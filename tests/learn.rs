@@ -173,3 +173,100 @@ fn targets_the_backward_cannot_reach_are_typed_errors() {
         Err(BackendError::Learn(LearnError::NoTrainableAdapter))
     ));
 }
+
+fn demo() -> Option<WgpuBackend> {
+    let ctx = gpu()?;
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 96, max_batch: 48 });
+    b.load_model(&root().join("examples/assets/demo")).expect("demo model");
+    Some(b)
+}
+
+fn greedy(b: &mut WgpuBackend, question: &str) -> String {
+    let params = qwen35_wgpu::GenerateParams { max_tokens: 24, ..Default::default() };
+    b.chat(&[qwen35_wgpu::ChatMessage::new("user", question)], &params, &mut |_| true).expect("chat")
+}
+
+/// Mean cross-entropy of `ev.response` given `ev.prompt`, from the engine's forward logits
+/// (independent of the learning code).
+fn response_ce(b: &mut WgpuBackend, ev: &TokenEvent) -> f32 {
+    let ids: Vec<u32> = ev.prompt.iter().chain(&ev.response).copied().collect();
+    let all = logits(b, &ids);
+    let vocab = all.len() / ids.len();
+    let rows = all.chunks(vocab).skip(ev.prompt.len() - 1);
+    let ce: f32 = rows
+        .zip(&ev.response)
+        .map(|(row, &t)| {
+            let max = row.iter().fold(f32::MIN, |m, &v| m.max(v));
+            let lse = max + row.iter().map(|v| (v - max).exp()).sum::<f32>().ln();
+            lse - row[t as usize]
+        })
+        .sum();
+    ce / ev.response.len() as f32
+}
+
+const QUESTION: &str = "What color is the sky?";
+const TAUGHT: &str = "The sky is green.";
+const OTHERS: [&str; 3] = ["Where is the cat?", "What is the apple?", "What color is the bike?"];
+
+/// Drift bound for prompts that were not trained on: the per-token cross-entropy of the base
+/// model's own answer may rise by at most this many nats after teaching one answer (the anchor
+/// and the small adapter keep the rest of the model's behaviour).
+const DRIFT_NATS: f32 = 0.05;
+
+#[test]
+fn supervised_feedback_changes_the_greedy_answer_and_little_else() {
+    let Some(mut b) = demo() else { return };
+    assert_eq!(greedy(&mut b, QUESTION), "The sky is blue.", "the demo model's base answer");
+    let before: Vec<String> = OTHERS.iter().map(|q| greedy(&mut b, q)).collect();
+    let others: Vec<TokenEvent> = OTHERS
+        .iter()
+        .zip(&before)
+        .map(|(q, a)| {
+            let ev =
+                qwen35_wgpu::FeedbackEvent { prompt: q.to_string(), response: a.clone(), signal: Signal::Preferred };
+            b.tokenize_events(&[ev]).expect("tokenize").remove(0)
+        })
+        .collect();
+    let ce_before: Vec<f32> = others.iter().map(|e| response_ce(&mut b, e)).collect();
+    b.create_trainable_adapter(&TrainSpec::default()).expect("create");
+    let event =
+        qwen35_wgpu::FeedbackEvent { prompt: QUESTION.into(), response: TAUGHT.into(), signal: Signal::Preferred };
+    let opts = LearnOptions { lr: 3e-3, ..Default::default() };
+    let mut steps = 0;
+    while greedy(&mut b, QUESTION) != TAUGHT {
+        steps += 1;
+        assert!(steps <= 40, "40 steps did not teach the answer (now {:?})", greedy(&mut b, QUESTION));
+        b.learn(std::slice::from_ref(&event), &opts).expect("step");
+    }
+    eprintln!("taught {TAUGHT:?} in {steps} supervised steps");
+    for (ev, ce0) in others.iter().zip(&ce_before) {
+        let drift = response_ce(&mut b, ev) - ce0;
+        eprintln!("untrained prompt: CE of its base answer {ce0:.4} → {:.4}", ce0 + drift);
+        assert!(drift <= DRIFT_NATS, "an untrained prompt's answer drifted by {drift:.3} nats/token (≤ {DRIFT_NATS})");
+    }
+}
+
+#[test]
+fn a_low_score_lowers_and_a_high_score_raises_the_likelihood() {
+    let Some(mut b) = demo() else { return };
+    let ev = |score: f32| qwen35_wgpu::FeedbackEvent {
+        prompt: QUESTION.into(),
+        response: TAUGHT.into(),
+        signal: Signal::Score(score),
+    };
+    let opts = LearnOptions { lr: 3e-3, ..Default::default() };
+    for (score, sign) in [(0.0f32, 1.0f32), (1.0, -1.0)] {
+        b.create_trainable_adapter(&TrainSpec::default()).expect("create");
+        let tokens = b.tokenize_events(&[ev(score)]).expect("tokenize").remove(0);
+        let ce0 = response_ce(&mut b, &tokens);
+        for _ in 0..3 {
+            b.learn(&[ev(score)], &opts).expect("step");
+        }
+        let ce1 = response_ce(&mut b, &tokens);
+        eprintln!("score {score}: response CE {ce0:.4} → {ce1:.4} nats/token after 3 steps");
+        assert!(
+            sign * (ce1 - ce0) > 1e-3,
+            "score {score}: CE {ce0:.4} → {ce1:.4} (log-likelihood must move the other way)"
+        );
+    }
+}

@@ -201,6 +201,19 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         verdict(med(swap) <= 50.0 && a["swap_bytes_uploaded_total"].as_u64() == Some(0)),
         verdict(floor["decode_efficiency_of_floor"].as_f64().unwrap_or(0.0) >= 0.7)
     ));
+    let learn = &engine["learn"];
+    if !learn.is_null() {
+        md.push_str(&format!(
+            "Learning: one step on a {}-token event ({} response tokens; frozen forward, backward through \
+             lm_head, the final norm and the last layer's MLP and o_proj, AdamW) with a rank-{} adapter on \
+             the last layer's {}: {} s (median (min–max)).\n\n",
+            learn["event_tokens"],
+            learn["response_tokens"],
+            learn["rank"],
+            learn["targets"].as_str().unwrap_or("?"),
+            spread(&learn["step_s"], 3)
+        ));
+    }
     md.push_str(&format!(
         "Memory: the engine allocated {:.0} MB of GPU buffers (weights, two resident copies of the \
          adapter, caches, scratch, the copy test's 2 × 128 MiB); peak process RSS {:.0} MB.\n\n",
