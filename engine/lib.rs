@@ -7,7 +7,7 @@
 //! bind group, and learning from feedback into a live LoRA adapter ([`learn`]).
 //!
 //! Not done yet: MoE variants (typed `Unsupported`), vision inputs, learning below the last
-//! layer's MLP and o_proj.
+//! layer.
 //!
 //! ```no_run
 //! use std::sync::Arc;

@@ -241,7 +241,7 @@ fn main() -> Result<()> {
 }
 
 /// Time learning steps of one supervised event of `--learn-tokens` tokens on a rank-16 adapter
-/// over the four learnable projections of the last layer (median after a warm-up step).
+/// over the seven projections of the last layer (median after a warm-up step).
 fn learn_step(ctx: &Arc<GpuContext>, args: &Args, ids: &[u32]) -> Result<serde_json::Value> {
     let n = args.learn_tokens;
     let opts = SessionOptions { max_context: n, max_batch: n };
@@ -265,7 +265,7 @@ fn learn_step(ctx: &Arc<GpuContext>, args: &Args, ids: &[u32]) -> Result<serde_j
         "event_tokens": n,
         "response_tokens": n - n / 2,
         "rank": 16,
-        "targets": "o_proj, gate_proj, up_proj, down_proj",
+        "targets": "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj",
         "step_s": steps.json(),
     }))
 }

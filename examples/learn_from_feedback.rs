@@ -53,7 +53,7 @@ fn main() -> Result<()> {
     println!("before feedback: {:?}", answer(&mut b, &args.prompt)?);
 
     let id = b.create_trainable_adapter(&TrainSpec::default())?;
-    println!("trainable adapter {id:?}: rank 8 on the last layer's o_proj, gate_proj, up_proj, down_proj");
+    println!("trainable adapter {id:?}: rank 8 on the last layer's q/k/v/o and gate/up/down projections");
     let opts = LearnOptions { lr: args.lr, ..Default::default() };
     let corrected =
         FeedbackEvent { prompt: args.prompt.clone(), response: args.correction.clone(), signal: Signal::Preferred };

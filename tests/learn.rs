@@ -43,7 +43,7 @@ fn lora_gradients_match_pytorch_autograd() {
         b.import_trainable_adapter(&root().join("tests/fixtures/learn").join(case)).expect("import");
         for (loss, reward) in [("supervised", false), ("reward", true)] {
             let grads = b.learn_gradients(&events(&r, case, reward)).expect("gradients");
-            assert_eq!(grads.len(), 4, "{case}: o/gate/up/down");
+            assert_eq!(grads.len(), 7, "{case}: q/k/v/o/gate/up/down");
             for g in &grads {
                 for (which, ours) in [("lora_A", &g.a), ("lora_B", &g.b)] {
                     let key = format!("{case}.{loss}.{}.{which}", module_key(g));
@@ -156,7 +156,7 @@ fn bad_input_is_a_typed_error_and_changes_nothing() {
 fn targets_the_backward_cannot_reach_are_typed_errors() {
     let Some(mut b) = backend("gva_tied_f32") else { return };
     for spec in [
-        TrainSpec { targets: vec![Proj::QProj], ..Default::default() },
+        TrainSpec { targets: vec![Proj::OutProj], ..Default::default() },
         TrainSpec { layers: Some(vec![3]), ..Default::default() },
         TrainSpec { targets: vec![Proj::InProjQkv], ..Default::default() },
     ] {

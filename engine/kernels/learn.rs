@@ -315,3 +315,100 @@ pub fn adamw(rec: &mut Recorder, t: &AdamTensor, norms: &wgpu::Buffer, params: &
     let buffers = [t.grad, norms, t.param, t.m, t.v, t.anchor];
     rec.dispatch(PipelineKey::plain(Kernel::AdamW), params, &buffers, &[], groups)
 }
+
+/// Mirrors `Params` in `attention_bwd.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct AttnBwdParams {
+    /// Rows with an output gradient (R).
+    pub rows: u32,
+    /// Position of row 0.
+    pub pos0: u32,
+    /// Query heads.
+    pub hq: u32,
+    /// Key/value heads.
+    pub hkv: u32,
+    /// Head dimension.
+    pub hd: u32,
+    /// Cache capacity (positions).
+    pub s_max: u32,
+    /// Score scale, hd^-0.5.
+    pub scale: f32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// The forward's attention state and the output gradient, for the attention backward.
+pub struct AttnBwdIo<'a> {
+    /// Rotated queries `[T, Hq, hd]`.
+    pub q: &'a wgpu::Buffer,
+    /// q_proj output `[T, Hq, 2·hd]` (query | gate).
+    pub qg: &'a wgpu::Buffer,
+    /// Key cache.
+    pub k_cache: &'a wgpu::Buffer,
+    /// Value cache.
+    pub v_cache: &'a wgpu::Buffer,
+    /// Gradient of the gated attention output `[R, Hq·hd]`.
+    pub dy: &'a wgpu::Buffer,
+    /// Out: gradient of q_proj's output `[R, Hq, 2·hd]` (rotated-query part, then the gate).
+    pub dqg: &'a wgpu::Buffer,
+    /// Out: softmax statistics `[R, Hq, 4]`.
+    pub stats: &'a wgpu::Buffer,
+    /// Out: gradient of the rotated keys `[keys, Hkv·hd]`.
+    pub dk: &'a wgpu::Buffer,
+    /// Out: gradient of the values `[keys, Hkv·hd]`.
+    pub dv: &'a wgpu::Buffer,
+}
+
+/// Record the attention backward: queries and gate for the R rows, then keys and values of the
+/// `keys` positions those rows see.
+pub fn attention_bwd(rec: &mut Recorder, params: &AttnBwdParams, io: &AttnBwdIo, keys: usize) -> Result<(), GpuError> {
+    let q = [io.q, io.qg, io.k_cache, io.v_cache, io.dy, io.dqg, io.stats];
+    rec.dispatch(PipelineKey::plain(Kernel::AttnBwdQ), params, &q, &[], [params.rows, params.hq, 1])?;
+    let kv = [io.q, io.qg, io.k_cache, io.v_cache, io.dy, io.stats, io.dk, io.dv];
+    rec.dispatch(PipelineKey::plain(Kernel::AttnBwdKv), params, &kv, &[], [keys as u32, params.hkv, 1])
+}
+
+/// Mirrors `Params` in `norm_rope_bwd.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct NormRopeBwdParams {
+    /// Heads per row.
+    pub heads: u32,
+    /// Head dimension.
+    pub hd: u32,
+    /// Rotary dims / 2.
+    pub rot_half: u32,
+    /// Position of row 0.
+    pub pos0: u32,
+    /// Raw input: first element.
+    pub x_offset: u32,
+    /// Raw input: row stride.
+    pub x_row: u32,
+    /// Raw input: head stride.
+    pub x_head: u32,
+    /// Gradient: first element.
+    pub y_offset: u32,
+    /// Gradient: row stride.
+    pub y_row: u32,
+    /// Gradient: head stride.
+    pub y_head: u32,
+    /// Norm epsilon.
+    pub eps: f32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// Record the q/k norm + RoPE backward over `rows` rows, in place on `y`.
+pub fn norm_rope_bwd(
+    rec: &mut Recorder,
+    w: &GpuVector,
+    x: &wgpu::Buffer,
+    rope: &wgpu::Buffer,
+    y: &wgpu::Buffer,
+    params: &NormRopeBwdParams,
+    rows: usize,
+) -> Result<(), GpuError> {
+    let key = PipelineKey::plain(Kernel::NormRopeBwd);
+    rec.dispatch(key, params, &[x, rope, y], &[&w.bind_group], [rows as u32, params.heads, 1])
+}

@@ -44,11 +44,15 @@ pub enum Shader {
     Backward,
     /// `adamw.wgsl`
     Adamw,
+    /// `attention_bwd.wgsl`
+    AttentionBwd,
+    /// `norm_rope_bwd.wgsl`
+    NormRopeBwd,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 14] = [
+    pub const ALL: [Shader; 16] = [
         Shader::Matmul,
         Shader::Norm,
         Shader::AttentionPrep,
@@ -63,6 +67,8 @@ impl Shader {
         Shader::LoraGrad,
         Shader::Backward,
         Shader::Adamw,
+        Shader::AttentionBwd,
+        Shader::NormRopeBwd,
     ];
 
     /// The file name under `wgsl/`.
@@ -82,6 +88,8 @@ impl Shader {
             Shader::LoraGrad => "lora_grad.wgsl",
             Shader::Backward => "backward.wgsl",
             Shader::Adamw => "adamw.wgsl",
+            Shader::AttentionBwd => "attention_bwd.wgsl",
+            Shader::NormRopeBwd => "norm_rope_bwd.wgsl",
         }
     }
 
@@ -102,6 +110,8 @@ impl Shader {
             Shader::LoraGrad => include_str!("../../wgsl/lora_grad.wgsl"),
             Shader::Backward => include_str!("../../wgsl/backward.wgsl"),
             Shader::Adamw => include_str!("../../wgsl/adamw.wgsl"),
+            Shader::AttentionBwd => include_str!("../../wgsl/attention_bwd.wgsl"),
+            Shader::NormRopeBwd => include_str!("../../wgsl/norm_rope_bwd.wgsl"),
         }
     }
 }
@@ -151,11 +161,17 @@ pub enum Kernel {
     SumSquares,
     /// The AdamW update with clipping and the anchor pull.
     AdamW,
+    /// Attention backward for the queries and the output gate.
+    AttnBwdQ,
+    /// Attention backward for the keys and values.
+    AttnBwdKv,
+    /// Backward of the per-head q/k norm and RoPE.
+    NormRopeBwd,
 }
 
 impl Kernel {
     /// Every entry point, for the naga translation tests.
-    pub const ALL: [Kernel; 21] = [
+    pub const ALL: [Kernel; 24] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::MatmulLora,
@@ -177,6 +193,9 @@ impl Kernel {
         Kernel::SwigluBwd,
         Kernel::SumSquares,
         Kernel::AdamW,
+        Kernel::AttnBwdQ,
+        Kernel::AttnBwdKv,
+        Kernel::NormRopeBwd,
     ];
 }
 
@@ -198,6 +217,8 @@ impl Kernel {
             Kernel::LoraGrad => Shader::LoraGrad,
             Kernel::RmsNormBwd | Kernel::SwigluBwd => Shader::Backward,
             Kernel::SumSquares | Kernel::AdamW => Shader::Adamw,
+            Kernel::AttnBwdQ | Kernel::AttnBwdKv => Shader::AttentionBwd,
+            Kernel::NormRopeBwd => Shader::NormRopeBwd,
         }
     }
 
@@ -225,6 +246,9 @@ impl Kernel {
             Kernel::SwigluBwd => "swiglu_bwd",
             Kernel::SumSquares => "sum_squares",
             Kernel::AdamW => "adamw",
+            Kernel::AttnBwdQ => "attn_bwd_q",
+            Kernel::AttnBwdKv => "attn_bwd_kv",
+            Kernel::NormRopeBwd => "norm_rope_bwd",
         }
     }
 
@@ -244,6 +268,9 @@ impl Kernel {
             Kernel::LoraGrad | Kernel::RmsNormBwd => &[R, R, W],
             Kernel::SwigluBwd => &[R, R, W, W],
             Kernel::AdamW => &[R, W, W, W, W, R],
+            Kernel::AttnBwdQ => &[R, R, R, R, R, W, W],
+            Kernel::AttnBwdKv => &[R, R, R, R, R, W, W, W],
+            Kernel::NormRopeBwd => &[R, R, W],
         }
     }
 
@@ -264,6 +291,7 @@ impl Kernel {
                 | Kernel::Embed
                 | Kernel::MatmulDx
                 | Kernel::RmsNormBwd
+                | Kernel::NormRopeBwd
         )
     }
 

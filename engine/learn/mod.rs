@@ -3,12 +3,13 @@
 //! live in generation (the same bind-group path as any loaded adapter), then export to a standard
 //! PEFT directory.
 //!
-//! What can learn today: the `o_proj`, `gate_proj`, `up_proj` and `down_proj` LoRA of the model's
-//! last layer when it is a full-attention layer (as in every Qwen 3.5 checkpoint). The backward
-//! pass runs through lm_head, the final norm, that layer's MLP and post-attention norm into
-//! `o_proj`; the frozen forward below it runs without gradients. `q_proj`, `k_proj` and `v_proj`
-//! need the softmax-attention backward and Gated DeltaNet layers the delta-rule backward: both
-//! are typed [`LearnError::NotLearnable`] errors.
+//! What can learn today: the LoRA of the seven projections of the model's last layer when it is a
+//! full-attention layer (as in every Qwen 3.5 checkpoint): `q_proj`, `k_proj`, `v_proj`, `o_proj`,
+//! `gate_proj`, `up_proj`, `down_proj`. The backward pass runs through lm_head, the final norm,
+//! that layer's MLP, post-attention norm, `o_proj`, the gated softmax attention and the per-head
+//! q/k norm and RoPE into the three input projections; the frozen forward below it runs without
+//! gradients. Earlier layers (the backward would have to cross this layer's input norm and, below
+//! it, Gated DeltaNet layers and their delta rule) are typed [`LearnError::NotLearnable`] errors.
 //!
 //! The loss of a batch of `E` events is `(1/E) Σ_e w_e · mean_t CE(response token t)`, where
 //! `w_e = 1` for a preferred (supervised) response and `w_e = score − baseline` for a scored one,
@@ -29,7 +30,8 @@ use crate::model::TextConfig;
 use crate::runtime::SplitMix64;
 
 /// The projections whose LoRA the backward pass reaches (in the last layer).
-pub const LEARNABLE: [Proj; 4] = [Proj::OProj, Proj::GateProj, Proj::UpProj, Proj::DownProj];
+pub const LEARNABLE: [Proj; 7] =
+    [Proj::QProj, Proj::KProj, Proj::VProj, Proj::OProj, Proj::GateProj, Proj::UpProj, Proj::DownProj];
 
 /// A new trainable adapter.
 #[derive(Clone, Debug)]
@@ -253,11 +255,9 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
             }
             if layer != last || !LEARNABLE.contains(&proj) {
                 let why = if layer != last {
-                    format!("only the last layer ({last}) can learn; the backward does not cross its attention")
+                    format!("only the last layer ({last}) can learn; the backward stops at its input")
                 } else {
-                    "q/k/v need the softmax-attention backward and GDN projections the delta-rule backward, \
-                     neither implemented"
-                        .to_string()
+                    "Gated DeltaNet projections need the delta-rule backward, not implemented".to_string()
                 };
                 return Err(LearnError::NotLearnable { layer, module: proj.path().into(), why });
             }

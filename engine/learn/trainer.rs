@@ -1,7 +1,7 @@
 //! The trainable adapter's optimiser state and one learning step: the frozen forward (with the
-//! live adapter) taps the last layer's MLP input, then one command buffer per event records the
-//! backward through lm_head, the final norm, the MLP, the post-attention norm and o_proj, summing
-//! the LoRA gradients; one more records clipping and AdamW on every tensor in place, so the next
+//! live adapter) taps the last layer's mixer and MLP inputs, then one command buffer per event
+//! records the backward through lm_head, the final norm, the MLP, the post-attention norm, o_proj,
+//! the attention and the q/k norm + RoPE, summing the LoRA gradients; one more records clipping and AdamW on every tensor in place, so the next
 //! generation binds the updated weights without any upload.
 
 use std::sync::Arc;
@@ -9,8 +9,8 @@ use std::sync::Arc;
 use crate::error::{GpuError, LearnError};
 use crate::gpu::{read_f32, GpuContext, IoBindCache, Recorder};
 use crate::kernels::learn::{
-    adamw, ce_grad, lora_grad, matmul_dx, rms_norm_bwd, sum_squares, swiglu_bwd, AdamParams, AdamTensor, DxIo,
-    DxWeight, View,
+    adamw, attention_bwd, ce_grad, lora_grad, matmul_dx, norm_rope_bwd, rms_norm_bwd, sum_squares, swiglu_bwd,
+    AdamParams, AdamTensor, AttnBwdIo, AttnBwdParams, DxIo, DxWeight, NormRopeBwdParams, View,
 };
 use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
 use crate::kernels::misc::swiglu;
@@ -18,6 +18,7 @@ use crate::kernels::norm::{rms_norm, NormIo};
 use crate::learn::{validate_events, LearnOptions, LearnReport, ModuleGrad, Signal, TokenEvent, LEARNABLE};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
 use crate::model::{Dtype, Mixer, Model};
+use crate::runtime::cache::LayerState;
 use crate::runtime::forward::{step, Capture, Rows};
 use crate::runtime::Session;
 
@@ -33,6 +34,12 @@ struct Tensor {
 
 /// Activations and gradients of one event's response rows (`rows` ≤ `max_rows`).
 struct Buffers {
+    mixer_in: wgpu::Buffer,
+    dag: wgpu::Buffer,
+    dqg: wgpu::Buffer,
+    stats: wgpu::Buffer,
+    dk: wgpu::Buffer,
+    dv: wgpu::Buffer,
     tap: wgpu::Buffer,
     logits: wgpu::Buffer,
     rowinfo: wgpu::Buffer,
@@ -87,9 +94,9 @@ impl Trainer {
         }
         for &(l, proj) in &adapter.info.modules {
             let why = if l != layer {
-                Some(format!("only the last layer ({layer}) can learn; the backward does not cross its attention"))
+                Some(format!("only the last layer ({layer}) can learn; the backward stops at its input"))
             } else if !LEARNABLE.contains(&proj) {
-                Some("q/k/v need the softmax-attention backward, which is not implemented".to_string())
+                Some("not a projection of the last layer's attention or MLP".to_string())
             } else {
                 None
             };
@@ -130,7 +137,15 @@ impl Trainer {
         let max_rows = ((ctx.max_binding() / (v * 4) as u64) as usize).clamp(1, max_tokens);
         let rank = adapter.max_group_rank().max(1);
         let f = |name: &str, width: usize| ctx.storage_buffer(name, (max_rows * width * 4) as u64, true);
+        let all = |name: &str, width: usize| ctx.storage_buffer(name, (max_tokens * width * 4) as u64, true);
+        let (attn, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let bufs = Buffers {
+            mixer_in: all("learn mixer input", h)?,
+            dag: f("learn d attention", attn)?,
+            dqg: f("learn d q_proj", 2 * attn)?,
+            stats: f("learn softmax stats", 4 * c.num_heads)?,
+            dk: all("learn dk", kv)?,
+            dv: all("learn dv", kv)?,
             tap: f("learn tap", h)?,
             logits: f("learn logits", v)?,
             rowinfo: f("learn rowinfo", 2)?,
@@ -143,14 +158,18 @@ impl Trainer {
             u: f("learn u", i)?,
             a: f("learn a", i)?,
             du: f("learn du", i)?,
-            t: f("learn t", rank)?,
-            ur: f("learn ur", rank)?,
+            t: all("learn t", rank)?,
+            ur: all("learn ur", rank)?,
         };
         let norms = ctx.storage_buffer("learn norms", (tensors.len() * 4) as u64, true)?;
         let chunks = |w: &crate::gpu::GpuWeight| w.chunks.len();
         let l = &model.layers[layer];
         let weights = 3 * chunks(model.output()) + 2 * (chunks(&l.mlp.gate_proj) + chunks(&l.mlp.up_proj));
-        let slots = 64 + weights + 2 * chunks(&l.mlp.down_proj) + 2 * tensors.len();
+        let o = match &l.mixer {
+            Mixer::Attention(a) => chunks(&a.o_proj),
+            Mixer::Gdn(_) => 0,
+        };
+        let slots = 96 + weights + 2 * chunks(&l.mlp.down_proj) + o + 2 * tensors.len();
         let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("learn uniform arena"),
             size: slots as u64 * 256,
@@ -229,7 +248,13 @@ impl Trainer {
         let (p, r) = (ev.prompt.len(), ev.response.len());
         let ids: Vec<u32> = ev.prompt.iter().chain(&ev.response).copied().collect();
         session.reset();
-        let tap = Capture::MlpInput { layer: self.layer, row0: p - 1, rows: r, dst: &self.bufs.tap };
+        let tap = Capture::Learn {
+            layer: self.layer,
+            row0: p - 1,
+            rows: r,
+            mixer_in: &self.bufs.mixer_in,
+            mlp_in: &self.bufs.tap,
+        };
         step(session, &ids, Rows::Hidden, tap)?;
         let rowinfo: Vec<u32> = ev.response.iter().flat_map(|&t| [t, (coef / r as f32).to_bits()]).collect();
         model.ctx.write(&self.bufs.rowinfo, 0, bytemuck::cast_slice(&rowinfo));
@@ -243,13 +268,19 @@ impl Trainer {
         let sc = &session.scratch;
         let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let layer = &model.layers[*li];
-        let grads =
-            |rec: &mut Recorder, g: &LoraGroup, m: &LoraMember, dy: (&wgpu::Buffer, usize), x: View| match params(
-                m.proj,
-            ) {
-                Some((ta, tb)) => module_grads(rec, b, (ta, tb), g, m, dy, x, r, m.scaling * scale, first),
-                None => Ok(()),
-            };
+        // LoRA gradients of member m over `rows` rows of dy / x / t (t from row t_row0).
+        let grads_rows = |rec: &mut Recorder,
+                          g: &LoraGroup,
+                          m: &LoraMember,
+                          dy: (&wgpu::Buffer, usize),
+                          x: View,
+                          (t_row0, rows): (usize, usize)| match params(m.proj) {
+            Some((ta, tb)) => module_grads(rec, b, (ta, tb), g, m, dy, x, (t_row0, rows), m.scaling * scale, first),
+            None => Ok(()),
+        };
+        let grads = |rec: &mut Recorder, g: &LoraGroup, m: &LoraMember, dy: (&wgpu::Buffer, usize), x: View| {
+            grads_rows(rec, g, m, dy, x, (0, r))
+        };
         // Head: logits of the rows predicting the response, CE gradient, back through lm_head
         // and the final norm: dh = ∂L/∂(residual after the last layer).
         linear(&mut rec, model.output(), &lin(r, &sc.xnorm, (p - 1) * h, &b.logits, v), None)?;
@@ -293,9 +324,11 @@ impl Trainer {
         // SwiGLU backward: with da moved into a, a becomes ∂L/∂g and du ∂L/∂u.
         rec.copy(&b.du, 0, &b.a, 0, (r * i * 4) as u64);
         swiglu_bwd(&mut rec, &b.g, &b.u, &b.a, &b.du, r * i)?;
-        // dn2 = ∂L/∂(post-norm output), needed only to reach o_proj.
+        // dn2 = ∂L/∂(post-norm output), needed only to reach the attention block.
         let o_group = adapter.group(*li, InputGroup::MixerOut);
-        if o_group.is_some() {
+        let qkv_group = adapter.group(*li, InputGroup::MixerIn);
+        let need_mixer = o_group.is_some() || qkv_group.is_some();
+        if need_mixer {
             matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.gate_proj), 0..i, &dx(r, &b.a, i, &b.dn2, h))?;
             let up = DxIo { accumulate: true, ..dx(r, &b.du, i, &b.dn2, h) };
             matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.up_proj), 0..i, &up)?;
@@ -306,20 +339,108 @@ impl Trainer {
             for m in &g.members {
                 let dy = if m.proj == Proj::GateProj { &b.a } else { &b.du };
                 grads(&mut rec, g, m, (dy, i), View { buf: &b.n2, offset: 0, stride: h })?;
-                if o_group.is_some() {
+                if need_mixer {
                     let dn2 = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.dn2, h) };
                     matmul_dx(&mut rec, &DxWeight::chunks(&g.a), m.t_offset..m.t_offset + m.rank, &dn2)?;
                 }
             }
         }
-        // o_proj: dh += the post-attention norm's backward of dn2, then its LoRA gradients from
-        // the attention output the forward left in the scratch.
-        if let Some(g) = o_group {
+        let Mixer::Attention(attn_w) = &layer.mixer else {
+            return Err(LearnError::NotLearnable {
+                layer: *li,
+                module: "(last layer)".into(),
+                why: "the last layer is not a full-attention layer".into(),
+            });
+        };
+        let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+        let attn = hq * hd;
+        // o_proj: dh += the post-attention norm's backward of dn2 (dh is then ∂L/∂o_proj's
+        // output), its LoRA gradients from the attention output the forward left in the scratch,
+        // and dag = ∂L/∂(gated attention output) = dh · (W + s·B·A).
+        if need_mixer {
             rms_norm_bwd(&mut rec, &layer.post_norm, (&b.tap, 0), (&b.dn2, 0), (&b.dh, 0), r, h, eps, true)?;
-            let attn = c.num_heads * c.head_dim;
+        }
+        if let Some(g) = o_group {
             linear(&mut rec, &g.a, &lin(r, &sc.mid_b, (p - 1) * attn, &b.t, g.rank_total), None)?;
             for m in &g.members {
                 grads(&mut rec, g, m, (&b.dh, h), View { buf: &sc.mid_b, offset: (p - 1) * attn, stride: attn })?;
+            }
+        }
+        if let Some(g) = qkv_group {
+            matmul_dx(&mut rec, &DxWeight::chunks(&attn_w.o_proj), 0..h, &dx(r, &b.dh, h, &b.dag, attn))?;
+            if let Some((og, m)) = o_group.and_then(|g| g.member(Proj::OProj).map(|m| (g, m))) {
+                let dag = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.dag, attn) };
+                matmul_dx(&mut rec, &DxWeight::chunks(&og.a), m.t_offset..m.t_offset + m.rank, &dag)?;
+            }
+            // Attention backward, then the q/k norm + RoPE backward in place.
+            let LayerState::Attention { k: k_cache, v: v_cache } = &session.states[*li] else {
+                return Err(LearnError::NotLearnable {
+                    layer: *li,
+                    module: "(last layer)".into(),
+                    why: "the session's state of the last layer is not an attention cache".into(),
+                });
+            };
+            let keys = p - 1 + r;
+            let params = AttnBwdParams {
+                rows: r as u32,
+                pos0: (p - 1) as u32,
+                hq: hq as u32,
+                hkv: hkv as u32,
+                hd: hd as u32,
+                s_max: session.opts.max_context as u32,
+                scale: (hd as f32).powf(-0.5),
+                _pad: 0,
+            };
+            let io = AttnBwdIo {
+                q: &sc.wide_b,
+                qg: &sc.wide_a,
+                k_cache,
+                v_cache,
+                dy: &b.dag,
+                dqg: &b.dqg,
+                stats: &b.stats,
+                dk: &b.dk,
+                dv: &b.dv,
+            };
+            attention_bwd(&mut rec, &params, &io, keys)?;
+            let rope = NormRopeBwdParams {
+                heads: hq as u32,
+                hd: hd as u32,
+                rot_half: (c.rotary_dim / 2) as u32,
+                pos0: (p - 1) as u32,
+                x_offset: ((p - 1) * 2 * attn) as u32,
+                x_row: (2 * attn) as u32,
+                x_head: (2 * hd) as u32,
+                y_offset: 0,
+                y_row: (2 * attn) as u32,
+                y_head: (2 * hd) as u32,
+                eps,
+                _pad: 0,
+            };
+            norm_rope_bwd(&mut rec, &attn_w.q_norm, &sc.wide_a, &session.rope, &b.dqg, &rope, r)?;
+            let kv = hkv * hd;
+            let rope_k = NormRopeBwdParams {
+                heads: hkv as u32,
+                pos0: 0,
+                x_offset: 0,
+                x_row: kv as u32,
+                x_head: hd as u32,
+                y_row: kv as u32,
+                y_head: hd as u32,
+                ..rope
+            };
+            norm_rope_bwd(&mut rec, &attn_w.k_norm, &sc.mid_a, &session.rope, &b.dk, &rope_k, keys)?;
+            // LoRA gradients of q (response rows) and k, v (every key row) from the tapped input.
+            linear(&mut rec, &g.a, &lin(keys, &b.mixer_in, 0, &b.t, g.rank_total), None)?;
+            for m in &g.members {
+                let x0 = if m.proj == Proj::QProj { p - 1 } else { 0 };
+                let x = View { buf: &b.mixer_in, offset: x0 * h, stride: h };
+                let (dy, rows) = match m.proj {
+                    Proj::QProj => ((&b.dqg, 2 * attn), r),
+                    Proj::KProj => ((&b.dk, kv), keys),
+                    _ => ((&b.dv, kv), keys),
+                };
+                grads_rows(&mut rec, g, m, dy, x, (x0, rows))?;
             }
         }
         rec.submit()?;
@@ -429,8 +550,9 @@ fn dx<'a>(m: usize, dy: &'a wgpu::Buffer, dy_stride: usize, dx: &'a wgpu::Buffer
     DxIo { dy, dy_offset: 0, dy_stride, m, dx, dx_offset: 0, dx_stride, scale: 1.0, accumulate: false }
 }
 
-/// dB = s·dyᵀ·t and dA = s·(dy·B)ᵀ·x for member `m` of group `g` (its shrink `t = x·Aᵀ` already
-/// in `b.t`; dy·B is left in `b.ur` for the caller's input gradient).
+/// dB = s·dyᵀ·t and dA = s·(dy·B)ᵀ·x over `rows` rows for member `m` of group `g` (its shrink
+/// `t = x·Aᵀ` already in `b.t`, used from row `t_row0`; dy·B is left in `b.ur` for the caller's
+/// input gradient).
 #[allow(clippy::too_many_arguments)]
 fn module_grads(
     rec: &mut Recorder,
@@ -440,13 +562,13 @@ fn module_grads(
     m: &LoraMember,
     dy: (&wgpu::Buffer, usize),
     x: View,
-    rows: usize,
+    (t_row0, rows): (usize, usize),
     s: f32,
     first: bool,
 ) -> Result<(), GpuError> {
     let out = dy.1;
     let dy_view = View { buf: dy.0, offset: 0, stride: out };
-    let t_view = View { buf: &b.t, offset: m.t_offset, stride: g.rank_total };
+    let t_view = View { buf: &b.t, offset: t_row0 * g.rank_total + m.t_offset, stride: g.rank_total };
     let gb = View { buf: &tb.grad, offset: 0, stride: m.rank };
     lora_grad(rec, dy_view, t_view, gb, out, m.rank, rows, s, !first)?;
     let bw = DxWeight { bind_group: &m.bind_group, dtype: Dtype::F32, row_start: 0, rows: out, k: m.rank };

@@ -282,9 +282,10 @@ pub(crate) enum Capture<'a> {
     None,
     /// The residual stream after the embedding and after every layer (`[L+1, T, H]`).
     Layers,
-    /// Rows `row0..row0 + rows` of the residual stream entering the MLP of `layer` (after its
-    /// token mixer), into `dst` from element 0: the input a learning step differentiates.
-    MlpInput { layer: usize, row0: usize, rows: usize, dst: &'a wgpu::Buffer },
+    /// What a learning step differentiates, from `layer`: its normalised mixer input (every
+    /// row) into `mixer_in`, and rows `row0..row0 + rows` of the residual stream entering its MLP
+    /// into `mlp_in`, both from element 0.
+    Learn { layer: usize, row0: usize, rows: usize, mixer_in: &'a wgpu::Buffer, mlp_in: &'a wgpu::Buffer },
 }
 
 /// Which positions of a step get the final norm and lm_head.
@@ -324,6 +325,12 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
             let lora =
                 active.map(|(a, (t_buf, _))| LayerLora { adapter: &a.adapter, scale: a.scale, t: t_buf, layer: i });
             rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
+            let row = (h * 4) as u64;
+            if let Capture::Learn { layer, mixer_in, .. } = capture {
+                if layer == i {
+                    rec.copy(&sc.xnorm, 0, mixer_in, 0, t as u64 * row);
+                }
+            }
             match (&layer.mixer, &s.states[i]) {
                 (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
                     gdn_block(&mut rec, c, sc, w, conv, state, lora, t)?
@@ -338,10 +345,9 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
                     }))
                 }
             }
-            if let Capture::MlpInput { layer, row0, rows, dst } = capture {
+            if let Capture::Learn { layer, row0, rows, mlp_in, .. } = capture {
                 if layer == i {
-                    let row = (h * 4) as u64;
-                    rec.copy(&sc.hidden, row0 as u64 * row, dst, 0, rows as u64 * row);
+                    rec.copy(&sc.hidden, row0 as u64 * row, mlp_in, 0, rows as u64 * row);
                 }
             }
             rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;

@@ -1,6 +1,6 @@
 //! Running the model: per-session caches and scratch, the layer loop, sampling, generation.
 
-mod cache;
+pub(crate) mod cache;
 pub(crate) mod forward;
 mod generate;
 mod sampler;

@@ -1,7 +1,7 @@
 """Oracle for on-GPU learning: LoRA gradients by PyTorch autograd through transformers + peft.
 
 Run through `cargo xtask fixtures` after make_fixtures.py. For each case, a PEFT adapter on the
-last (full-attention) layer's o_proj / gate_proj / up_proj / down_proj with nonzero random A and B
+last (full-attention) layer's seven projections (q/k/v/o, gate/up/down) with nonzero random A and B
 is saved, and for fixed events the gradients of the engine's loss with respect to every lora_A
 and lora_B are recorded:
 
@@ -31,10 +31,12 @@ from make_fixtures import randomize_lora
 CASES = {
     # f32, tied embeddings, GVA; one rank for all four modules.
     "gva_last": dict(base="gva_tied_f32", layer=7, config=dict(r=4, lora_alpha=8)),
-    # bf16 weights in the VLM layout; gate_proj with a larger rank than up_proj (t offsets).
-    "vlm_last": dict(base="vlm_bf16_sharded", layer=3, config=dict(r=4, lora_alpha=4, rank_pattern={"gate_proj": 8})),
+    # bf16 weights in the VLM layout; q_proj and gate_proj with a larger rank than the other
+    # members of their group (t offsets).
+    "vlm_last": dict(base="vlm_bf16_sharded", layer=3,
+                     config=dict(r=4, lora_alpha=4, rank_pattern={"gate_proj": 8, "q_proj": 8})),
 }
-TARGETS = ["o_proj", "gate_proj", "up_proj", "down_proj"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 EVENTS = [(5, 4), (3, 6)]  # (prompt length, response length)
 SCORES = [0.9, 0.2]
 

@@ -205,7 +205,7 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     if !learn.is_null() {
         md.push_str(&format!(
             "Learning: one step on a {}-token event ({} response tokens; frozen forward, backward through \
-             lm_head, the final norm and the last layer's MLP and o_proj, AdamW) with a rank-{} adapter on \
+             lm_head, the final norm and the last layer's MLP and attention, AdamW) with a rank-{} adapter on \
              the last layer's {}: {} s (median (min–max)).\n\n",
             learn["event_tokens"],
             learn["response_tokens"],
