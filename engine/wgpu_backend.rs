@@ -11,7 +11,7 @@ use crate::learn::{
     export_peft, init_adapter, FeedbackEvent, LearnOptions, LearnReport, ModuleGrad, TokenEvent, TrainSpec, Trainer,
 };
 use crate::lora::{AdapterInfo, LoraAdapter};
-use crate::model::Model;
+use crate::model::{LoadOptions, Model};
 use crate::runtime::{GenerateParams, Session, SessionOptions};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -119,6 +119,19 @@ impl WgpuBackend {
         out
     }
 
+    /// [`LlmBackend::load_model`] with explicit [`LoadOptions`] (e.g. a smaller weight chunk).
+    pub fn load_model_with(&mut self, path: &Path, opts: &LoadOptions) -> Result<(), BackendError> {
+        let model = Arc::new(Model::load_with(self.ctx.clone(), path, opts)?);
+        let tokenizer =
+            if path.join("tokenizer.json").is_file() { Some(Arc::new(TextTokenizer::from_dir(path)?)) } else { None };
+        let session = Session::new(model.clone(), self.opts.clone())?;
+        self.resident.clear();
+        self.active = None;
+        self.trainer = None;
+        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer });
+        Ok(())
+    }
+
     /// Make `adapter` the trainable one: resident under `id`, active at scale 1. Nothing changes
     /// on error.
     fn start_training(&mut self, adapter: LoraAdapter, id: &str) -> Result<AdapterId, BackendError> {
@@ -207,15 +220,7 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn load_model(&mut self, path: &Path) -> Result<(), BackendError> {
-        let model = Arc::new(Model::load(self.ctx.clone(), path)?);
-        let tokenizer =
-            if path.join("tokenizer.json").is_file() { Some(Arc::new(TextTokenizer::from_dir(path)?)) } else { None };
-        let session = Session::new(model.clone(), self.opts.clone())?;
-        self.resident.clear();
-        self.active = None;
-        self.trainer = None;
-        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer });
-        Ok(())
+        self.load_model_with(path, &LoadOptions::default())
     }
 
     fn unload_model(&mut self) {
