@@ -317,3 +317,75 @@ fn export_writes_what_peft_itself_saves() {
     assert_eq!(names(&o["target_modules"]), names(&t["target_modules"]), "target_modules");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+/// The adapter's weights per module key, read from an export.
+fn exported_weights(b: &mut WgpuBackend, tag: &str) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let dir = std::env::temp_dir().join(format!("qwen35-learn-{tag}-{}", std::process::id()));
+    b.export_trainable_adapter(&dir).expect("export");
+    let out = read_tensors(&dir.join("adapter_model.safetensors"))
+        .into_iter()
+        .map(|(k, (_, bytes))| {
+            (k, bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+        })
+        .collect();
+    std::fs::remove_dir_all(&dir).ok();
+    out
+}
+
+fn grads_by_key(grads: &[ModuleGrad]) -> std::collections::BTreeMap<String, Vec<f32>> {
+    let mut out = std::collections::BTreeMap::new();
+    for g in grads {
+        let key = format!("base_model.model.model.{}", module_key(g));
+        out.insert(format!("{key}.lora_A.weight"), g.a.clone());
+        out.insert(format!("{key}.lora_B.weight"), g.b.clone());
+    }
+    out
+}
+
+#[test]
+fn adamw_with_clipping_and_anchor_matches_a_cpu_reference() {
+    use common::tolerance::OPTIM_ABS;
+    let Some(mut b) = backend("gva_tied_f32") else { return };
+    b.import_trainable_adapter(&root().join("tests/fixtures/learn/gva_last")).expect("import");
+    let events = events(&Reference::load("learn"), "gva_last", false);
+    let opts = LearnOptions {
+        lr: 1e-2,
+        beta1: 0.8,
+        beta2: 0.95,
+        eps: 1e-6,
+        weight_decay: 0.1,
+        max_grad_norm: 0.05,
+        anchor_l2: 0.5,
+        ..Default::default()
+    };
+    let anchor = exported_weights(&mut b, "w0");
+    let mut w = anchor.clone();
+    let mut m: std::collections::BTreeMap<String, Vec<f64>> =
+        w.iter().map(|(k, v)| (k.clone(), vec![0.0; v.len()])).collect();
+    let mut v = m.clone();
+    for t in 1..=3i32 {
+        let g = grads_by_key(&b.learn_gradients(&events).expect("gradients"));
+        let norm = g.values().flatten().map(|x| (*x as f64).powi(2)).sum::<f64>().sqrt();
+        let clip = (opts.max_grad_norm as f64 / (norm + 1e-6)).min(1.0);
+        assert!(clip < 1.0, "step {t}: the clip must be active for this check (norm {norm:.3})");
+        let report = b.learn_tokens(&events, &opts).expect("step");
+        assert!((report.grad_norm as f64 - norm).abs() <= 1e-4 * norm, "reported norm {} vs {norm}", report.grad_norm);
+        let (bc1, bc2) = (1.0 - (opts.beta1 as f64).powi(t), 1.0 - (opts.beta2 as f64).powi(t));
+        for (key, wk) in w.iter_mut() {
+            let (mk, vk) = (m.get_mut(key).expect("m"), v.get_mut(key).expect("v"));
+            for (i, x) in wk.iter_mut().enumerate() {
+                let x64 = *x as f64;
+                let gi = clip * g[key][i] as f64 + opts.anchor_l2 as f64 * (x64 - anchor[key][i] as f64);
+                mk[i] = opts.beta1 as f64 * mk[i] + (1.0 - opts.beta1 as f64) * gi;
+                vk[i] = opts.beta2 as f64 * vk[i] + (1.0 - opts.beta2 as f64) * gi * gi;
+                let step = (mk[i] / bc1) / ((vk[i] / bc2).sqrt() + opts.eps as f64) + opts.weight_decay as f64 * x64;
+                *x = (x64 - opts.lr as f64 * step) as f32;
+            }
+        }
+        let gpu = exported_weights(&mut b, &format!("w{t}"));
+        for (key, want) in &w {
+            let (_, max) = rel_and_max(&gpu[key], want);
+            assert!(max <= OPTIM_ABS, "step {t}, {key}: max |gpu − cpu| {max:.2e} (≤ {OPTIM_ABS})");
+        }
+    }
+}

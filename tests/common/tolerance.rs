@@ -29,3 +29,8 @@ pub const PATHS_REL: f32 = 1e-4;
 /// tokens in other orders, and the forward underneath already differs at LOGITS_REL; the issue's
 /// bound.
 pub const GRAD_REL: f32 = 1e-3;
+
+/// An AdamW step on the GPU vs the same update in f64 on the CPU from the same gradients: f32
+/// rounding of the moments, the square root and the division, on weights of order 1 moved by
+/// steps of order lr = 1e-2.
+pub const OPTIM_ABS: f32 = 1e-6;
