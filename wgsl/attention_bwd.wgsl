@@ -68,6 +68,17 @@ fn key_base(kvh: u32, s: u32) -> u32 {
     return (kvh * p.s_max + s) * p.hd;
 }
 
+// (q_i . k_s, dO_i . v_s) for key s of kv head kvh, with q_i in va and dO_i in vb.
+fn key_terms(kvh: u32, s: u32) -> vec2<f32> {
+    var dot = 0.0;
+    var dv = 0.0;
+    for (var d = 0u; d < p.hd; d++) {
+        dot = fma(va[d], kc[key_base(kvh, s) + d], dot);
+        dv = fma(vb[d], vc[key_base(kvh, s) + d], dv);
+    }
+    return vec2<f32>(dot, dv);
+}
+
 // va = q_i, vb = dO_i of row i, head h.
 @compute @workgroup_size(64)
 fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -110,14 +121,9 @@ fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         var pr = 0.0;
         var dp = 0.0;
         if (s < n_keys) {
-            var dot = 0.0;
-            var dv = 0.0;
-            for (var d = 0u; d < p.hd; d++) {
-                dot = fma(va[d], kc[key_base(kvh, s) + d], dot);
-                dv = fma(vb[d], vc[key_base(kvh, s) + d], dv);
-            }
-            pr = exp(dot * p.scale - m) / l;
-            dp = dv;
+            let kt = key_terms(kvh, s);
+            pr = exp(kt.x * p.scale - m) / l;
+            dp = kt.y;
         }
         dsum = fma(pr, dp, dsum);
         ps[li] = pr;
@@ -150,14 +156,8 @@ fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         let s = s0 + li;
         var g = 0.0;
         if (s < n_keys) {
-            var dot = 0.0;
-            var dv = 0.0;
-            for (var d = 0u; d < p.hd; d++) {
-                dot = fma(va[d], kc[key_base(kvh, s) + d], dot);
-                dv = fma(vb[d], vc[key_base(kvh, s) + d], dv);
-            }
-            let pr = exp(dot * p.scale - m) / l;
-            g = pr * (dv - dd);
+            let kt = key_terms(kvh, s);
+            g = exp(kt.x * p.scale - m) / l * (kt.y - dd);
         }
         ds[li] = g;
         workgroupBarrier();
