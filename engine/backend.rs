@@ -313,7 +313,8 @@ pub trait LlmBackend {
         Err(self.no_learning())
     }
 
-    /// One learning step on a batch of feedback events; the next generation uses the result.
+    /// One learning step on a batch of feedback events; the next generation uses the result. The
+    /// step runs its forward passes in the backend's session, so a sequence left there is reset.
     fn learn(&mut self, events: &[FeedbackEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
         let _ = (events, opts);
         Err(self.no_learning())
