@@ -97,12 +97,6 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         med(&engine["decode_tok_s"]),
         med(&a["decode_tok_s"]),
     );
-    let (tp0, tp1, td0, td1) = (
-        med(&torch["prefill_tok_s"]),
-        med(&torch["adapter_prefill_tok_s"]),
-        med(&torch["decode_tok_s"]),
-        med(&torch["adapter_decode_tok_s"]),
-    );
     let floor = &engine["bandwidth_floor"];
     let swap = &a["swap_us"];
     let pct = |with: f64, without: f64| (1.0 - with / without) * 100.0;
@@ -125,43 +119,18 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     md.push_str("Tokens/s as median (min–max); an overhead marked ≈ comes from ranges that overlap, i.e. it is within this run's noise.\n\n");
     md.push_str("| engine | prefill tok/s | prefill with adapter | prefill overhead | decode tok/s | decode with adapter | decode overhead |\n");
     md.push_str("|---|---|---|---|---|---|---|\n");
-    let mark = |a: &Value, b: &Value| if overlap(a, b) { "≈ " } else { "" };
-    md.push_str(&format!(
-        "| this engine (wgpu) | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n",
-        spread(&engine["prefill_tok_s"], 2),
-        spread(&a["prefill_tok_s"], 2),
-        mark(&engine["prefill_tok_s"], &a["prefill_tok_s"]),
-        pct(p1, p0),
-        spread(&engine["decode_tok_s"], 3),
-        spread(&a["decode_tok_s"], 3),
-        mark(&engine["decode_tok_s"], &a["decode_tok_s"]),
-        pct(d1, d0)
+    md.push_str(&throughput_row(
+        "this engine (wgpu)",
+        [&engine["prefill_tok_s"], &a["prefill_tok_s"], &engine["decode_tok_s"], &a["decode_tok_s"]],
     ));
-    md.push_str(&format!(
-        "| {} | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n",
-        torch["engine"].as_str().unwrap_or("transformers + peft"),
-        spread(&torch["prefill_tok_s"], 2),
-        spread(&torch["adapter_prefill_tok_s"], 2),
-        mark(&torch["prefill_tok_s"], &torch["adapter_prefill_tok_s"]),
-        pct(tp1, tp0),
-        spread(&torch["decode_tok_s"], 3),
-        spread(&torch["adapter_decode_tok_s"], 3),
-        mark(&torch["decode_tok_s"], &torch["adapter_decode_tok_s"]),
-        pct(td1, td0)
-    ));
+    let peer = |v: &Value, default: &str| {
+        let name = v["engine"].as_str().unwrap_or(default).to_string();
+        let keys = ["prefill_tok_s", "adapter_prefill_tok_s", "decode_tok_s", "adapter_decode_tok_s"];
+        throughput_row(&name, keys.map(|k| &v[k]))
+    };
+    md.push_str(&peer(&torch, "transformers + peft"));
     match &llama {
-        Ok(l) => md.push_str(&format!(
-            "| {} | {} | {} | {}{:.1} % | {} | {} | {}{:.1} % |\n\n",
-            l["engine"].as_str().unwrap_or("llama.cpp"),
-            spread(&l["prefill_tok_s"], 2),
-            spread(&l["adapter_prefill_tok_s"], 2),
-            mark(&l["prefill_tok_s"], &l["adapter_prefill_tok_s"]),
-            pct(med(&l["adapter_prefill_tok_s"]), med(&l["prefill_tok_s"])),
-            spread(&l["decode_tok_s"], 3),
-            spread(&l["adapter_decode_tok_s"], 3),
-            mark(&l["decode_tok_s"], &l["adapter_decode_tok_s"]),
-            pct(med(&l["adapter_decode_tok_s"]), med(&l["decode_tok_s"]))
-        )),
+        Ok(l) => md.push_str(&(peer(l, "llama.cpp") + "\n")),
         Err(e) => {
             let why = format!("{e:#}").replace('\n', " ").replace('|', "/");
             md.push_str(&format!("| llama.cpp | not measured in this run: {why} | | | | | |\n\n"))
@@ -261,6 +230,24 @@ fn llama_cpp(root: &Path, python: &Path) -> Result<PathBuf> {
         crate::run(build).context("building llama-cpp-python from source")?;
     }
     Ok(src)
+}
+
+/// One table row: prefill and decode tok/s without and with the adapter (median (min–max)) and
+/// the adapter's overhead, marked ≈ when the two ranges overlap.
+fn throughput_row(name: &str, [prefill, prefill_a, decode, decode_a]: [&Value; 4]) -> String {
+    let overhead = |without: &Value, with: &Value| {
+        let mark = if overlap(without, with) { "≈ " } else { "" };
+        format!("{mark}{:.1} %", (1.0 - med(with) / med(without)) * 100.0)
+    };
+    format!(
+        "| {name} | {} | {} | {} | {} | {} | {} |\n",
+        spread(prefill, 2),
+        spread(prefill_a, 2),
+        overhead(prefill, prefill_a),
+        spread(decode, 3),
+        spread(decode_a, 3),
+        overhead(decode, decode_a)
+    )
 }
 
 fn verdict(ok: bool) -> &'static str {
