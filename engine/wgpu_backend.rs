@@ -189,7 +189,10 @@ impl WgpuBackend {
     /// (raw text without one), the response followed by the first EOS token.
     pub fn tokenize_events(&self, events: &[FeedbackEvent]) -> Result<Vec<TokenEvent>, BackendError> {
         let loaded = self.loaded.as_ref().ok_or(BackendError::NoModel)?;
-        let tok = loaded.tokenizer.as_ref().ok_or_else(|| BackendError::NoTokenizer { backend: "wgpu".into() })?;
+        let tok = loaded
+            .tokenizer
+            .as_ref()
+            .ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
         let eos = loaded.model.eos_token_ids.first().copied();
         events
             .iter()

@@ -233,6 +233,20 @@ pub(crate) fn validate_events(
     Ok(())
 }
 
+/// Whether the backward reaches `proj` of `layer`: one of the [`LEARNABLE`] projections of the
+/// last layer.
+pub(crate) fn check_learnable(config: &TextConfig, layer: usize, proj: Proj) -> Result<(), LearnError> {
+    let last = config.num_layers() - 1;
+    let why = if layer != last {
+        format!("only the last layer ({last}) can learn; the backward stops at its input")
+    } else if !LEARNABLE.contains(&proj) {
+        "Gated DeltaNet projections need the delta-rule backward, not implemented".to_string()
+    } else {
+        return Ok(());
+    };
+    Err(LearnError::NotLearnable { layer, module: proj.path().into(), why })
+}
+
 /// The PEFT-initialised adapter a [`TrainSpec`] describes: A Kaiming-uniform (bound 1/√in, as
 /// `nn.init.kaiming_uniform_(a=√5)`) from the seed, B zero, so it starts as the base model.
 pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<ParsedAdapter, LearnError> {
@@ -253,14 +267,7 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
             if spec.targets[..k].contains(&proj) {
                 return Err(bad("targets", "distinct projections", proj.name()));
             }
-            if layer != last || !LEARNABLE.contains(&proj) {
-                let why = if layer != last {
-                    format!("only the last layer ({last}) can learn; the backward stops at its input")
-                } else {
-                    "Gated DeltaNet projections need the delta-rule backward, not implemented".to_string()
-                };
-                return Err(LearnError::NotLearnable { layer, module: proj.path().into(), why });
-            }
+            check_learnable(config, layer, proj)?;
             let (fan_in, fan_out) = proj.dims(config);
             let mut rng = SplitMix64(spec.seed ^ ((layer as u64) << 32) ^ (k as u64 + 1).wrapping_mul(0x9E37_79B9));
             let bound = 1.0 / (fan_in as f64).sqrt();

@@ -15,7 +15,7 @@ use crate::kernels::learn::{
 use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, NormIo};
-use crate::learn::{validate_events, LearnOptions, LearnReport, ModuleGrad, Signal, TokenEvent, LEARNABLE};
+use crate::learn::{check_learnable, validate_events, LearnOptions, LearnReport, ModuleGrad, Signal, TokenEvent};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
 use crate::model::{Dtype, Mixer, Model};
 use crate::runtime::cache::LayerState;
@@ -93,16 +93,7 @@ impl Trainer {
             });
         }
         for &(l, proj) in &adapter.info.modules {
-            let why = if l != layer {
-                Some(format!("only the last layer ({layer}) can learn; the backward stops at its input"))
-            } else if !LEARNABLE.contains(&proj) {
-                Some("not a projection of the last layer's attention or MLP".to_string())
-            } else {
-                None
-            };
-            if let Some(why) = why {
-                return Err(LearnError::NotLearnable { layer: l, module: proj.path().into(), why });
-            }
+            check_learnable(c, l, proj)?;
         }
         let ctx: &GpuContext = &model.ctx;
         let mut tensors = Vec::new();

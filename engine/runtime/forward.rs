@@ -308,6 +308,7 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
     let h = c.hidden_size;
     ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
     let slot_bytes = (t * h * 4) as u64;
+    let row = (h * 4) as u64;
     let captured = if matches!(capture, Capture::Layers) {
         Some(ctx.storage_buffer("hidden capture", slot_bytes * (c.num_layers() as u64 + 1), false)?)
     } else {
@@ -325,7 +326,6 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
             let lora =
                 active.map(|(a, (t_buf, _))| LayerLora { adapter: &a.adapter, scale: a.scale, t: t_buf, layer: i });
             rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
-            let row = (h * 4) as u64;
             if let Capture::Learn { layer, mixer_in, .. } = capture {
                 if layer == i {
                     rec.copy(&sc.xnorm, 0, mixer_in, 0, t as u64 * row);
