@@ -14,9 +14,13 @@ use qwen35_wgpu::{
 };
 
 fn backend(model: &str) -> Option<WgpuBackend> {
+    backend_with(model, &LoadOptions::default())
+}
+
+fn backend_with(model: &str, load: &LoadOptions) -> Option<WgpuBackend> {
     let ctx = gpu()?;
     let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 64, max_batch: 16 });
-    b.load_model(&fixture_model(model)).expect("model");
+    b.load_model_with(&fixture_model(model), load).expect("model");
     Some(b)
 }
 
@@ -47,9 +51,7 @@ fn lora_gradients_match_pytorch_autograd() {
         ("gva_last", "gva_tied_f32", split),
     ];
     for (case, model, load) in cases {
-        let Some(ctx) = gpu() else { return };
-        let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 64, max_batch: 16 });
-        b.load_model_with(&fixture_model(model), &load).expect("model");
+        let Some(mut b) = backend_with(model, &load) else { return };
         b.import_trainable_adapter(&root().join("tests/fixtures/learn").join(case)).expect("import");
         for (loss, reward) in [("supervised", false), ("reward", true)] {
             let grads = b.learn_gradients(&events(&r, case, reward)).expect("gradients");
