@@ -10,7 +10,7 @@ use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, 
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, GdnIo, GdnParams};
 use qwen35_wgpu::kernels::matmul::{linear, LinearIo, LoraExpand};
-use qwen35_wgpu::kernels::misc::{embed, swiglu};
+use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
 use qwen35_wgpu::{reference as cpu, GpuError};
@@ -130,6 +130,86 @@ fn linear_with_fused_lora_expand_matches_reference() {
 }
 
 #[test]
+fn matvec_sweep_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    // (n, k): n below, at and above the rows per workgroup (16 below 4096 rows, 32 from there),
+    // k odd, not a multiple of 8, and aligned; x offsets 4 (16-byte aligned) and 3 (element path).
+    let shapes = [(1, 1), (15, 8), (16, 13), (17, 24), (31, 257), (33, 1024), (100, 7), (4095, 64), (4097, 1032)];
+    for (si, &(n, k)) in shapes.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            for (x_off, chunk_rows, rank) in [(4, n, 0), (3, n, 3), (4, 16, 5), (4, n, 16)] {
+                let seed = 500 + si as u64 * 13 + dtype.size() as u64;
+                let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+                let chunk = (chunk_rows.max(1) * k * dtype.size()) as u64;
+                let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, chunk).expect("weight");
+                let x = rand(x_off + k, seed + 1, 1.0);
+                let y0 = rand(n + 2, seed + 2, 1.0);
+                let t = rand(rank + 2, seed + 3, 1.0);
+                let b = rand(n * rank.max(1), seed + 4, 1.0);
+                let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
+                let bg = ctx.weights_bind_group(&bb, "b");
+                let lora = LoraExpand { t: &tb, t_offset: 2, t_stride: rank + 2, rank, scale: 0.5, b: &bg };
+                let accumulate = rank % 2 == 1;
+                let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
+                run(&ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
+                let prod = cpu::linear(&x[x_off..], &w, 1, n, k);
+                let mut want = y0.clone();
+                for j in 0..n {
+                    let d: f32 = (0..rank).map(|r| t[2 + r] * b[j * rank + r]).sum();
+                    let v = prod[j] + 0.5 * d;
+                    want[2 + j] = if accumulate { want[2 + j] + v } else { v };
+                }
+                let what = format!(
+                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
+                    gw.chunks.len()
+                );
+                assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn gpu_argmax_matches_the_cpu_rule() {
+    let Some(ctx) = ctx() else { return };
+    let nan = f32::NAN;
+    let mut cases: Vec<Vec<f32>> = vec![
+        vec![0.5],
+        vec![nan],
+        vec![nan, nan, nan],
+        vec![nan, 1.0, nan],
+        vec![1.0, nan, 2.0],
+        vec![f32::NEG_INFINITY; 5],
+        vec![0.0, -0.0, 0.0],
+        vec![3.0, 3.0, -1.0, 3.0],
+    ];
+    for (i, n) in [255usize, 4096, 4097, 10_000, 248_320].into_iter().enumerate() {
+        let mut v = rand(n, 900 + i as u64, 4.0);
+        // Ties across blocks, a NaN before them and one at the end.
+        let hi = 7.5;
+        for &j in &[n / 3, n / 2, n - 1] {
+            v[j] = hi;
+        }
+        v[n / 5] = nan;
+        v[n - 1] = nan;
+        cases.push(v);
+        let mut all_nan = vec![nan; n];
+        all_nan[n / 2] = -1e30;
+        cases.push(all_nan);
+        cases.push(vec![nan; n]);
+    }
+    for (ci, logits) in cases.iter().enumerate() {
+        let n = logits.len();
+        let lb = upload(&ctx, logits);
+        let parts = ctx.storage_buffer("parts", argmax_scratch_bytes(n), true).expect("parts");
+        let ids = upload(&ctx, &[0.0; 4]);
+        run(&ctx, |rec| argmax(rec, &lb, &parts, &ids, n));
+        let got = read(&ctx, &ids, 1)[0].to_bits();
+        assert_eq!(got, qwen35_wgpu::runtime::argmax(logits), "case {ci} (n {n})");
+    }
+}
+
+#[test]
 fn rms_norms_match_reference() {
     let Some(ctx) = ctx() else { return };
     for (rows, n) in [(1, 1), (3, 38), (5, 64), (2, 130), (70, 256)] {
@@ -169,8 +249,9 @@ fn gated_delta_net_matches_reference_across_steps() {
             gate.extend(rand(d.hv, 12, 1.0));
             let cw = GpuVector::upload(&ctx, "conv", &conv_w).expect("conv");
             let gp = GpuVector::upload(&ctx, "gate", &gate).expect("gate");
-            let conv_state = upload(&ctx, &vec![0.0; c * (k - 1)]);
-            let state = upload(&ctx, &vec![0.0; d.hv * d.dk * d.dv]);
+            // Ping-pong pairs as the session holds them: each step reads one and writes the other.
+            let conv_state = [upload(&ctx, &vec![0.0; c * (k - 1)]), upload(&ctx, &vec![9.0; c * (k - 1)])];
+            let state = [upload(&ctx, &vec![0.0; d.hv * d.dk * d.dv]), upload(&ctx, &vec![9.0; d.hv * d.dk * d.dv])];
             let mut cpu_conv = vec![0.0; c * (k - 1)];
             let mut cpu_state = vec![0.0; d.hv * d.dk * d.dv];
             for (step, t) in [5usize, 1, 3].into_iter().enumerate() {
@@ -190,14 +271,17 @@ fn gated_delta_net_matches_reference_across_steps() {
                     dv: d.dv as u32,
                     _pad: 0,
                 };
+                let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnIo {
                     mixed: &mb,
-                    conv_out: &yb,
-                    conv_state: &conv_state,
+                    conv_y: &yb,
+                    conv_in: &conv_state[from],
+                    conv_out: &conv_state[to],
                     b: &bb,
                     a: &ab,
                     core: &core,
-                    state: &state,
+                    state_in: &state[from],
+                    state_out: &state[to],
                 };
                 run(&ctx, |rec| gated_delta(rec, &cw, &gp, &params, &io));
                 let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, t, c, k);
@@ -205,7 +289,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                 let what = format!("gdn {d:?} K{k} step {step}");
                 assert_close(&format!("{what} conv"), &read(&ctx, &yb, t * c), &y, KERNEL_ATOL, KERNEL_RTOL);
                 assert_close(&what, &read(&ctx, &core, t * d.hv * d.dv), &want, KERNEL_ATOL, KERNEL_RTOL);
-                let st = read(&ctx, &state, cpu_state.len());
+                let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
             }
         }

@@ -174,3 +174,53 @@ fn final_hidden_states_are_the_input_of_lm_head() {
     let (rel, _) = rel_and_max(&via_cpu, &logits.data);
     assert!(rel <= PATHS_REL, "final hidden · Eᵀ vs logits: rel {rel:.3e}");
 }
+
+#[test]
+fn gpu_greedy_runs_ahead_without_leaking_state() {
+    let Some(model) = load("gva_tied_f32", &LoadOptions::default()) else {
+        return;
+    };
+    let prompt = Reference::load("gva_tied_f32").ids("prompt1.ids");
+    let params = GenerateParams { max_tokens: 8, stop_at_eos: false, ..Default::default() };
+    // The callback stops at the 4th token: the step that ran ahead for a 5th is never committed.
+    let mut s = session(&model);
+    let mut n = 0;
+    let out = s
+        .generate(&prompt, &params, |_| {
+            n += 1;
+            n < 4
+        })
+        .expect("generate");
+    assert_eq!(out.len(), 4);
+    assert_eq!(s.position(), prompt.len() + 3, "the session holds the prompt and the tokens fed back");
+    let after = s.feed(&out[3..]).expect("continue");
+    // The same tokens fed one at a time (the same kernels, so the same bits).
+    let mut by_hand = session(&model);
+    let mut logits = by_hand.feed(&prompt).expect("prompt");
+    for &id in &out[..3] {
+        assert_eq!(qwen35_wgpu::runtime::argmax(logits.last()), id, "GPU and CPU greedy agree");
+        logits = by_hand.feed(&[id]).expect("step");
+    }
+    assert_eq!(qwen35_wgpu::runtime::argmax(logits.last()), out[3]);
+    let want = by_hand.feed(&out[3..]).expect("continue");
+    assert_eq!(after.data, want.data, "logits after a discarded run-ahead step");
+}
+
+#[test]
+fn greedy_decode_is_one_submit_and_four_bytes_per_token() {
+    if gpu().is_none() {
+        return;
+    }
+    // A context of its own: the shared one counts the work of tests running beside this one.
+    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let prompt = Reference::load("gva_tied_f32").ids("prompt1.ids");
+    let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
+    let mut s = session(&model);
+    let before = model.ctx.counters();
+    let out = s.generate(&prompt, &params, |_| true).expect("generate");
+    let used = model.ctx.counters() - before;
+    assert_eq!(out.len(), 6);
+    assert_eq!(used.submits, 6, "one submit for the prompt, one per further token");
+    assert_eq!(used.read_back, 6 * 4, "only the chosen ids come back");
+}

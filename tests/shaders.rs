@@ -38,9 +38,11 @@ fn keys() -> Vec<PipelineKey> {
     for kernel in Kernel::ALL {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for accumulate in [false, true] {
-                let key = PipelineKey { kernel, dtype, accumulate };
-                if !keys.iter().any(|k: &PipelineKey| k.constants() == key.constants() && k.kernel == kernel) {
-                    keys.push(key);
+                for &variant in kernel.variants() {
+                    let key = PipelineKey { kernel, dtype, accumulate, variant };
+                    if !keys.iter().any(|k: &PipelineKey| k.constants() == key.constants() && k.kernel == kernel) {
+                        keys.push(key);
+                    }
                 }
             }
         }

@@ -2,12 +2,14 @@
 // channels, then the gated delta-rule recurrence per value head. f32 throughout.
 //
 // mixed:      [T, C]            in_proj_qkv output, channels [q (Kd) | k (Kd) | v (Vd)]
-// conv_state: [C, K-1]          the previous K-1 pre-conv inputs per channel (oldest first)
+// conv_state: [C, K-1]          the previous K-1 pre-conv inputs per channel (oldest first), read
+//                               from one buffer and written to the other (a step that is
+//                               discarded leaves the state it started from)
 // conv_w:     [C, K]            conv1d.weight[c, 0, j]; tap K-1 multiplies the current token
 // y:          [T, C]            silu(conv) output
 // b, a:       [T, Hv]           in_proj_b / in_proj_a outputs (beta and decay logits)
 // gate_p:     [2, Hv]           row 0 = A_log, row 1 = dt_bias
-// state:      [Hv, Dk, Dv]      recurrent state S_h
+// state:      [Hv, Dk, Dv]      recurrent state S_h (read from state_in, written to state)
 // core:       [T, Hv*Dv]        per-head outputs (before the gated RMSNorm)
 
 struct Params {
@@ -29,7 +31,8 @@ const MAX_K: u32 = 8u;
 
 @group(0) @binding(1) var<storage, read> mixed: array<f32>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read_write> conv_state: array<f32>;
+@group(0) @binding(3) var<storage, read> conv_in: array<f32>;
+@group(0) @binding(4) var<storage, read_write> conv_out: array<f32>;
 @group(1) @binding(0) var<storage, read> conv_w: array<f32>;
 
 @compute @workgroup_size(64)
@@ -41,7 +44,7 @@ fn conv_silu(@builtin(global_invocation_id) gid: vec3<u32>) {
     let km1 = p.k - 1u;
     var win: array<f32, MAX_K>;
     for (var j = 0u; j < km1; j++) {
-        win[j] = conv_state[c * km1 + j];
+        win[j] = conv_in[c * km1 + j];
     }
     for (var t = 0u; t < p.t; t++) {
         win[km1] = mixed[t * p.c + c];
@@ -55,6 +58,6 @@ fn conv_silu(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
     }
     for (var j = 0u; j < km1; j++) {
-        conv_state[c * km1 + j] = win[j];
+        conv_out[c * km1 + j] = win[j];
     }
 }

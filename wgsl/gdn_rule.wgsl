@@ -1,6 +1,8 @@
 // The gated delta rule, recurrent form, for every token of the step in order (see
 // gdn_conv.wgsl for the layouts). One invocation owns column j of S_h (Dk values): the update
-// of a column depends only on that column, so no barriers are needed.
+// of a column depends only on that column, so no barriers are needed. The first token reads the
+// state from state_in, every write goes to state (the session's other state buffer), so a step
+// that is discarded leaves the state it started from.
 //
 //   S = exp(g) S;  delta = beta (v - S^T k);  S += k delta^T;  o = S^T q
 // with q, k l2-normalised (eps 1e-6 inside the sum), q scaled by Dk^-0.5, beta = sigmoid(b),
@@ -22,7 +24,8 @@ struct Params {
 @group(0) @binding(2) var<storage, read> b: array<f32>;
 @group(0) @binding(3) var<storage, read> a: array<f32>;
 @group(0) @binding(4) var<storage, read_write> core: array<f32>;
-@group(0) @binding(5) var<storage, read_write> state: array<f32>;
+@group(0) @binding(5) var<storage, read> state_in: array<f32>;
+@group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
 fn softplus(u: f32) -> f32 {
@@ -30,6 +33,14 @@ fn softplus(u: f32) -> f32 {
         return u;
     }
     return log(1.0 + exp(u));
+}
+
+// The state before the current token.
+fn prev(first: bool, idx: u32) -> f32 {
+    if (first) {
+        return state_in[idx];
+    }
+    return state[idx];
 }
 
 @compute @workgroup_size(64)
@@ -47,6 +58,7 @@ fn delta_rule(@builtin(global_invocation_id) gid: vec3<u32>) {
     let dt_bias = gate_p[p.hv + h];
     let q_scale = inverseSqrt(f32(p.dk));
     for (var t = 0u; t < p.t; t++) {
+        let first = t == 0u;
         let qb = t * p.c + kh * p.dk;
         let kb = qb + kd;
         var qq = 0.0;
@@ -61,12 +73,12 @@ fn delta_rule(@builtin(global_invocation_id) gid: vec3<u32>) {
         let decay = exp(-a_scale * softplus(a[t * p.hv + h] + dt_bias));
         var mem = 0.0;
         for (var i = 0u; i < p.dk; i++) {
-            mem = fma(state[sb + i * p.dv] * decay, y[kb + i] * kn, mem);
+            mem = fma(prev(first, sb + i * p.dv) * decay, y[kb + i] * kn, mem);
         }
         let delta = beta * (y[t * p.c + 2u * kd + h * p.dv + j] - mem);
         var o = 0.0;
         for (var i = 0u; i < p.dk; i++) {
-            let s = fma(y[kb + i] * kn, delta, state[sb + i * p.dv] * decay);
+            let s = fma(y[kb + i] * kn, delta, prev(first, sb + i * p.dv) * decay);
             state[sb + i * p.dv] = s;
             o = fma(s, y[qb + i] * qn, o);
         }

@@ -1,6 +1,6 @@
 // y[m, n] (+)= sum_k x[m, k] * w[n, k]  [+ s * sum_j t[m, j] * B[n, j]]
 //
-// nn.Linear (y = x W^T), optionally with the LoRA expand fused in: t = x A^T is computed by a
+// nn.Linear (y = x W^T) over several rows of x (prefill; one row runs matvec.wgsl), optionally with the LoRA expand fused in: t = x A^T is computed by a
 // separate shrink dispatch (shared by the projections that read the same input), and the rank-r
 // product s * t B^T is folded into the same accumulators as extra K steps, so an active adapter
 // costs no extra pass over y. The `*_lora` entry points are the only ones that touch t and B: with
@@ -170,103 +170,4 @@ fn matmul_lora(
     base_tile(&acc, wg, lid, li);
     lora_tile(&acc, wg, lid, li);
     store_tile(&acc, wg, lid);
-}
-
-// ---- single token (decode): ROWS output rows per workgroup, 64 invocations stride along K ----
-
-const WG: u32 = 64u;
-const ROWS: u32 = 4u;
-
-var<workgroup> red: array<f32, 256>; // [ROWS][WG]
-
-fn first_row(wg: vec3<u32>, nwg: vec3<u32>) -> u32 {
-    return (wg.y * nwg.x + wg.x) * ROWS;
-}
-
-// Two 16-bit weights of one u32 word, low half first.
-fn pair(word: u32) -> vec2<f32> {
-    if (W_DTYPE == 1u) {
-        return vec2<f32>(bitcast<f32>(word << 16u), bitcast<f32>(word & 0xffff0000u));
-    }
-    return unpack2x16float(word);
-}
-
-fn base_rows(row0: u32, li: u32) -> vec4<f32> {
-    var acc = vec4<f32>(0.0);
-    if (W_DTYPE != 0u && (p.k & 1u) == 0u) {
-        // 16-bit weights, even K: each invocation reads whole words (two weights), neighbours
-        // read neighbouring words, so every weight byte is loaded once.
-        let words = p.k >> 1u;
-        for (var j = li; j < words; j += WG) {
-            let xv = vec2<f32>(x[p.x_offset + 2u * j], x[p.x_offset + 2u * j + 1u]);
-            for (var r = 0u; r < ROWS; r++) {
-                if (row0 + r < p.n) {
-                    let wv = pair(w[(((row0 + r) * p.k) >> 1u) + j]);
-                    acc[r] = fma(wv.y, xv.y, fma(wv.x, xv.x, acc[r]));
-                }
-            }
-        }
-        return acc;
-    }
-    for (var k = li; k < p.k; k += WG) {
-        let xv = x[p.x_offset + k];
-        for (var r = 0u; r < ROWS; r++) {
-            if (row0 + r < p.n) {
-                acc[r] = fma(weight((row0 + r) * p.k + k), xv, acc[r]);
-            }
-        }
-    }
-    return acc;
-}
-
-// Partial sums of s * t . B[row] over this invocation's share of the rank.
-fn lora_rows(row0: u32, li: u32) -> vec4<f32> {
-    var acc = vec4<f32>(0.0);
-    for (var j = li; j < p.lora_rank; j += WG) {
-        let tv = t[p.lora_t_offset + j] * p.lora_scale;
-        for (var r = 0u; r < ROWS; r++) {
-            if (row0 + r < p.n) {
-                acc[r] = fma(lora_b[(p.lora_row_offset + row0 + r) * p.lora_rank + j], tv, acc[r]);
-            }
-        }
-    }
-    return acc;
-}
-
-fn reduce_store(acc: vec4<f32>, row0: u32, li: u32) {
-    for (var r = 0u; r < ROWS; r++) {
-        red[r * WG + li] = acc[r];
-    }
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            for (var r = 0u; r < ROWS; r++) {
-                red[r * WG + li] += red[r * WG + li + s];
-            }
-        }
-        workgroupBarrier();
-    }
-    if (li < ROWS && row0 + li < p.n) {
-        store(p.y_offset + row0 + li, red[li * WG]);
-    }
-}
-
-@compute @workgroup_size(64)
-fn matvec(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let row0 = first_row(wg, nwg);
-    reduce_store(base_rows(row0, li), row0, li);
-}
-
-@compute @workgroup_size(64)
-fn matvec_lora(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let row0 = first_row(wg, nwg);
-    reduce_store(base_rows(row0, li) + lora_rows(row0, li), row0, li);
 }

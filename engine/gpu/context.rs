@@ -39,6 +39,32 @@ pub struct GpuContext {
     pipelines: Mutex<HashMap<PipelineKey, wgpu::ComputePipeline>>,
     uploaded: AtomicU64,
     allocated: AtomicU64,
+    dispatches: AtomicU64,
+    submits: AtomicU64,
+    read_back: AtomicU64,
+}
+
+/// What the engine has asked of the device so far (see [`GpuContext::counters`]); the difference
+/// of two snapshots is what the work between them cost.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counters {
+    /// Compute dispatches recorded and submitted.
+    pub dispatches: u64,
+    /// Command buffers submitted to the queue.
+    pub submits: u64,
+    /// Bytes copied GPU → host.
+    pub read_back: u64,
+}
+
+impl std::ops::Sub for Counters {
+    type Output = Counters;
+    fn sub(self, o: Counters) -> Counters {
+        Counters {
+            dispatches: self.dispatches - o.dispatches,
+            submits: self.submits - o.submits,
+            read_back: self.read_back - o.read_back,
+        }
+    }
 }
 
 impl GpuContext {
@@ -111,6 +137,9 @@ impl GpuContext {
             pipelines: Mutex::new(HashMap::new()),
             uploaded: AtomicU64::new(0),
             allocated: AtomicU64::new(0),
+            dispatches: AtomicU64::new(0),
+            submits: AtomicU64::new(0),
+            read_back: AtomicU64::new(0),
         })
     }
 
@@ -131,6 +160,27 @@ impl GpuContext {
     pub fn write(&self, buffer: &wgpu::Buffer, offset: u64, bytes: &[u8]) {
         self.uploaded.fetch_add(bytes.len() as u64, Ordering::Relaxed);
         self.queue.write_buffer(buffer, offset, bytes);
+    }
+
+    /// Submit one command buffer holding `dispatches` compute dispatches (counted).
+    pub fn submit(&self, commands: wgpu::CommandBuffer, dispatches: u64) -> wgpu::SubmissionIndex {
+        self.submits.fetch_add(1, Ordering::Relaxed);
+        self.dispatches.fetch_add(dispatches, Ordering::Relaxed);
+        self.queue.submit([commands])
+    }
+
+    /// Count `bytes` read back to the host.
+    pub fn count_read_back(&self, bytes: u64) {
+        self.read_back.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// Dispatches, submits and bytes read back so far, counted where the engine does them.
+    pub fn counters(&self) -> Counters {
+        Counters {
+            dispatches: self.dispatches.load(Ordering::Relaxed),
+            submits: self.submits.load(Ordering::Relaxed),
+            read_back: self.read_back.load(Ordering::Relaxed),
+        }
     }
 
     /// True when the adapter is a software rasteriser (lavapipe, llvmpipe, WARP).
@@ -247,7 +297,8 @@ impl GpuContext {
 
     /// Create a storage buffer, checking the size against the device limits first.
     pub fn storage_buffer(&self, label: &str, size: u64, binding: bool) -> Result<wgpu::Buffer, GpuError> {
-        let size = size.max(4).next_multiple_of(4);
+        // A multiple of 16 bytes, so every buffer can also be bound as an array of vec4.
+        let size = size.max(16).next_multiple_of(16);
         let limit = if binding { self.max_binding() } else { self.limits.max_buffer_size };
         if size > limit {
             return Err(GpuError::BufferTooLarge { name: label.to_string(), needed: size, limit });
@@ -271,7 +322,7 @@ impl GpuContext {
         }
     }
 
-    /// Create a storage buffer holding `bytes` (padded to a multiple of 4).
+    /// Create a storage buffer holding `bytes` (zero-padded to a multiple of 16).
     pub fn upload(&self, label: &str, bytes: &[u8]) -> Result<wgpu::Buffer, GpuError> {
         let buffer = self.storage_buffer(label, bytes.len() as u64, true)?;
         let whole = bytes.len() / 4 * 4;

@@ -6,7 +6,7 @@ mod readback;
 mod recorder;
 mod tensor;
 
-pub use context::{Access, GpuContext, IoSpec};
-pub use readback::read_f32;
+pub use context::{Access, Counters, GpuContext, IoSpec};
+pub use readback::{read_f32, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Recorder};
 pub use tensor::{GpuVector, GpuWeight, WeightChunk};

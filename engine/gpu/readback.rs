@@ -3,35 +3,86 @@
 use crate::error::GpuError;
 use crate::gpu::GpuContext;
 
+/// A host-mappable buffer that a step copies its result into, reused for every step (no
+/// allocation per token).
+pub struct Staging {
+    buffer: wgpu::Buffer,
+}
+
+impl Staging {
+    /// A staging buffer of `bytes` (a multiple of 4).
+    pub fn new(ctx: &GpuContext, label: &str, bytes: u64) -> Self {
+        let buffer = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some(label),
+            size: bytes.max(4).next_multiple_of(4),
+            usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        Self { buffer }
+    }
+
+    /// The buffer a step copies into.
+    pub fn buffer(&self) -> &wgpu::Buffer {
+        &self.buffer
+    }
+
+    /// Bytes it holds.
+    pub fn size(&self) -> u64 {
+        self.buffer.size()
+    }
+
+    /// Wait for submission `index` (not for anything submitted after it), then read the first
+    /// `bytes` of the buffer.
+    pub fn read(&self, ctx: &GpuContext, index: wgpu::SubmissionIndex, bytes: u64) -> Result<Vec<u8>, GpuError> {
+        let slice = self.buffer.slice(..bytes);
+        let (tx, rx) = std::sync::mpsc::channel();
+        slice.map_async(wgpu::MapMode::Read, move |r| {
+            let _ = tx.send(r);
+        });
+        ctx.device
+            .poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: None })
+            .map_err(|e| GpuError::Readback(e.to_string()))?;
+        rx.recv().map_err(|e| GpuError::Readback(e.to_string()))?.map_err(|e| GpuError::Readback(e.to_string()))?;
+        let data = slice.get_mapped_range().map_err(|e| GpuError::Readback(format!("{e:?}")))?;
+        let out = data.to_vec();
+        drop(data);
+        self.buffer.unmap();
+        ctx.count_read_back(bytes);
+        Ok(out)
+    }
+}
+
 /// Read `len` f32 values starting at element `offset` of `buffer` (waits for the GPU).
 pub fn read_f32(ctx: &GpuContext, buffer: &wgpu::Buffer, offset: usize, len: usize) -> Result<Vec<f32>, GpuError> {
     if len == 0 {
         return Ok(Vec::new());
     }
     let size = (len * 4) as u64;
-    let staging = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("readback"),
-        size,
-        usage: wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
+    let staging = Staging::new(ctx, "readback", size);
+    read_f32_via(ctx, buffer, offset, len, &staging)
+}
+
+/// [`read_f32`] through a staging buffer the caller keeps (at least `len * 4` bytes).
+pub fn read_f32_via(
+    ctx: &GpuContext,
+    buffer: &wgpu::Buffer,
+    offset: usize,
+    len: usize,
+    staging: &Staging,
+) -> Result<Vec<f32>, GpuError> {
+    if len == 0 {
+        return Ok(Vec::new());
+    }
+    let size = (len * 4) as u64;
+    if size > staging.size() {
+        return Err(GpuError::BufferTooLarge { name: "readback staging".into(), needed: size, limit: staging.size() });
+    }
     let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
     let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
-    encoder.copy_buffer_to_buffer(buffer, (offset * 4) as u64, &staging, 0, size);
-    ctx.queue.submit([encoder.finish()]);
+    encoder.copy_buffer_to_buffer(buffer, (offset * 4) as u64, staging.buffer(), 0, size);
+    let index = ctx.submit(encoder.finish(), 0);
     if let Some(e) = pollster::block_on(scope.pop()) {
         return Err(GpuError::Validation { during: "reading a buffer back".into(), message: e.to_string() });
     }
-    let slice = staging.slice(..);
-    let (tx, rx) = std::sync::mpsc::channel();
-    slice.map_async(wgpu::MapMode::Read, move |r| {
-        let _ = tx.send(r);
-    });
-    ctx.device.poll(wgpu::PollType::wait_indefinitely()).map_err(|e| GpuError::Readback(e.to_string()))?;
-    rx.recv().map_err(|e| GpuError::Readback(e.to_string()))?.map_err(|e| GpuError::Readback(e.to_string()))?;
-    let data = slice.get_mapped_range().map_err(|e| GpuError::Readback(format!("{e:?}")))?;
-    let out: Vec<f32> = bytemuck::pod_collect_to_vec(&data[..]);
-    drop(data);
-    staging.unmap();
-    Ok(out)
+    Ok(bytemuck::pod_collect_to_vec(&staging.read(ctx, index, size)?))
 }

@@ -128,7 +128,7 @@ impl<'a> Recorder<'a> {
     }
 
     /// Write the uniform arena and submit everything as one command buffer.
-    pub fn submit(self) -> Result<(), GpuError> {
+    pub fn submit(self) -> Result<wgpu::SubmissionIndex, GpuError> {
         let arena = self.cache.params();
         if self.params.len() as u64 > arena.size() {
             return Err(GpuError::BufferTooLarge {
@@ -167,10 +167,11 @@ impl<'a> Recorder<'a> {
                 }
             }
         }
-        self.ctx.queue.submit([encoder.finish()]);
+        let dispatches = self.ops.iter().filter(|op| matches!(op, Op::Dispatch { .. })).count() as u64;
+        let index = self.ctx.submit(encoder.finish(), dispatches);
         match pollster::block_on(scope.pop()) {
             Some(err) => Err(GpuError::Validation { during: "a step".into(), message: err.to_string() }),
-            None => Ok(()),
+            None => Ok(index),
         }
     }
 }

@@ -34,17 +34,21 @@ pub struct GdnIo<'a> {
     /// in_proj_qkv output `[T, C]`.
     pub mixed: &'a wgpu::Buffer,
     /// Conv output `[T, C]`.
+    pub conv_y: &'a wgpu::Buffer,
+    /// Conv history `[C, K-1]` before the step.
+    pub conv_in: &'a wgpu::Buffer,
+    /// Conv history after the step (another buffer).
     pub conv_out: &'a wgpu::Buffer,
-    /// Conv history `[C, K-1]`.
-    pub conv_state: &'a wgpu::Buffer,
     /// in_proj_b output `[T, Hv]`.
     pub b: &'a wgpu::Buffer,
     /// in_proj_a output `[T, Hv]`.
     pub a: &'a wgpu::Buffer,
     /// Recurrence output `[T, Vd]`.
     pub core: &'a wgpu::Buffer,
-    /// Recurrent state `[Hv, Dk, Dv]`.
-    pub state: &'a wgpu::Buffer,
+    /// Recurrent state `[Hv, Dk, Dv]` before the step.
+    pub state_in: &'a wgpu::Buffer,
+    /// Recurrent state after the step (another buffer).
+    pub state_out: &'a wgpu::Buffer,
 }
 
 /// Record the conv + SiLU and the delta-rule recurrence.
@@ -58,14 +62,14 @@ pub fn gated_delta(
     rec.dispatch(
         PipelineKey::plain(Kernel::ConvSilu),
         params,
-        &[io.mixed, io.conv_out, io.conv_state],
+        &[io.mixed, io.conv_y, io.conv_in, io.conv_out],
         &[&conv_w.bind_group],
         [params.c.div_ceil(64), 1, 1],
     )?;
     rec.dispatch(
         PipelineKey::plain(Kernel::DeltaRule),
         params,
-        &[io.conv_out, io.b, io.a, io.core, io.state],
+        &[io.conv_y, io.b, io.a, io.core, io.state_in, io.state_out],
         &[&gate_p.bind_group],
         [params.dv.div_ceil(64), params.hv, 1],
     )

@@ -123,7 +123,8 @@ pub fn matmul_dx(rec: &mut Recorder, w: &[DxWeight], rows: Range<usize>, io: &Dx
             scale: io.scale,
             _pad: [0; 3],
         };
-        let key = PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate: io.accumulate || !first };
+        let key =
+            PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate: io.accumulate || !first, variant: 0 };
         let groups = [(c.k as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1];
         rec.dispatch(key, &params, &[io.dy, io.dx], &[c.bind_group], groups)?;
         first = false;

@@ -1,4 +1,4 @@
-//! `matmul.wgsl`: every nn.Linear, batched (tiled matmul) or single-token (matvec).
+//! Every nn.Linear: `matmul.wgsl` (tiled, several tokens) or `matvec.wgsl` (one token).
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
@@ -68,6 +68,20 @@ pub struct LinearIo<'a> {
     pub accumulate: bool,
 }
 
+/// The `LANES` variants of `matvec.wgsl`: invocations along K per row group (rows per workgroup
+/// = 8 · 64 / LANES).
+pub const MATVEC_LANES: [u32; 2] = [16, 32];
+
+/// Rows per matvec workgroup for a chunk of `n` rows: 32 for wide outputs (fewer workgroups, each
+/// reading x once for more rows), 16 below, so a narrow projection still spreads over the device.
+pub fn matvec_lanes(n: usize) -> u32 {
+    if n >= 4096 {
+        16
+    } else {
+        32
+    }
+}
+
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
 /// pipelines run (no LoRA code at all).
 pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
@@ -77,9 +91,10 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
         (true, true) => Kernel::MatvecLora,
         (false, true) => Kernel::MatmulLora,
     };
-    let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     for chunk in &w.chunks {
+        let lanes = if io.m == 1 { matvec_lanes(chunk.rows) } else { 0 };
+        let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant: lanes };
         let params = MatmulParams {
             m: io.m as u32,
             n: chunk.rows as u32,
@@ -95,7 +110,7 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
             lora_scale: lora.map_or(0.0, |l| l.scale),
         };
         let groups = if io.m == 1 {
-            grid_1d((chunk.rows as u32).div_ceil(4), max)
+            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / lanes), max)
         } else {
             [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1]
         };

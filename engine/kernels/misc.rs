@@ -1,4 +1,4 @@
-//! `embed.wgsl`, `swiglu.wgsl` and `copy.wgsl`.
+//! `embed.wgsl`, `swiglu.wgsl`, `copy.wgsl` and `argmax.wgsl`.
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
@@ -26,7 +26,7 @@ pub fn embed(
     tokens: usize,
     hidden: &wgpu::Buffer,
 ) -> Result<(), GpuError> {
-    let key = PipelineKey { kernel: Kernel::Embed, dtype: table.dtype, accumulate: false };
+    let key = PipelineKey { kernel: Kernel::Embed, dtype: table.dtype, accumulate: false, variant: 0 };
     for chunk in &table.chunks {
         let params = EmbedParams {
             n: table.cols as u32,
@@ -54,4 +54,41 @@ pub fn copy(rec: &mut Recorder, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u
     let params = EmbedParams { n, ..Default::default() };
     let groups = [n.div_ceil(256).clamp(1, 4096), 1, 1];
     rec.dispatch(PipelineKey::plain(Kernel::Copy), &params, &[src, dst], &[], groups)
+}
+
+/// Mirrors `Params` in `argmax.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct ArgmaxParams {
+    /// Logits.
+    pub n: u32,
+    /// Logits per workgroup of the first pass.
+    pub block: u32,
+    /// Candidates of the first pass.
+    pub parts: u32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// Logits per workgroup of the first argmax pass (256 invocations × 16).
+pub const ARGMAX_BLOCK: usize = 4096;
+
+/// Bytes of the candidate buffer [`argmax`] needs for `n` logits.
+pub fn argmax_scratch_bytes(n: usize) -> u64 {
+    (n.div_ceil(ARGMAX_BLOCK) * 8) as u64
+}
+
+/// Record the greedy choice over `n` logits (the rule of [`crate::runtime::argmax`], NaN and ties
+/// included): the chosen id lands in `ids[0]`, where the next step's embedding reads it.
+pub fn argmax(
+    rec: &mut Recorder,
+    logits: &wgpu::Buffer,
+    parts: &wgpu::Buffer,
+    ids: &wgpu::Buffer,
+    n: usize,
+) -> Result<(), GpuError> {
+    let blocks = n.div_ceil(ARGMAX_BLOCK) as u32;
+    let params = ArgmaxParams { n: n as u32, block: ARGMAX_BLOCK as u32, parts: blocks, _pad: 0 };
+    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxBlocks), &params, &[logits, parts], &[], [blocks, 1, 1])?;
+    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxFinal), &params, &[parts, ids], &[], [1, 1, 1])
 }

@@ -18,6 +18,8 @@ use Access::{Read as R, ReadWrite as W};
 pub enum Shader {
     /// `matmul.wgsl`
     Matmul,
+    /// `matvec.wgsl`
+    Matvec,
     /// `norm.wgsl`
     Norm,
     /// `attention_prep.wgsl`
@@ -48,12 +50,15 @@ pub enum Shader {
     AttentionBwd,
     /// `norm_rope_bwd.wgsl`
     NormRopeBwd,
+    /// `argmax.wgsl`
+    Argmax,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 16] = [
+    pub const ALL: [Shader; 18] = [
         Shader::Matmul,
+        Shader::Matvec,
         Shader::Norm,
         Shader::AttentionPrep,
         Shader::Attention,
@@ -69,12 +74,14 @@ impl Shader {
         Shader::Adamw,
         Shader::AttentionBwd,
         Shader::NormRopeBwd,
+        Shader::Argmax,
     ];
 
     /// The file name under `wgsl/`.
     pub fn file_name(self) -> &'static str {
         match self {
             Shader::Matmul => "matmul.wgsl",
+            Shader::Matvec => "matvec.wgsl",
             Shader::Norm => "norm.wgsl",
             Shader::AttentionPrep => "attention_prep.wgsl",
             Shader::Attention => "attention.wgsl",
@@ -90,6 +97,7 @@ impl Shader {
             Shader::Adamw => "adamw.wgsl",
             Shader::AttentionBwd => "attention_bwd.wgsl",
             Shader::NormRopeBwd => "norm_rope_bwd.wgsl",
+            Shader::Argmax => "argmax.wgsl",
         }
     }
 
@@ -97,6 +105,7 @@ impl Shader {
     pub fn source(self) -> &'static str {
         match self {
             Shader::Matmul => include_str!("../../wgsl/matmul.wgsl"),
+            Shader::Matvec => include_str!("../../wgsl/matvec.wgsl"),
             Shader::Norm => include_str!("../../wgsl/norm.wgsl"),
             Shader::AttentionPrep => include_str!("../../wgsl/attention_prep.wgsl"),
             Shader::Attention => include_str!("../../wgsl/attention.wgsl"),
@@ -112,6 +121,7 @@ impl Shader {
             Shader::Adamw => include_str!("../../wgsl/adamw.wgsl"),
             Shader::AttentionBwd => include_str!("../../wgsl/attention_bwd.wgsl"),
             Shader::NormRopeBwd => include_str!("../../wgsl/norm_rope_bwd.wgsl"),
+            Shader::Argmax => include_str!("../../wgsl/argmax.wgsl"),
         }
     }
 }
@@ -167,11 +177,15 @@ pub enum Kernel {
     AttnBwdKv,
     /// Backward of the per-head q/k norm and RoPE.
     NormRopeBwd,
+    /// Greedy choice, first pass: one candidate per block of logits.
+    ArgmaxBlocks,
+    /// Greedy choice, second pass: the chosen id into the next step's input.
+    ArgmaxFinal,
 }
 
 impl Kernel {
     /// Every entry point, for the naga translation tests.
-    pub const ALL: [Kernel; 24] = [
+    pub const ALL: [Kernel; 26] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::MatmulLora,
@@ -196,6 +210,8 @@ impl Kernel {
         Kernel::AttnBwdQ,
         Kernel::AttnBwdKv,
         Kernel::NormRopeBwd,
+        Kernel::ArgmaxBlocks,
+        Kernel::ArgmaxFinal,
     ];
 }
 
@@ -203,7 +219,8 @@ impl Kernel {
     /// The shader file holding the entry point.
     pub fn shader(self) -> Shader {
         match self {
-            Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora => Shader::Matmul,
+            Kernel::Matmul | Kernel::MatmulLora => Shader::Matmul,
+            Kernel::Matvec | Kernel::MatvecLora => Shader::Matvec,
             Kernel::RmsNorm | Kernel::RmsNormGated => Shader::Norm,
             Kernel::PrepQ | Kernel::PrepKv => Shader::AttentionPrep,
             Kernel::Attend => Shader::Attention,
@@ -219,6 +236,7 @@ impl Kernel {
             Kernel::SumSquares | Kernel::AdamW => Shader::Adamw,
             Kernel::AttnBwdQ | Kernel::AttnBwdKv => Shader::AttentionBwd,
             Kernel::NormRopeBwd => Shader::NormRopeBwd,
+            Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => Shader::Argmax,
         }
     }
 
@@ -249,6 +267,8 @@ impl Kernel {
             Kernel::AttnBwdQ => "attn_bwd_q",
             Kernel::AttnBwdKv => "attn_bwd_kv",
             Kernel::NormRopeBwd => "norm_rope_bwd",
+            Kernel::ArgmaxBlocks => "argmax_blocks",
+            Kernel::ArgmaxFinal => "argmax_final",
         }
     }
 
@@ -257,12 +277,13 @@ impl Kernel {
         match self {
             Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
             Kernel::Embed | Kernel::Swiglu | Kernel::Copy => &[R, W],
+            Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
             Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],
             Kernel::Attend => &[R, R, R, R, W],
-            Kernel::ConvSilu => &[R, W, W],
-            Kernel::DeltaRule => &[R, R, R, W, W],
+            Kernel::ConvSilu => &[R, W, R, W],
+            Kernel::DeltaRule => &[R, R, R, W, R, W],
             Kernel::CeGrad => &[W, R, W],
             Kernel::MatmulDx | Kernel::SumSquares => &[R, W],
             Kernel::LoraGrad | Kernel::RmsNormBwd => &[R, R, W],
@@ -305,6 +326,14 @@ impl Kernel {
         matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora | Kernel::MatmulDx)
     }
 
+    /// The shape variants a kernel is compiled in (`PipelineKey::variant`).
+    pub fn variants(self) -> &'static [u32] {
+        match self {
+            Kernel::Matvec | Kernel::MatvecLora => &crate::kernels::matmul::MATVEC_LANES,
+            _ => &[0],
+        }
+    }
+
     fn has_dtype(self) -> bool {
         self.has_accumulate() || self == Kernel::Embed
     }
@@ -319,12 +348,15 @@ pub struct PipelineKey {
     pub dtype: Dtype,
     /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
     pub accumulate: bool,
+    /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group);
+    /// 0 for kernels without one. [`Kernel::variants`] lists the valid values.
+    pub variant: u32,
 }
 
 impl PipelineKey {
     /// A kernel without overrides.
     pub fn plain(kernel: Kernel) -> Self {
-        Self { kernel, dtype: Dtype::F32, accumulate: false }
+        Self { kernel, dtype: Dtype::F32, accumulate: false, variant: 0 }
     }
 
     /// The override constants this key sets.
@@ -335,6 +367,9 @@ impl PipelineKey {
         }
         if self.kernel.has_accumulate() {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
+        }
+        if matches!(self.kernel, Kernel::Matvec | Kernel::MatvecLora) {
+            c.push(("LANES", self.variant as f64));
         }
         c
     }

@@ -19,7 +19,7 @@ use crate::learn::{check_learnable, validate_events, LearnOptions, LearnReport, 
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
 use crate::model::{Dtype, Mixer, Model};
 use crate::runtime::cache::LayerState;
-use crate::runtime::forward::{step, Capture, Rows};
+use crate::runtime::forward::{step, Capture, Input, Rows};
 use crate::runtime::Session;
 
 /// One trainable tensor (a group's concatenated A, or one projection's B) and its state.
@@ -123,7 +123,7 @@ impl Trainer {
                 b_of.push((m.proj, add(format!("{} B", m.proj.path()), &m.b, out * m.rank)?));
             }
         }
-        ctx.queue.submit([enc.finish()]);
+        ctx.submit(enc.finish(), 0);
         let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let max_rows = ((ctx.max_binding() / (v * 4) as u64) as usize).clamp(1, max_tokens);
         let rank = adapter.max_group_rank().max(1);
@@ -246,7 +246,7 @@ impl Trainer {
             mixer_in: &self.bufs.mixer_in,
             mlp_in: &self.bufs.tap,
         };
-        step(session, &ids, Rows::Hidden, tap)?;
+        step(session, Input::Ids(&ids), Rows::Hidden, tap)?;
         let rowinfo: Vec<u32> = ev.response.iter().flat_map(|&t| [t, (coef / r as f32).to_bits()]).collect();
         model.ctx.write(&self.bufs.rowinfo, 0, bytemuck::cast_slice(&rowinfo));
         let Self { io, bufs: b, tensors, a_of, b_of, adapter, layer: li, .. } = self;

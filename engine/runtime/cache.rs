@@ -14,12 +14,14 @@ pub enum LayerState {
         /// Values.
         v: wgpu::Buffer,
     },
-    /// GDN: `[C, K-1]` pre-conv history and `[Hv, Dk, Dv]` recurrent state.
+    /// GDN: `[C, K-1]` pre-conv history and `[Hv, Dk, Dv]` recurrent state, two of each: a step
+    /// reads the pair at the session's parity and writes the other, so a step that is not
+    /// committed (a run-ahead token that was not needed) leaves the state as it was.
     Gdn {
         /// Conv history.
-        conv: wgpu::Buffer,
+        conv: [wgpu::Buffer; 2],
         /// Recurrent state.
-        state: wgpu::Buffer,
+        state: [wgpu::Buffer; 2],
     },
 }
 
@@ -86,18 +88,17 @@ pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Resul
                         v: ctx.storage_buffer(&format!("layers.{i}.v_cache"), bytes, true)?,
                     }
                 }
-                LayerType::Linear => LayerState::Gdn {
-                    conv: ctx.storage_buffer(
-                        &format!("layers.{i}.conv_state"),
-                        (c.conv_dim() * (c.conv_kernel - 1) * 4) as u64,
-                        true,
-                    )?,
-                    state: ctx.storage_buffer(
-                        &format!("layers.{i}.recurrent_state"),
-                        (c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4) as u64,
-                        true,
-                    )?,
-                },
+                LayerType::Linear => {
+                    let conv = (c.conv_dim() * (c.conv_kernel - 1) * 4) as u64;
+                    let state = (c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4) as u64;
+                    let buf = |what: &str, p: usize, bytes: u64| {
+                        ctx.storage_buffer(&format!("layers.{i}.{what}[{p}]"), bytes, true)
+                    };
+                    LayerState::Gdn {
+                        conv: [buf("conv_state", 0, conv)?, buf("conv_state", 1, conv)?],
+                        state: [buf("recurrent_state", 0, state)?, buf("recurrent_state", 1, state)?],
+                    }
+                }
             })
         })
         .collect()

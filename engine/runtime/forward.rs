@@ -12,7 +12,7 @@ use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, GdnIo, GdnParams};
 use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
-use crate::kernels::misc::{embed, swiglu};
+use crate::kernels::misc::{argmax, embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
@@ -22,6 +22,17 @@ use crate::runtime::session::{Logits, Session};
 pub(crate) struct StepOutput {
     pub logits: Logits,
     pub hidden: Option<Vec<f32>>,
+    /// The submission of the step's layers (a greedy choice is ready when it completes).
+    pub index: wgpu::SubmissionIndex,
+}
+
+/// A step's tokens.
+#[derive(Clone, Copy)]
+pub(crate) enum Input<'a> {
+    /// Ids from the host.
+    Ids(&'a [u32]),
+    /// The one id an earlier step's greedy choice left in the session's id buffer.
+    Chosen,
 }
 
 /// Upper bound of dispatches in one submitted step (sizes the uniform arena).
@@ -126,8 +137,8 @@ fn gdn_block(
     c: &TextConfig,
     sc: &Scratch,
     w: &GdnWeights,
-    conv: &wgpu::Buffer,
-    state: &wgpu::Buffer,
+    conv: [&wgpu::Buffer; 2],
+    state: [&wgpu::Buffer; 2],
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
@@ -149,12 +160,14 @@ fn gdn_block(
     };
     let io = GdnIo {
         mixed: &sc.wide_a,
-        conv_out: &sc.wide_b,
-        conv_state: conv,
+        conv_y: &sc.wide_b,
+        conv_in: conv[0],
+        conv_out: conv[1],
         b: &sc.beta,
         a: &sc.decay,
         core: &sc.mid_b,
-        state,
+        state_in: state[0],
+        state_out: state[1],
     };
     gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
     let norm = NormIo {
@@ -297,16 +310,30 @@ pub(crate) enum Rows {
     All,
     /// Every position's final-norm hidden state, no logits.
     Hidden,
+    /// The last position's greedy choice, made on the GPU: the id goes into the session's id
+    /// buffer (the next step's input) and into its choice staging slot; nothing is read back here.
+    Choose {
+        /// The staging slot (of two) the id is copied into.
+        slot: usize,
+    },
 }
 
-/// Record and submit one step of `ids` (at most `max_batch` tokens) at the session's position.
-pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -> Result<StepOutput, RunError> {
+/// Record and submit one step of `input` (at most `max_batch` tokens) at the session's position.
+/// The GDN layers read the state pair at the session's parity and write the other one: the step
+/// takes effect when the caller commits it ([`Session::commit`]).
+pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) -> Result<StepOutput, RunError> {
     let model = s.model.clone();
     let ctx: &GpuContext = &model.ctx;
     let c = &model.config;
-    let t = ids.len();
+    let t = match input {
+        Input::Ids(ids) => {
+            ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
+            ids.len()
+        }
+        Input::Chosen => 1,
+    };
     let h = c.hidden_size;
-    ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
+    let (from, to) = (s.parity, 1 - s.parity);
     let slot_bytes = (t * h * 4) as u64;
     let row = (h * 4) as u64;
     let captured = if matches!(capture, Capture::Layers) {
@@ -314,9 +341,10 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
     } else {
         None
     };
-    let (r0, n) = if rows == Rows::Last { (t - 1, 1) } else { (0, t) };
+    let last = matches!(rows, Rows::Last | Rows::Choose { .. });
+    let (r0, n) = if last { (t - 1, 1) } else { (0, t) };
     let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
-    {
+    let index = {
         let sc = &s.scratch;
         let mut rec = Recorder::new(ctx, &mut s.io);
         embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
@@ -333,6 +361,7 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
             }
             match (&layer.mixer, &s.states[i]) {
                 (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
+                    let (conv, state) = ([&conv[from], &conv[to]], [&state[from], &state[to]]);
                     gdn_block(&mut rec, c, sc, w, conv, state, lora, t)?
                 }
                 (Mixer::Attention(w), LayerState::Attention { k, v }) => {
@@ -358,8 +387,17 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
         if first_rows > 0 {
             lm_head(&mut rec, &model, sc, &s.logits, r0, first_rows)?;
         }
-        rec.submit()?;
-    }
+        if let Rows::Choose { slot } = rows {
+            argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
+            rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 4);
+        }
+        let index = rec.submit()?;
+        if let Rows::Choose { .. } = rows {
+            let logits = Logits { rows: 0, vocab: c.vocab_size, data: Vec::new() };
+            return Ok(StepOutput { logits, hidden: None, index });
+        }
+        index
+    };
     let mut data = s.read_logits(first_rows)?;
     let mut done = first_rows;
     while done < n && rows != Rows::Hidden {
@@ -374,5 +412,5 @@ pub(crate) fn step(s: &mut Session, ids: &[u32], rows: Rows, capture: Capture) -
         Some(buf) => Some(crate::gpu::read_f32(ctx, buf, 0, (c.num_layers() + 1) * t * h)?),
         None => None,
     };
-    Ok(StepOutput { logits: Logits { rows: done, vocab: c.vocab_size, data }, hidden })
+    Ok(StepOutput { logits: Logits { rows: done, vocab: c.vocab_size, data }, hidden, index })
 }

@@ -1,7 +1,17 @@
 //! Token-id generation on a session: prefill the prompt as a batch, then decode one token per
 //! step against the caches, streaming each token to a callback.
+//!
+//! Greedy decoding without a repetition penalty chooses on the GPU: each step ends with an argmax
+//! that writes the id into the next step's input buffer, one submit per token, and only that id
+//! (4 bytes) comes back. Step t+1 is submitted before token t is read, so the GPU never waits for
+//! the host; a run-ahead step that turns out not to be needed (EOS, the callback stopping, the
+//! last token) is never committed: its GDN states went to the other buffer of each pair and the
+//! position did not advance, so the session holds exactly the tokens returned. When the callback
+//! changes the session (an adapter switch), the run-ahead step is discarded and recomputed.
+//! Sampling and the repetition penalty read the logits back and choose on the CPU.
 
 use crate::error::RunError;
+use crate::runtime::forward::{self, Capture, Input, Rows};
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::Session;
 
@@ -68,6 +78,9 @@ impl Session {
         if params.max_tokens == 0 {
             return Ok(out);
         }
+        if sampler.is_plain_greedy() {
+            return self.generate_greedy(prompt, params, on_token);
+        }
         let mut history = prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
@@ -79,6 +92,52 @@ impl Session {
                 return Ok(out);
             }
             logits = self.feed(&[next])?;
+        }
+    }
+
+    /// Greedy generation with the choice made on the GPU and one step running ahead.
+    fn generate_greedy<E: From<RunError>>(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
+    ) -> Result<Vec<u32>, E> {
+        self.check(prompt)?;
+        let eos = self.model.eos_token_ids.clone();
+        let batch = self.opts.max_batch;
+        let head = (prompt.len() - 1) / batch * batch;
+        for chunk in prompt[..head].chunks(batch) {
+            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.commit(chunk.len());
+        }
+        let mut slot = 0;
+        let mut pending = self.submit_choice(Input::Ids(&prompt[head..]), slot)?;
+        self.commit(prompt.len() - head);
+        let mut out = Vec::new();
+        loop {
+            // `pending` (committed) chooses the next token; the step after it runs ahead unless
+            // that token is the last one wanted or the context is full.
+            let ahead = if out.len() + 1 < params.max_tokens && self.pos < self.opts.max_context {
+                Some(self.submit_choice(Input::Chosen, 1 - slot)?)
+            } else {
+                None
+            };
+            let next = self.read_choice(pending, slot)?;
+            out.push(next);
+            let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
+            let epoch = self.epoch;
+            if !on_token(next, self)? || stop {
+                return Ok(out);
+            }
+            slot = 1 - slot;
+            pending = match ahead {
+                Some(index) if self.epoch == epoch => index,
+                _ => {
+                    self.check(&[next])?;
+                    self.submit_choice(Input::Ids(&[next]), slot)?
+                }
+            };
+            self.commit(1);
         }
     }
 }

@@ -75,6 +75,11 @@ impl Sampler {
         self.sample(&l)
     }
 
+    /// Whether this is greedy decoding with no repetition penalty (the choice the GPU makes).
+    pub(crate) fn is_plain_greedy(&self) -> bool {
+        self.temperature == 0.0 && self.repetition_penalty == 1.0
+    }
+
     /// Greedy decoding.
     pub fn greedy() -> Self {
         Self { repetition_penalty: 1.0, temperature: 0.0, top_k: 0, top_p: 1.0, rng: SplitMix64(0) }

@@ -4,11 +4,12 @@
 use std::sync::Arc;
 
 use crate::error::{AdapterError, RunError};
-use crate::gpu::{read_f32, GpuContext, IoBindCache};
+use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Staging};
+use crate::kernels::misc::argmax_scratch_bytes;
 use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::cache::{layer_states, rope_table, LayerState, Scratch};
-use crate::runtime::forward::{self, Capture, Rows, StepOutput};
+use crate::runtime::forward::{self, Capture, Input, Rows};
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -71,6 +72,18 @@ pub struct Session {
     pub(crate) io: IoBindCache,
     pub(crate) adapter: Option<ActiveAdapter>,
     pub(crate) lora_t: Option<(wgpu::Buffer, usize)>,
+    /// Which buffer of each GDN state pair holds the committed state.
+    pub(crate) parity: usize,
+    /// Bumped by every change of what the next step computes (a committed step, a reset, an
+    /// adapter change), so a run-ahead step can tell whether it is still the right one.
+    pub(crate) epoch: u64,
+    /// Candidates of the greedy choice's first pass.
+    pub(crate) parts: wgpu::Buffer,
+    /// Where greedy steps copy their chosen id (two slots: the step being read and the one
+    /// running ahead).
+    pub(crate) chosen: [Staging; 2],
+    /// Reused for one row of logits.
+    pub(crate) logits_staging: Staging,
 }
 
 impl Session {
@@ -101,6 +114,9 @@ impl Session {
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
+        let parts = ctx.storage_buffer("argmax candidates", argmax_scratch_bytes(c.vocab_size), true)?;
+        let chosen = [Staging::new(&ctx, "chosen id 0", 4), Staging::new(&ctx, "chosen id 1", 4)];
+        let logits_staging = Staging::new(&ctx, "logits readback", row_bytes);
         let mut s = Self {
             model,
             opts,
@@ -114,6 +130,11 @@ impl Session {
             io: IoBindCache::new(params),
             adapter: None,
             lora_t: None,
+            parity: 0,
+            epoch: 0,
+            parts,
+            chosen,
+            logits_staging,
         };
         s.reset();
         Ok(s)
@@ -142,6 +163,7 @@ impl Session {
     pub fn set_adapter(&mut self, adapter: Option<(Arc<LoraAdapter>, f32)>) -> Result<(), AdapterError> {
         let Some((adapter, scale)) = adapter else {
             self.adapter = None;
+            self.epoch += 1;
             return Ok(());
         };
         if !scale.is_finite() {
@@ -161,6 +183,7 @@ impl Session {
             self.lora_t = Some((buffer, width));
         }
         self.adapter = Some(ActiveAdapter { adapter, scale });
+        self.epoch += 1;
         Ok(())
     }
 
@@ -170,25 +193,33 @@ impl Session {
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("reset") });
         for st in &self.states {
             if let LayerState::Gdn { conv, state } = st {
-                enc.clear_buffer(conv, 0, None);
-                enc.clear_buffer(state, 0, None);
+                for b in conv.iter().chain(state) {
+                    enc.clear_buffer(b, 0, None);
+                }
             }
         }
-        ctx.queue.submit([enc.finish()]);
+        ctx.submit(enc.finish(), 0);
         self.pos = 0;
+        self.epoch += 1;
+    }
+
+    /// Make a submitted step of `tokens` tokens part of the sequence: its GDN states become the
+    /// committed ones and the position advances.
+    pub(crate) fn commit(&mut self, tokens: usize) {
+        self.pos += tokens;
+        self.parity = 1 - self.parity;
+        self.epoch += 1;
     }
 
     /// Run `ids` through the model at the current position, extend the caches, and return the
     /// logits of the last token.
     pub fn feed(&mut self, ids: &[u32]) -> Result<Logits, RunError> {
-        let out = self.run(ids, false, false)?;
-        Ok(out.logits)
+        Ok(self.run(ids, false, false)?.0)
     }
 
     /// Like [`Session::feed`] but returns the logits of every position of `ids`.
     pub fn feed_all(&mut self, ids: &[u32]) -> Result<Logits, RunError> {
-        let out = self.run(ids, true, false)?;
-        Ok(out.logits)
+        Ok(self.run(ids, true, false)?.0)
     }
 
     /// Logits of every position plus the residual stream `[L+1, T, H]` (embeddings, then after
@@ -201,8 +232,8 @@ impl Session {
                 expected: "at most max_batch tokens for a debug step",
             });
         }
-        let out = self.run(ids, true, true)?;
-        Ok((out.logits, out.hidden.unwrap_or_default()))
+        let (logits, hidden) = self.run(ids, true, true)?;
+        Ok((logits, hidden.unwrap_or_default()))
     }
 
     /// The final-norm hidden states `[T, H]` of `ids` (the input of lm_head), extending the caches.
@@ -211,14 +242,14 @@ impl Session {
         let h = self.model.config.hidden_size;
         let mut out = Vec::with_capacity(ids.len() * h);
         for chunk in ids.chunks(self.opts.max_batch) {
-            forward::step(self, chunk, Rows::Hidden, Capture::None)?;
+            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
             out.extend(read_f32(self.ctx(), &self.scratch.xnorm, 0, chunk.len() * h)?);
-            self.pos += chunk.len();
+            self.commit(chunk.len());
         }
         Ok(out)
     }
 
-    fn check(&self, ids: &[u32]) -> Result<(), RunError> {
+    pub(crate) fn check(&self, ids: &[u32]) -> Result<(), RunError> {
         if ids.is_empty() {
             return Err(RunError::EmptyInput);
         }
@@ -232,15 +263,22 @@ impl Session {
         Ok(())
     }
 
-    fn run(&mut self, ids: &[u32], all: bool, capture: bool) -> Result<StepOutput, RunError> {
+    fn run(&mut self, ids: &[u32], all: bool, capture: bool) -> Result<(Logits, Option<Vec<f32>>), RunError> {
         self.check(ids)?;
         let vocab = self.model.config.vocab_size;
         let mut logits = Logits { rows: 0, vocab, data: Vec::new() };
         let mut hidden = None;
-        for chunk in ids.chunks(self.opts.max_batch) {
+        let chunks = ids.len().div_ceil(self.opts.max_batch);
+        for (i, chunk) in ids.chunks(self.opts.max_batch).enumerate() {
             let tap = if capture { Capture::Layers } else { Capture::None };
-            let out = forward::step(self, chunk, if all { Rows::All } else { Rows::Last }, tap)?;
-            self.pos += chunk.len();
+            // Only the last chunk's last row matters to `feed`: earlier chunks skip lm_head.
+            let rows = match (all, i + 1 == chunks) {
+                (true, _) => Rows::All,
+                (false, true) => Rows::Last,
+                (false, false) => Rows::Hidden,
+            };
+            let out = forward::step(self, Input::Ids(chunk), rows, tap)?;
+            self.commit(chunk.len());
             if all {
                 logits.rows += out.logits.rows;
                 logits.data.extend(out.logits.data);
@@ -249,7 +287,7 @@ impl Session {
             }
             hidden = out.hidden;
         }
-        Ok(StepOutput { logits, hidden })
+        Ok((logits, hidden))
     }
 
     pub(crate) fn ctx(&self) -> &GpuContext {
@@ -257,6 +295,22 @@ impl Session {
     }
 
     pub(crate) fn read_logits(&self, rows: usize) -> Result<Vec<f32>, RunError> {
-        Ok(read_f32(self.ctx(), &self.logits, 0, rows * self.model.config.vocab_size)?)
+        let n = rows * self.model.config.vocab_size;
+        if rows == 1 {
+            return Ok(read_f32_via(self.ctx(), &self.logits, 0, n, &self.logits_staging)?);
+        }
+        Ok(read_f32(self.ctx(), &self.logits, 0, n)?)
+    }
+
+    /// Submit a step of `input` whose last position's greedy choice is made on the GPU and
+    /// copied into staging slot `slot`; the step is not committed and nothing is waited for.
+    pub(crate) fn submit_choice(&mut self, input: Input, slot: usize) -> Result<wgpu::SubmissionIndex, RunError> {
+        Ok(forward::step(self, input, Rows::Choose { slot }, Capture::None)?.index)
+    }
+
+    /// The id a choice step copied into `slot`, once submission `index` has completed.
+    pub(crate) fn read_choice(&self, index: wgpu::SubmissionIndex, slot: usize) -> Result<u32, RunError> {
+        let bytes = self.chosen[slot].read(self.ctx(), index, 4)?;
+        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
     }
 }

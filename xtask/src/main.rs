@@ -70,10 +70,21 @@ fn run(mut cmd: Command) -> Result<()> {
     Ok(())
 }
 
+/// The backend the suite runs on: `WGPU_BACKEND` when set, else Vulkan on Linux (a fresh Debian
+/// machine also offers llvmpipe through GL, which wgpu would otherwise take), else wgpu's choice.
+fn test_backend() -> Option<String> {
+    std::env::var("WGPU_BACKEND").ok().or_else(|| cfg!(target_os = "linux").then(|| "vulkan".to_string()))
+}
+
 /// Adapter probe in a child process, so that a driver installed meanwhile is seen.
 fn adapter() -> Option<(String, bool)> {
     let exe = std::env::current_exe().ok()?;
-    let out = Command::new(exe).arg("probe").output().ok()?;
+    let mut probe = Command::new(exe);
+    probe.arg("probe");
+    if let Some(backend) = test_backend() {
+        probe.env("WGPU_BACKEND", backend);
+    }
+    let out = probe.output().ok()?;
     if !out.status.success() {
         return None;
     }
@@ -106,6 +117,9 @@ fn test() -> Result<()> {
     eprintln!("GPU adapter: {}", found.0);
     let mut cmd = cargo();
     cmd.args(["test", "--workspace"]).env("QWEN35_REQUIRE_ADAPTER", "1");
+    if let Some(backend) = test_backend() {
+        cmd.env("WGPU_BACKEND", backend);
+    }
     run(cmd)
 }
 

@@ -1,0 +1,104 @@
+// Greedy token choice on the GPU, with the rule of `argmax` in sampler.rs: the first index of the
+// largest non-NaN logit; when every logit is NaN, the last index. As a total order on (value,
+// index) candidates: a non-NaN value beats NaN, a larger value beats a smaller one, equal values
+// go to the lower index, and between NaNs the higher index wins. The order is associative, so the
+// blocked tree reduction picks exactly what the sequential scan picks.
+//
+// argmax_blocks: workgroup b scans logits[b * block .. (b + 1) * block) and writes its candidate.
+// argmax_final:  one workgroup reduces the block candidates and writes the chosen id into ids[0],
+//                the next step's input (and the word the host reads back).
+
+struct Params {
+    n: u32,       // logits
+    block: u32,   // logits per workgroup of argmax_blocks
+    parts: u32,   // block candidates
+    _pad: u32,
+}
+
+const WG: u32 = 256u;
+const NAN_BITS: u32 = 0x7fc00000u;
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+var<workgroup> best_v: array<u32, 256>;
+var<workgroup> best_i: array<u32, 256>;
+
+fn is_nan(bits: u32) -> bool {
+    return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+// Whether candidate a (value bits, index) beats candidate b.
+fn beats(av: u32, ai: u32, bv: u32, bi: u32) -> bool {
+    let an = is_nan(av);
+    let bn = is_nan(bv);
+    if (an != bn) {
+        return bn;
+    }
+    if (an) {
+        return ai > bi;
+    }
+    let a = bitcast<f32>(av);
+    let b = bitcast<f32>(bv);
+    if (a != b) {
+        return a > b;
+    }
+    return ai < bi;
+}
+
+// Tree reduction of the workgroup's candidates into slot 0.
+fn reduce(li: u32) {
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s && beats(best_v[li + s], best_i[li + s], best_v[li], best_i[li])) {
+            best_v[li] = best_v[li + s];
+            best_i[li] = best_i[li + s];
+        }
+        workgroupBarrier();
+    }
+}
+
+@group(0) @binding(1) var<storage, read> src: array<u32>;        // blocks: logits (f32 bits); final: candidates
+@group(0) @binding(2) var<storage, read_write> dst: array<u32>;  // blocks: candidates (value bits, index); final: ids
+
+@compute @workgroup_size(256)
+fn argmax_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let start = wg.x * p.block;
+    let end = min(start + p.block, p.n);
+    // The empty candidate: a NaN at index 0 loses to every logit and to every later NaN.
+    var bv = NAN_BITS;
+    var bi = 0u;
+    for (var i = start + li; i < end; i += WG) {
+        let v = src[i];
+        if (beats(v, i, bv, bi)) {
+            bv = v;
+            bi = i;
+        }
+    }
+    best_v[li] = bv;
+    best_i[li] = bi;
+    reduce(li);
+    if (li == 0u) {
+        dst[2u * wg.x] = best_v[0];
+        dst[2u * wg.x + 1u] = best_i[0];
+    }
+}
+
+@compute @workgroup_size(256)
+fn argmax_final(@builtin(local_invocation_index) li: u32) {
+    var bv = NAN_BITS;
+    var bi = 0u;
+    for (var i = li; i < p.parts; i += WG) {
+        let v = src[2u * i];
+        let j = src[2u * i + 1u];
+        if (beats(v, j, bv, bi)) {
+            bv = v;
+            bi = j;
+        }
+    }
+    best_v[li] = bv;
+    best_i[li] = bi;
+    reduce(li);
+    if (li == 0u) {
+        dst[0] = best_i[0];
+    }
+}
