@@ -13,11 +13,12 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
-use qwen35_wgpu::gpu::{IoBindCache, Recorder};
+use qwen35_wgpu::gpu::{Counters, IoBindCache, Recorder, Timed};
+use qwen35_wgpu::kernels::misc::{stream_read, STREAM_GROUPS};
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::{
-    GpuContext, LearnOptions, LlmBackend, LoraAdapter, Model, Session, SessionOptions, Signal, TokenEvent, TrainSpec,
-    WgpuBackend,
+    GenerateParams, GpuContext, LearnOptions, LlmBackend, LoraAdapter, Model, Session, SessionOptions, Signal,
+    TokenEvent, TrainSpec, WgpuBackend,
 };
 
 #[derive(Parser)]
@@ -40,22 +41,29 @@ struct Args {
     /// Adapter swaps timed.
     #[arg(long, default_value_t = 1000)]
     swaps: usize,
-    /// MiB copied per repeat by the bandwidth yardstick (0 = skip).
-    #[arg(long, default_value_t = 128)]
-    copy_mib: u64,
+    /// MiB read per repeat by the streaming-read yardstick (0 = skip).
+    #[arg(long, default_value_t = 1024, alias = "copy-mib")]
+    stream_mib: u64,
+    /// Also time every dispatch with GPU timestamps and report per kernel family.
+    #[arg(long)]
+    profile: bool,
     /// Tokens of the learning step's event (half prompt, half response; 0 = skip).
     #[arg(long, default_value_t = 64)]
     learn_tokens: usize,
 }
 
-/// The device's copy bandwidth (bytes read + written per second), median of 5 after a warm-up.
-fn copy_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
-    let bytes = (mib << 20).min(ctx.max_binding()) / 16 * 16;
-    let src = ctx.storage_buffer("copy src", bytes, true)?;
-    let dst = ctx.storage_buffer("copy dst", bytes, true)?;
+/// The device's read bandwidth (bytes per second): the streaming-read kernel over `mib` MiB spread
+/// across buffers of at most one binding, all in one submit; median of 5 after a warm-up.
+fn device_read_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
+    let per = ctx.max_binding().min(256 << 20) / 16 * 16;
+    let total = (mib << 20).max(per);
+    let srcs: Vec<wgpu::Buffer> = (0..total.div_ceil(per))
+        .map(|i| ctx.storage_buffer(&format!("stream src {i}"), per, true))
+        .collect::<Result<_, _>>()?;
+    let dst = ctx.storage_buffer("stream dst", u64::from(STREAM_GROUPS) * 256 * 16, true)?;
     let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("copy arena"),
-        size: 256,
+        label: Some("stream arena"),
+        size: 256 * srcs.len() as u64,
         usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
     });
@@ -64,7 +72,9 @@ fn copy_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
     for rep in 0..6 {
         let t = Instant::now();
         let mut rec = Recorder::new(ctx, &mut cache);
-        qwen35_wgpu::kernels::misc::copy(&mut rec, &src, &dst, bytes)?;
+        for src in &srcs {
+            stream_read(&mut rec, src, &dst, per)?;
+        }
         rec.submit()?;
         ctx.device.poll(wgpu::PollType::wait_indefinitely())?;
         if rep > 0 {
@@ -72,7 +82,40 @@ fn copy_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
         }
     }
     times.sort_by(f64::total_cmp);
-    Ok(2.0 * bytes as f64 / times[times.len() / 2])
+    Ok((per * srcs.len() as u64) as f64 / times[times.len() / 2])
+}
+
+/// The host's read bandwidth over `bytes` (summed by every core), median of 5 after a warm-up:
+/// where the GPU adapter is the CPU, this is the limit the device's memory sets.
+fn host_read_bandwidth(bytes: u64) -> f64 {
+    let words = vec![1u64; (bytes / 8) as usize];
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let mut times = Vec::new();
+    for rep in 0..6 {
+        let t = Instant::now();
+        let sum: u64 = std::thread::scope(|s| {
+            let parts: Vec<_> = words
+                .chunks(words.len().div_ceil(threads))
+                .map(|c| {
+                    s.spawn(move || {
+                        c.chunks_exact(8).fold([0u64; 8], |mut a, w| {
+                            for i in 0..8 {
+                                a[i] = a[i].wrapping_add(w[i]);
+                            }
+                            a
+                        })
+                    })
+                })
+                .collect();
+            parts.into_iter().map(|h| h.join().map_or(0, |a| a.iter().sum::<u64>())).sum()
+        });
+        std::hint::black_box(sum);
+        if rep > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    bytes as f64 / times[times.len() / 2]
 }
 
 #[derive(Default)]
@@ -102,17 +145,93 @@ impl Series {
     }
 }
 
-/// Prefill `ids` then decode `decode` greedy tokens; returns (prefill tok/s, decode tok/s).
+/// Greedy generation as a user runs it: the prompt, then `decode` more tokens.
+fn greedy(decode: usize) -> GenerateParams {
+    GenerateParams { max_tokens: decode + 1, stop_at_eos: false, ..Default::default() }
+}
+
+/// Prefill `ids` then decode `decode` greedy tokens; returns (prefill tok/s, decode tok/s): the
+/// prefill time is the time to the first token, decode the tokens after it.
 fn run(session: &mut Session, ids: &[u32], decode: usize) -> Result<(f64, f64)> {
     session.reset();
     let t = Instant::now();
-    let mut logits = session.feed(ids)?;
-    let p = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    for _ in 0..decode {
-        logits = session.feed(&[argmax(logits.last())])?;
+    let mut first = None;
+    session.generate(ids, &greedy(decode), |_| {
+        first.get_or_insert_with(|| t.elapsed().as_secs_f64());
+        true
+    })?;
+    let total = t.elapsed().as_secs_f64();
+    let p = first.unwrap_or(total);
+    Ok((ids.len() as f64 / p, decode as f64 / (total - p)))
+}
+
+/// Per kernel family (entry point) over `submits`, per token: dispatches, weight bytes, µs and
+/// the weight bytes per second; the slowest family first, then a total.
+fn family_table(submits: &[Vec<Timed>], tokens: f64) -> Vec<serde_json::Value> {
+    let mut families: Vec<(&'static str, f64, u64, f64)> = Vec::new();
+    for t in submits.iter().flatten() {
+        let name = t.kernel.entry();
+        let i = families.iter().position(|f| f.0 == name).unwrap_or_else(|| {
+            families.push((name, 0.0, 0, 0.0));
+            families.len() - 1
+        });
+        families[i].1 += 1.0;
+        families[i].2 += t.weight_bytes;
+        families[i].3 += t.ns;
     }
-    Ok((ids.len() as f64 / p, decode as f64 / t.elapsed().as_secs_f64()))
+    families.sort_by(|a, b| b.3.total_cmp(&a.3));
+    let total = families.iter().fold(("total", 0.0, 0, 0.0), |acc, f| (acc.0, acc.1 + f.1, acc.2 + f.2, acc.3 + f.3));
+    families
+        .iter()
+        .chain(std::iter::once(&total))
+        .map(|&(name, n, bytes, ns)| {
+            serde_json::json!({
+                "kernel": name,
+                "dispatches_per_token": n / tokens,
+                "weight_bytes_per_token": bytes as f64 / tokens,
+                "us_per_token": ns / 1e3 / tokens,
+                "weight_gb_s": if bytes > 0 { serde_json::json!(bytes as f64 / ns) } else { serde_json::Value::Null },
+            })
+        })
+        .collect()
+}
+
+/// A profiled greedy generation (GPU timestamps on every dispatch): the prompt's step and
+/// `decode` decode steps, per kernel family.
+fn profile(session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
+    session.reset();
+    if !session.start_profile() {
+        return Ok(serde_json::json!({"timestamps": false}));
+    }
+    session.generate(ids, &greedy(decode), |_| true)?;
+    let p = session.take_profile().unwrap_or_default();
+    let prefill_submits = ids.len().div_ceil(session.options().max_batch).min(p.submits.len());
+    let (prefill, steps) = p.submits.split_at(prefill_submits);
+    Ok(serde_json::json!({
+        "timestamps": true,
+        "prefill_tokens": ids.len(),
+        "decode_tokens": steps.len(),
+        "prefill": family_table(prefill, ids.len() as f64),
+        "decode": family_table(steps, steps.len().max(1) as f64),
+    }))
+}
+
+/// What one greedy decode token costs the engine, counted by the engine itself: dispatches,
+/// submits and bytes read back per token (a generation of `decode + 1` tokens minus one of 1).
+fn per_token_counts(ctx: &GpuContext, session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
+    let mut counted = |tokens: usize| -> Result<Counters> {
+        session.reset();
+        let before = ctx.counters();
+        session.generate(ids, &greedy(tokens), |_| true)?;
+        Ok(ctx.counters() - before)
+    };
+    let (one, all) = (counted(0)?, counted(decode)?);
+    let d = decode.max(1) as f64;
+    Ok(serde_json::json!({
+        "dispatches_per_token": (all.dispatches - one.dispatches) as f64 / d,
+        "submits_per_token": (all.submits - one.submits) as f64 / d,
+        "readback_bytes_per_token": (all.read_back - one.read_back) as f64 / d,
+    }))
 }
 
 fn measure(session: &mut Session, ids: &[u32], args: &Args, label: &str) -> Result<(Series, Series)> {
@@ -139,19 +258,7 @@ fn main() -> Result<()> {
     let opts = SessionOptions { max_context: args.prompt + 3 * args.decode + 16, max_batch: args.prompt.max(1) };
     let mut session = Session::new(model.clone(), opts)?;
     let (prefill, decode) = measure(&mut session, &ids, &args, "base")?;
-    let weight_bytes = model.decode_weight_bytes();
-    let bandwidth = if args.copy_mib > 0 { Some(copy_bandwidth(&ctx, args.copy_mib)?) } else { None };
-    let floor = bandwidth.map(|bw| {
-        let per_token = 1.0 / decode.median();
-        let floor_s = weight_bytes as f64 / bw;
-        serde_json::json!({
-            "copy_bandwidth_gb_s": bw / 1e9,
-            "weight_bytes_per_decode_token": weight_bytes,
-            "floor_ms_per_token": floor_s * 1e3,
-            "measured_ms_per_token": per_token * 1e3,
-            "decode_efficiency_of_floor": floor_s / per_token,
-        })
-    });
+    let counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
     let mut summary = serde_json::json!({
         "gpu": ctx.info.name,
         "backend": format!("{:?}", ctx.info.backend),
@@ -162,7 +269,9 @@ fn main() -> Result<()> {
         "repeats": args.repeats,
         "prefill_tok_s": prefill.json(),
         "decode_tok_s": decode.json(),
-        "bandwidth_floor": floor,
+        "dispatches_per_token": counts["dispatches_per_token"],
+        "submits_per_token": counts["submits_per_token"],
+        "readback_bytes_per_token": counts["readback_bytes_per_token"],
     });
     if let Some(path) = &args.adapter {
         let file = path.join("adapter_model.safetensors");
@@ -182,6 +291,7 @@ fn main() -> Result<()> {
         let adapter = adapter.expect("loaded three times");
         session.set_adapter(Some((adapter.clone(), 1.0)))?;
         let (lp, ld) = measure(&mut session, &ids, &args, "adapter")?;
+        let adapter_counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
         let second = Arc::new(LoraAdapter::load(&model, path)?);
         let before = ctx.bytes_uploaded();
         let mut swaps = Series::default();
@@ -220,6 +330,7 @@ fn main() -> Result<()> {
             "gpu_bytes": adapter.info.gpu_bytes,
             "prefill_tok_s": lp.json(),
             "decode_tok_s": ld.json(),
+            "dispatches_per_token": adapter_counts["dispatches_per_token"],
             "prefill_ratio_adapter_over_base": ratio(&lp, &prefill),
             "decode_ratio_adapter_over_base": ratio(&ld, &decode),
             "swap_us": swaps.json(),
@@ -230,8 +341,32 @@ fn main() -> Result<()> {
             "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
         });
     }
+    if args.profile {
+        summary["profile"] = profile(&mut session, &ids, args.decode.min(16))?;
+    }
     summary["gpu_bytes_allocated"] = ctx.bytes_allocated().into();
     summary["peak_rss_bytes"] = peak_rss().into();
+    // After the memory figures: the yardsticks allocate their own buffers.
+    let weight_bytes = model.decode_weight_bytes();
+    let floor = (args.stream_mib > 0).then(|| -> Result<serde_json::Value> {
+        let device = device_read_bandwidth(&ctx, args.stream_mib)?;
+        let host = ctx.is_cpu().then(|| host_read_bandwidth(weight_bytes));
+        let per_token = 1.0 / decode.median();
+        let floor = |bw: f64| weight_bytes as f64 / bw;
+        Ok(serde_json::json!({
+            "stream_read_gb_s": device / 1e9,
+            "stream_read_mib": args.stream_mib,
+            "host_read_gb_s": host.map(|bw| bw / 1e9),
+            "weight_bytes_per_decode_token": weight_bytes,
+            "floor_ms_per_token": floor(device) * 1e3,
+            "host_floor_ms_per_token": host.map(|bw| floor(bw) * 1e3),
+            "measured_ms_per_token": per_token * 1e3,
+            "decode_efficiency_of_floor": floor(device) / per_token,
+            "decode_efficiency_of_host_floor": host.map(|bw| floor(bw) / per_token),
+        }))
+    });
+    let floor = floor.transpose()?;
+    summary["bandwidth_floor"] = floor.into();
     drop((session, model));
     if args.learn_tokens >= 2 {
         summary["learn"] = learn_step(&ctx, &args, &ids)?;

@@ -9,7 +9,7 @@ use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, GdnIo, GdnParams};
-use qwen35_wgpu::kernels::matmul::{linear, LinearIo, LoraExpand};
+use qwen35_wgpu::kernels::matmul::{linear, matvec_lanes, LinearIo, LoraExpand, MATVEC_LANES};
 use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
@@ -134,7 +134,23 @@ fn matvec_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     // (n, k): n below, at and above the rows per workgroup (16 below 4096 rows, 32 from there),
     // k odd, not a multiple of 8, and aligned; x offsets 4 (16-byte aligned) and 3 (element path).
-    let shapes = [(1, 1), (15, 8), (16, 13), (17, 24), (31, 257), (33, 1024), (100, 7), (4095, 64), (4097, 1032)];
+    let g = ctx.min_workgroups();
+    let shapes = [
+        (1, 1),
+        (15, 8),
+        (16, 13),
+        (17, 24),
+        (31, 257),
+        (33, 1024),
+        (100, 7),
+        (32 * g - 5, 1024),
+        (64 * g - 1, 64),
+        (64 * g + 1, 1032),
+        (4097, 24),
+    ];
+    // Every rows-per-workgroup variant is exercised on this device.
+    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(n, _)| matvec_lanes(n, g)).collect();
+    assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "variants covered");
     for (si, &(n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (x_off, chunk_rows, rank) in [(4, n, 0), (3, n, 3), (4, 16, 5), (4, n, 16)] {

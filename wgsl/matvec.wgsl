@@ -8,20 +8,20 @@
 // together, each loading one vec4<u32> of weights per row and step (8 bf16/f16 or 4 f32 weights,
 // 16 contiguous bytes, neighbouring invocations reading neighbouring 16 bytes), so the x chunk it
 // loads is kept in registers and reused for its 8 rows. Rows per workgroup = 8 * 64 / LANES
-// (LANES 16: 32 rows, LANES 32: 16 rows), chosen per shape by the host. Rows past the end are
+// (LANES 8: 64 rows, 16: 32 rows, 32: 16 rows), chosen per shape by the host. Rows past the end are
 // clamped to the last row (computed, never stored), so the loop has no bound tests. The partial
 // sums of a row are reduced through workgroup memory after one barrier.
 //
-// Rows are 16-byte aligned when K is a multiple of the weights per vec4 (8 for 16-bit, 4 for f32);
-// other K (and an x offset that is not a multiple of 4) take an element-wise path with the same
-// layout.
+// Rows are 16-byte aligned when K is a multiple of 8 (one vec4<u32> of 16-bit weights, two of
+// f32, per group of 8); other K (and an x offset that is not a multiple of 4) take an
+// element-wise path with the same layout.
 //
 // x: f32 [K] from element x_offset. w: this weight chunk [N, K] in its checkpoint dtype, packed in
 // u32 words. y: f32, this chunk's row 0 lands at y_offset. t, B as in matmul.wgsl.
 
 override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
-override LANES: u32 = 32u;       // invocations along K per row group: 16 or 32
+override LANES: u32 = 32u;       // invocations along K per row group: 8, 16 or 32
 
 const WG: u32 = 64u;
 const TM: u32 = 8u;
@@ -61,11 +61,6 @@ fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
     return Slot((wg.y * nwg.x + wg.x) * rows, li / LANES, li % LANES);
 }
 
-// Row r of this invocation, clamped into the chunk.
-fn row_of(s: Slot, r: u32) -> u32 {
-    return min(s.row0 + s.group * TM + r, p.n - 1u);
-}
-
 fn x_at(e: u32) -> f32 {
     return x[e >> 2u][e & 3u];
 }
@@ -94,59 +89,90 @@ fn even_odd(v: vec4<u32>) -> array<vec4<f32>, 2> {
     return array<vec4<f32>, 2>(vec4<f32>(a.x, b.x, c.x, d.x), vec4<f32>(a.y, b.y, c.y, d.y));
 }
 
-fn base_partials(s: Slot) -> array<f32, 8> {
-    var acc: array<f32, 8>;
-    var rows: array<u32, 8>;
-    for (var r = 0u; r < TM; r++) {
-        rows[r] = row_of(s, r);
+// Dot product of 8 weights (one vec4<u32> of 16-bit weights, or two vec4 of f32 words) with
+// the x chunk (xe: even elements, xo: odd elements for 16-bit; xe, xo: the two halves for f32).
+fn dot8(row_vec: u32, j: u32, xe: vec4<f32>, xo: vec4<f32>) -> f32 {
+    if (W_DTYPE == 0u) {
+        return dot(bitcast<vec4<f32>>(w[row_vec + 2u * j]), xe) + dot(bitcast<vec4<f32>>(w[row_vec + 2u * j + 1u]), xo);
     }
-    let per_vec = select(4u, 8u, W_DTYPE != 0u);
-    if ((p.k % per_vec) == 0u && (p.x_offset & 3u) == 0u) {
-        let row_vecs = p.k / per_vec;
+    let wv = even_odd(w[row_vec + j]);
+    return dot(wv[0], xe) + dot(wv[1], xo);
+}
+
+// Partial sums of this invocation's 8 rows over its share of K, as two vec4 (rows 0-3, 4-7).
+// The 8 rows are written out (no loop over a private array), so every accumulator stays in a
+// register on every compiler.
+fn base_partials(s: Slot) -> array<vec4<f32>, 2> {
+    var lo = vec4<f32>(0.0);
+    var hi = vec4<f32>(0.0);
+    let first = s.row0 + s.group * TM;
+    let last = p.n - 1u;
+    if ((p.k % 8u) == 0u && (p.x_offset & 3u) == 0u) {
+        // 16-byte aligned rows of 8-weight groups (two vec4 per group for f32).
+        let groups = p.k / 8u;
+        let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
+        let r0 = min(first, last) * row_vecs;
+        let r1 = min(first + 1u, last) * row_vecs;
+        let r2 = min(first + 2u, last) * row_vecs;
+        let r3 = min(first + 3u, last) * row_vecs;
+        let r4 = min(first + 4u, last) * row_vecs;
+        let r5 = min(first + 5u, last) * row_vecs;
+        let r6 = min(first + 6u, last) * row_vecs;
+        let r7 = min(first + 7u, last) * row_vecs;
         let x4 = p.x_offset >> 2u;
-        for (var j = s.lane; j < row_vecs; j += LANES) {
-            if (W_DTYPE == 0u) {
-                let xv = x[x4 + j];
-                for (var r = 0u; r < TM; r++) {
-                    acc[r] += dot(bitcast<vec4<f32>>(w[rows[r] * row_vecs + j]), xv);
-                }
-            } else {
-                let xa = x[x4 + 2u * j];
-                let xb = x[x4 + 2u * j + 1u];
-                let xe = vec4<f32>(xa.x, xa.z, xb.x, xb.z);
-                let xo = vec4<f32>(xa.y, xa.w, xb.y, xb.w);
-                for (var r = 0u; r < TM; r++) {
-                    let wv = even_odd(w[rows[r] * row_vecs + j]);
-                    acc[r] += dot(wv[0], xe) + dot(wv[1], xo);
-                }
+        for (var j = s.lane; j < groups; j += LANES) {
+            let xa = x[x4 + 2u * j];
+            let xb = x[x4 + 2u * j + 1u];
+            var xe = xa;
+            var xo = xb;
+            if (W_DTYPE != 0u) {
+                xe = vec4<f32>(xa.x, xa.z, xb.x, xb.z);
+                xo = vec4<f32>(xa.y, xa.w, xb.y, xb.w);
             }
+            lo += vec4<f32>(dot8(r0, j, xe, xo), dot8(r1, j, xe, xo), dot8(r2, j, xe, xo), dot8(r3, j, xe, xo));
+            hi += vec4<f32>(dot8(r4, j, xe, xo), dot8(r5, j, xe, xo), dot8(r6, j, xe, xo), dot8(r7, j, xe, xo));
         }
-        return acc;
+        return array<vec4<f32>, 2>(lo, hi);
     }
     for (var e = s.lane; e < p.k; e += LANES) {
         let xv = x_at(p.x_offset + e);
-        for (var r = 0u; r < TM; r++) {
-            acc[r] = fma(weight_at(rows[r] * p.k + e), xv, acc[r]);
-        }
+        let k = p.k;
+        lo = fma(vec4<f32>(weight_at(min(first, last) * k + e), weight_at(min(first + 1u, last) * k + e),
+            weight_at(min(first + 2u, last) * k + e), weight_at(min(first + 3u, last) * k + e)), vec4<f32>(xv), lo);
+        hi = fma(vec4<f32>(weight_at(min(first + 4u, last) * k + e), weight_at(min(first + 5u, last) * k + e),
+            weight_at(min(first + 6u, last) * k + e), weight_at(min(first + 7u, last) * k + e)), vec4<f32>(xv), hi);
     }
-    return acc;
+    return array<vec4<f32>, 2>(lo, hi);
 }
 
 // Adds this invocation's share of s * t . B[row] to its partials.
-fn add_lora(s: Slot, acc: ptr<function, array<f32, 8>>) {
-    for (var j = s.lane; j < p.lora_rank; j += LANES) {
-        let tv = t[p.lora_t_offset + j] * p.lora_scale;
-        for (var r = 0u; r < TM; r++) {
-            let row = p.lora_row_offset + row_of(s, r);
-            (*acc)[r] = fma(lora_b[row * p.lora_rank + j], tv, (*acc)[r]);
-        }
+fn add_lora(s: Slot, acc: ptr<function, array<vec4<f32>, 2>>) {
+    let first = s.row0 + s.group * TM;
+    let last = p.n - 1u;
+    let r = p.lora_rank;
+    let b0 = p.lora_row_offset + first;
+    let b1 = p.lora_row_offset + last;
+    for (var j = s.lane; j < r; j += LANES) {
+        let tv = vec4<f32>(t[p.lora_t_offset + j] * p.lora_scale);
+        let lo = vec4<f32>(lora_b[min(b0, b1) * r + j], lora_b[min(b0 + 1u, b1) * r + j],
+            lora_b[min(b0 + 2u, b1) * r + j], lora_b[min(b0 + 3u, b1) * r + j]);
+        let hi = vec4<f32>(lora_b[min(b0 + 4u, b1) * r + j], lora_b[min(b0 + 5u, b1) * r + j],
+            lora_b[min(b0 + 6u, b1) * r + j], lora_b[min(b0 + 7u, b1) * r + j]);
+        (*acc)[0] = fma(lo, tv, (*acc)[0]);
+        (*acc)[1] = fma(hi, tv, (*acc)[1]);
     }
 }
 
-fn reduce_store(s: Slot, acc: array<f32, 8>, li: u32) {
-    for (var r = 0u; r < TM; r++) {
-        red[(s.group * TM + r) * LANES + s.lane] = acc[r];
-    }
+fn reduce_store(s: Slot, acc: array<vec4<f32>, 2>, li: u32) {
+    let at = s.group * TM * LANES + s.lane;
+    red[at] = acc[0].x;
+    red[at + LANES] = acc[0].y;
+    red[at + 2u * LANES] = acc[0].z;
+    red[at + 3u * LANES] = acc[0].w;
+    red[at + 4u * LANES] = acc[1].x;
+    red[at + 5u * LANES] = acc[1].y;
+    red[at + 6u * LANES] = acc[1].z;
+    red[at + 7u * LANES] = acc[1].w;
     workgroupBarrier();
     let rows = TM * (WG / LANES);
     if (li < rows && s.row0 + li < p.n) {

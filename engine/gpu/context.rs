@@ -33,6 +33,9 @@ pub struct GpuContext {
     pub info: wgpu::AdapterInfo,
     /// The limits the device was created with.
     pub limits: wgpu::Limits,
+    /// The optional features the device was created with (those of the adapter among the ones
+    /// the engine can use: `TIMESTAMP_QUERY` for per-kernel profiles).
+    pub features: wgpu::Features,
     weights_layout: wgpu::BindGroupLayout,
     io_layouts: Mutex<HashMap<IoSpec, wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
@@ -109,10 +112,12 @@ impl GpuContext {
             max_buffer_size: have.max_buffer_size,
             ..Default::default()
         };
+        // Optional features, each behind a capability check: timestamps for `--profile`.
+        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("qwen35-wgpu"),
-                required_features: wgpu::Features::empty(),
+                required_features: features,
                 required_limits: limits.clone(),
                 ..Default::default()
             })
@@ -131,6 +136,7 @@ impl GpuContext {
             queue,
             info,
             limits,
+            features,
             weights_layout,
             io_layouts: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
@@ -141,6 +147,18 @@ impl GpuContext {
             submits: AtomicU64::new(0),
             read_back: AtomicU64::new(0),
         })
+    }
+
+    /// Workgroups a dispatch should have to keep the device busy (kernels with a shape choice
+    /// pick the largest workgroup tile that still gives this many). wgpu reports no core count:
+    /// a CPU adapter (lavapipe) runs a workgroup per host thread, so twice the host's cores; a GPU
+    /// gets 128 (four per core on a 32-core GPU).
+    pub fn min_workgroups(&self) -> usize {
+        if self.is_cpu() {
+            2 * std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            128
+        }
     }
 
     /// Bytes written host → GPU through this context so far (weights, adapters, per-step

@@ -6,8 +6,11 @@ use std::collections::HashMap;
 
 use crate::error::GpuError;
 use crate::gpu::context::PARAMS_SLOT;
-use crate::gpu::GpuContext;
+use crate::gpu::{GpuContext, Staging};
 use crate::kernels::{Kernel, PipelineKey};
+
+/// Most dispatches timed in one profiled submit (a query set holds at most 4096 timestamps).
+const MAX_TIMED: usize = 2048;
 
 enum Op {
     Dispatch {
@@ -16,6 +19,8 @@ enum Op {
         offset: u32,
         bound: Vec<wgpu::BindGroup>,
         groups: [u32; 3],
+        kernel: Kernel,
+        weight_bytes: u64,
     },
     Copy {
         src: wgpu::Buffer,
@@ -71,18 +76,54 @@ impl IoBindCache {
     }
 }
 
+/// One timed dispatch of a profiled submit.
+#[derive(Clone, Debug)]
+pub struct Timed {
+    /// The entry point.
+    pub kernel: Kernel,
+    /// Weight bytes the dispatch streams (its group-1 weight chunk; 0 for other kernels).
+    pub weight_bytes: u64,
+    /// GPU time between the start and the end of its pass, in nanoseconds.
+    pub ns: f64,
+}
+
+/// GPU timestamps of every dispatch, one list per submit (needs `TIMESTAMP_QUERY`). Each
+/// dispatch then runs in a pass of its own and every submit waits for its timings, so a
+/// profiled run is slower than a plain one: it is for attributing time, not for throughput.
+#[derive(Debug, Default)]
+pub struct Profile {
+    /// The timed dispatches of each submit, in order.
+    pub submits: Vec<Vec<Timed>>,
+}
+
 /// Collects a step's work; [`Recorder::submit`] writes the arena and submits once.
 pub struct Recorder<'a> {
     ctx: &'a GpuContext,
     cache: &'a mut IoBindCache,
     params: Vec<u8>,
     ops: Vec<Op>,
+    profile: Option<&'a mut Profile>,
 }
 
 impl<'a> Recorder<'a> {
     /// Start recording a step.
     pub fn new(ctx: &'a GpuContext, cache: &'a mut IoBindCache) -> Self {
-        Self { ctx, cache, params: Vec::new(), ops: Vec::new() }
+        Self { ctx, cache, params: Vec::new(), ops: Vec::new(), profile: None }
+    }
+
+    /// Time every dispatch of this recording into `profile` (when the device has timestamps).
+    pub fn profiled(mut self, profile: Option<&'a mut Profile>) -> Self {
+        if self.ctx.features.contains(wgpu::Features::TIMESTAMP_QUERY) {
+            self.profile = profile;
+        }
+        self
+    }
+
+    /// Note the weight bytes the last recorded dispatch streams (for profiles).
+    pub fn weight_bytes(&mut self, bytes: u64) {
+        if let Some(Op::Dispatch { weight_bytes, .. }) = self.ops.last_mut() {
+            *weight_bytes = bytes;
+        }
     }
 
     /// The context.
@@ -118,7 +159,7 @@ impl<'a> Recorder<'a> {
         self.params.resize(offset as usize + PARAMS_SLOT as usize, 0);
         let io = self.cache.get(self.ctx, key.kernel, buffers);
         let bound = bound.iter().map(|g| (*g).clone()).collect();
-        self.ops.push(Op::Dispatch { pipeline, io, offset, bound, groups });
+        self.ops.push(Op::Dispatch { pipeline, io, offset, bound, groups, kernel: key.kernel, weight_bytes: 0 });
         Ok(())
     }
 
@@ -143,7 +184,25 @@ impl<'a> Recorder<'a> {
         }
         let mut encoder =
             self.ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
+        let timed: Vec<(Kernel, u64)> = self
+            .ops
+            .iter()
+            .filter_map(|op| match op {
+                Op::Dispatch { kernel, weight_bytes, .. } => Some((*kernel, *weight_bytes)),
+                Op::Copy { .. } => None,
+            })
+            .take(MAX_TIMED)
+            .collect();
+        let queries = match &self.profile {
+            Some(_) if !timed.is_empty() => Some(self.ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+                label: Some("profile"),
+                ty: wgpu::QueryType::Timestamp,
+                count: 2 * timed.len() as u32,
+            })),
+            _ => None,
+        };
         let mut i = 0;
+        let mut n = 0u32;
         while i < self.ops.len() {
             match &self.ops[i] {
                 Op::Copy { src, src_offset, dst, dst_offset, size } => {
@@ -151,11 +210,18 @@ impl<'a> Recorder<'a> {
                     i += 1;
                 }
                 Op::Dispatch { .. } => {
-                    let mut pass = encoder.begin_compute_pass(&wgpu::ComputePassDescriptor {
-                        label: Some("step"),
-                        timestamp_writes: None,
+                    // Profiled: one pass per dispatch, timestamps at its start and end.
+                    let timestamp_writes = queries.as_ref().filter(|_| (n as usize) < timed.len()).map(|q| {
+                        wgpu::ComputePassTimestampWrites {
+                            query_set: q,
+                            beginning_of_pass_write_index: Some(2 * n),
+                            end_of_pass_write_index: Some(2 * n + 1),
+                        }
                     });
-                    while let Some(Op::Dispatch { pipeline, io, offset, bound, groups }) = self.ops.get(i) {
+                    let one = timestamp_writes.is_some();
+                    let mut pass = encoder
+                        .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("step"), timestamp_writes });
+                    while let Some(Op::Dispatch { pipeline, io, offset, bound, groups, .. }) = self.ops.get(i) {
                         pass.set_pipeline(pipeline);
                         pass.set_bind_group(0, io, &[*offset]);
                         for (g, group) in bound.iter().enumerate() {
@@ -163,16 +229,48 @@ impl<'a> Recorder<'a> {
                         }
                         pass.dispatch_workgroups(groups[0], groups[1], groups[2]);
                         i += 1;
+                        n += 1;
+                        if one {
+                            break;
+                        }
                     }
                 }
             }
         }
+        let resolved = queries.as_ref().map(|q| {
+            let bytes = 16 * timed.len() as u64;
+            let buf = self.ctx.device.create_buffer(&wgpu::BufferDescriptor {
+                label: Some("profile resolve"),
+                size: bytes,
+                usage: wgpu::BufferUsages::QUERY_RESOLVE | wgpu::BufferUsages::COPY_SRC,
+                mapped_at_creation: false,
+            });
+            let staging = Staging::new(self.ctx, "profile staging", bytes);
+            encoder.resolve_query_set(q, 0..2 * timed.len() as u32, &buf, 0);
+            encoder.copy_buffer_to_buffer(&buf, 0, staging.buffer(), 0, bytes);
+            staging
+        });
         let dispatches = self.ops.iter().filter(|op| matches!(op, Op::Dispatch { .. })).count() as u64;
         let index = self.ctx.submit(encoder.finish(), dispatches);
-        match pollster::block_on(scope.pop()) {
-            Some(err) => Err(GpuError::Validation { during: "a step".into(), message: err.to_string() }),
-            None => Ok(index),
+        if let Some(err) = pollster::block_on(scope.pop()) {
+            return Err(GpuError::Validation { during: "a step".into(), message: err.to_string() });
         }
+        if let (Some(staging), Some(profile)) = (resolved, self.profile) {
+            let bytes = staging.read(self.ctx, index.clone(), 16 * timed.len() as u64)?;
+            let ticks: Vec<u64> = bytemuck::pod_collect_to_vec(&bytes);
+            let period = self.ctx.queue.get_timestamp_period() as f64;
+            let times = timed
+                .iter()
+                .zip(ticks.chunks_exact(2))
+                .map(|(&(kernel, weight_bytes), t)| Timed {
+                    kernel,
+                    weight_bytes,
+                    ns: t[1].saturating_sub(t[0]) as f64 * period,
+                })
+                .collect();
+            profile.submits.push(times);
+        }
+        Ok(index)
     }
 }
 

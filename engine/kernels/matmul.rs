@@ -70,16 +70,19 @@ pub struct LinearIo<'a> {
 
 /// The `LANES` variants of `matvec.wgsl`: invocations along K per row group (rows per workgroup
 /// = 8 · 64 / LANES).
-pub const MATVEC_LANES: [u32; 2] = [16, 32];
+pub const MATVEC_LANES: [u32; 3] = [8, 16, 32];
 
-/// Rows per matvec workgroup for a chunk of `n` rows: 32 for wide outputs (fewer workgroups, each
-/// reading x once for more rows), 16 below, so a narrow projection still spreads over the device.
-pub fn matvec_lanes(n: usize) -> u32 {
-    if n >= 4096 {
-        16
-    } else {
-        32
+/// Invocations along K for a chunk of `n` rows: the most rows per workgroup (64, then 32, then
+/// 16) that still gives the device `min_groups` workgroups. More rows per workgroup read x once
+/// for more rows, stream 128 contiguous bytes per row and step (8 lanes × 16 bytes) and leave
+/// fewer partial sums to reduce; fewer rows keep a narrow projection spread over a wide GPU.
+pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
+    for lanes in [8, 16] {
+        if n.div_ceil(8 * 64 / lanes as usize) >= min_groups {
+            return lanes;
+        }
     }
+    32
 }
 
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
@@ -93,7 +96,7 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     for chunk in &w.chunks {
-        let lanes = if io.m == 1 { matvec_lanes(chunk.rows) } else { 0 };
+        let lanes = if io.m == 1 { matvec_lanes(chunk.rows, rec.ctx().min_workgroups()) } else { 0 };
         let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant: lanes };
         let params = MatmulParams {
             m: io.m as u32,
@@ -118,6 +121,7 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
             None => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
             Some(l) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
         }
+        rec.weight_bytes(chunk.buffer.size());
     }
     Ok(())
 }

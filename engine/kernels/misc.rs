@@ -1,4 +1,4 @@
-//! `embed.wgsl`, `swiglu.wgsl`, `copy.wgsl` and `argmax.wgsl`.
+//! `embed.wgsl`, `swiglu.wgsl`, `stream.wgsl` and `argmax.wgsl`.
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
@@ -48,12 +48,15 @@ pub fn swiglu(rec: &mut Recorder, g: &wgpu::Buffer, u: &wgpu::Buffer, n: usize) 
     rec.dispatch(PipelineKey::plain(Kernel::Swiglu), &params, &[u, g], &[], groups)
 }
 
-/// Record a copy of `bytes` (a multiple of 16) from `src` to `dst`.
-pub fn copy(rec: &mut Recorder, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<(), GpuError> {
+/// Workgroups of [`stream_read`]; `dst` holds one vec4 per invocation.
+pub const STREAM_GROUPS: u32 = 1024;
+
+/// Record a streaming read of the first `bytes` (a multiple of 16) of `src`; `dst` receives one
+/// partial sum per invocation (`STREAM_GROUPS · 256 · 16` bytes).
+pub fn stream_read(rec: &mut Recorder, src: &wgpu::Buffer, dst: &wgpu::Buffer, bytes: u64) -> Result<(), GpuError> {
     let n = (bytes / 16) as u32;
     let params = EmbedParams { n, ..Default::default() };
-    let groups = [n.div_ceil(256).clamp(1, 4096), 1, 1];
-    rec.dispatch(PipelineKey::plain(Kernel::Copy), &params, &[src, dst], &[], groups)
+    rec.dispatch(PipelineKey::plain(Kernel::StreamRead), &params, &[src, dst], &[], [STREAM_GROUPS, 1, 1])
 }
 
 /// Mirrors `Params` in `argmax.wgsl`.

@@ -34,8 +34,8 @@ pub enum Shader {
     Embed,
     /// `swiglu.wgsl`
     Swiglu,
-    /// `copy.wgsl`
-    Copy,
+    /// `stream.wgsl`
+    Stream,
     /// `ce_grad.wgsl`
     CeGrad,
     /// `matmul_dx.wgsl`
@@ -66,7 +66,7 @@ impl Shader {
         Shader::GdnRule,
         Shader::Embed,
         Shader::Swiglu,
-        Shader::Copy,
+        Shader::Stream,
         Shader::CeGrad,
         Shader::MatmulDx,
         Shader::LoraGrad,
@@ -89,7 +89,7 @@ impl Shader {
             Shader::GdnRule => "gdn_rule.wgsl",
             Shader::Embed => "embed.wgsl",
             Shader::Swiglu => "swiglu.wgsl",
-            Shader::Copy => "copy.wgsl",
+            Shader::Stream => "stream.wgsl",
             Shader::CeGrad => "ce_grad.wgsl",
             Shader::MatmulDx => "matmul_dx.wgsl",
             Shader::LoraGrad => "lora_grad.wgsl",
@@ -113,7 +113,7 @@ impl Shader {
             Shader::GdnRule => include_str!("../../wgsl/gdn_rule.wgsl"),
             Shader::Embed => include_str!("../../wgsl/embed.wgsl"),
             Shader::Swiglu => include_str!("../../wgsl/swiglu.wgsl"),
-            Shader::Copy => include_str!("../../wgsl/copy.wgsl"),
+            Shader::Stream => include_str!("../../wgsl/stream.wgsl"),
             Shader::CeGrad => include_str!("../../wgsl/ce_grad.wgsl"),
             Shader::MatmulDx => include_str!("../../wgsl/matmul_dx.wgsl"),
             Shader::LoraGrad => include_str!("../../wgsl/lora_grad.wgsl"),
@@ -155,8 +155,8 @@ pub enum Kernel {
     Embed,
     /// SwiGLU product.
     Swiglu,
-    /// Buffer copy (bandwidth yardstick).
-    Copy,
+    /// Streaming read (bandwidth yardstick).
+    StreamRead,
     /// Softmax cross-entropy and its logit gradient, in place.
     CeGrad,
     /// `dx = dy · W` (the input gradient of a linear layer).
@@ -199,7 +199,7 @@ impl Kernel {
         Kernel::DeltaRule,
         Kernel::Embed,
         Kernel::Swiglu,
-        Kernel::Copy,
+        Kernel::StreamRead,
         Kernel::CeGrad,
         Kernel::MatmulDx,
         Kernel::LoraGrad,
@@ -228,7 +228,7 @@ impl Kernel {
             Kernel::DeltaRule => Shader::GdnRule,
             Kernel::Embed => Shader::Embed,
             Kernel::Swiglu => Shader::Swiglu,
-            Kernel::Copy => Shader::Copy,
+            Kernel::StreamRead => Shader::Stream,
             Kernel::CeGrad => Shader::CeGrad,
             Kernel::MatmulDx => Shader::MatmulDx,
             Kernel::LoraGrad => Shader::LoraGrad,
@@ -256,7 +256,7 @@ impl Kernel {
             Kernel::DeltaRule => "delta_rule",
             Kernel::Embed => "embed",
             Kernel::Swiglu => "swiglu",
-            Kernel::Copy => "copy",
+            Kernel::StreamRead => "stream_read",
             Kernel::CeGrad => "ce_grad",
             Kernel::MatmulDx => "matmul_dx",
             Kernel::LoraGrad => "lora_grad",
@@ -276,7 +276,7 @@ impl Kernel {
     pub fn io(self) -> IoSpec {
         match self {
             Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
-            Kernel::Embed | Kernel::Swiglu | Kernel::Copy => &[R, W],
+            Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
             Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],

@@ -346,7 +346,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
     let index = {
         let sc = &s.scratch;
-        let mut rec = Recorder::new(ctx, &mut s.io);
+        let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
         embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
         capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
         let active = s.adapter.as_ref().zip(s.lora_t.as_ref());
@@ -402,7 +402,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     let mut done = first_rows;
     while done < n && rows != Rows::Hidden {
         let rows = (n - done).min(s.logits_rows);
-        let mut rec = Recorder::new(ctx, &mut s.io);
+        let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
         lm_head(&mut rec, &model, &s.scratch, &s.logits, r0 + done, rows)?;
         rec.submit()?;
         data.extend(s.read_logits(rows)?);

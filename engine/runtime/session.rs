@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use crate::error::{AdapterError, RunError};
-use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Staging};
+use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Staging};
 use crate::kernels::misc::argmax_scratch_bytes;
 use crate::lora::LoraAdapter;
 use crate::model::Model;
@@ -84,6 +84,8 @@ pub struct Session {
     pub(crate) chosen: [Staging; 2],
     /// Reused for one row of logits.
     pub(crate) logits_staging: Staging,
+    /// GPU timings of every dispatch while profiling.
+    pub(crate) profile: Option<Profile>,
 }
 
 impl Session {
@@ -135,9 +137,15 @@ impl Session {
             parts,
             chosen,
             logits_staging,
+            profile: None,
         };
         s.reset();
         Ok(s)
+    }
+
+    /// The sizes the session was made with.
+    pub fn options(&self) -> &SessionOptions {
+        &self.opts
     }
 
     /// The model.
@@ -201,6 +209,20 @@ impl Session {
         ctx.submit(enc.finish(), 0);
         self.pos = 0;
         self.epoch += 1;
+    }
+
+    /// Time every dispatch of the following steps on the GPU (one list per submit) until
+    /// [`Session::take_profile`]. Needs `TIMESTAMP_QUERY`; returns whether the device has it.
+    /// Profiled steps wait for their timings, so they are slower than plain ones.
+    pub fn start_profile(&mut self) -> bool {
+        let has = self.ctx().features.contains(wgpu::Features::TIMESTAMP_QUERY);
+        self.profile = has.then(Profile::default);
+        has
+    }
+
+    /// Stop profiling and return what was timed.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
     }
 
     /// Make a submitted step of `tokens` tokens part of the sequence: its GDN states become the
