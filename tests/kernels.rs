@@ -186,6 +186,51 @@ fn matvec_sweep_matches_reference() {
 }
 
 #[test]
+fn matmul_sweep_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    // (m, n, k): tokens below, at and above the 128-row tile, outputs around the 64-column tile,
+    // k a multiple of 8 that is not one of BK (vector staging with a partial last step), odd k
+    // (element staging); x offsets 4 (aligned) and 1 (element staging).
+    let shapes = [(2, 5, 8), (127, 64, 24), (128, 65, 40), (129, 130, 1032), (200, 16, 13), (3, 70, 64)];
+    for (si, &(m, n, k)) in shapes.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 24, 5), (4, n, 20)] {
+                let seed = 700 + si as u64 * 17 + dtype.size() as u64;
+                let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+                let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, (chunk_rows * k * dtype.size()) as u64)
+                    .expect("weight");
+                let x = rand(x_off + m * k, seed + 1, 1.0);
+                let stride = rank + 2;
+                let t = rand(m * stride, seed + 3, 1.0);
+                let b = rand(n * rank.max(1), seed + 4, 1.0);
+                let y0 = rand(m * (n + 1), seed + 2, 1.0);
+                let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
+                let bg = ctx.weights_bind_group(&bb, "b");
+                let lora = LoraExpand { t: &tb, t_offset: 2, t_stride: stride, rank, scale: -0.5, b: &bg };
+                let accumulate = rank % 2 == 1;
+                let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
+                run(&ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
+                let prod = cpu::linear(&x[x_off..], &w, m, n, k);
+                let mut want = y0.clone();
+                for i in 0..m {
+                    for j in 0..n {
+                        let d: f32 = (0..rank).map(|r| t[i * stride + 2 + r] * b[j * rank + r]).sum();
+                        let v = prod[i * n + j] - 0.5 * d;
+                        let slot = &mut want[1 + i * (n + 1) + j];
+                        *slot = if accumulate { *slot + v } else { v };
+                    }
+                }
+                let what = format!(
+                    "matmul m{m} n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
+                    gw.chunks.len()
+                );
+                assert_close(&what, &read(&ctx, &yb, m * (n + 1)), &want, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+}
+
+#[test]
 fn gpu_argmax_matches_the_cpu_rule() {
     let Some(ctx) = ctx() else { return };
     let nan = f32::NAN;

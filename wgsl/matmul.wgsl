@@ -1,10 +1,11 @@
 // y[m, n] (+)= sum_k x[m, k] * w[n, k]  [+ s * sum_j t[m, j] * B[n, j]]
 //
-// nn.Linear (y = x W^T) over several rows of x (prefill; one row runs matvec.wgsl), optionally with the LoRA expand fused in: t = x A^T is computed by a
-// separate shrink dispatch (shared by the projections that read the same input), and the rank-r
-// product s * t B^T is folded into the same accumulators as extra K steps, so an active adapter
-// costs no extra pass over y. The `*_lora` entry points are the only ones that touch t and B: with
-// no adapter the plain entry points run, bit-identical to a model without LoRA.
+// nn.Linear (y = x W^T) over several rows of x (prefill; one row runs matvec.wgsl), optionally
+// with the LoRA expand fused in: t = x A^T is computed by a separate shrink dispatch (shared by
+// the projections that read the same input), and the rank-r product s * t B^T is folded into the
+// same accumulators as extra K steps, so an active adapter costs no extra pass over y. The
+// `*_lora` entry points are the only ones that touch t and B: with no adapter the plain entry
+// points run, bit-identical to a model without LoRA.
 //
 // x: f32 activations [M, K] (row stride x_stride, starting x_offset).
 // w: one row-chunk of a weight in its checkpoint dtype, packed in u32 words, [N, K] row-major.
@@ -13,6 +14,16 @@
 // t: f32 [M, lora_t_stride], this projection's rank columns start at lora_t_offset.
 // B: f32 [rows of the whole projection, lora_rank]; this chunk's rows start at lora_row_offset.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
+//
+// Tiling: a workgroup of 16 x 16 invocations computes a 128 x 64 tile of y (128 tokens, 64
+// outputs), 8 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory). Each
+// step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8 consecutive
+// k of one tile row (two vec4<f32> of x; one vec4<u32> = 8 16-bit weights, or two of f32, for
+// the first 128 invocations) and widens them once; neighbouring invocations take neighbouring
+// rows, so the transposed stores hit consecutive words (no bank conflicts) and the compute loop
+// reads whole vec4 (12 workgroup loads per 32 FMAs). The loads for step s + 1 are issued into
+// registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte aligned,
+// tiles are staged element by element.
 
 override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
@@ -33,117 +44,217 @@ struct Params {
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<f32>;
+@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
 @group(0) @binding(3) var<storage, read> t: array<f32>;
-@group(1) @binding(0) var<storage, read> w: array<u32>;
+@group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(2) @binding(0) var<storage, read> lora_b: array<f32>;
 
-fn weight(idx: u32) -> f32 {
-    if (W_DTYPE == 1u) {
-        let word = w[idx >> 1u];
-        return bitcast<f32>(((word >> ((idx & 1u) * 16u)) & 0xffffu) << 16u);
-    }
-    if (W_DTYPE == 2u) {
-        return unpack2x16float(w[idx >> 1u])[idx & 1u];
-    }
-    return bitcast<f32>(w[idx]);
-}
-
-fn store(idx: u32, v: f32) {
-    if (ACCUMULATE) {
-        y[idx] = y[idx] + v;
-    } else {
-        y[idx] = v;
-    }
-}
-
-// ---- batched (prefill): 64x64 output tile per workgroup, 4x4 per invocation, K steps of 16 ----
-
-const TILE: u32 = 64u;
+const TM: u32 = 128u;   // tile rows (tokens)
+const TN: u32 = 64u;    // tile columns (outputs)
 const BK: u32 = 16u;
 
-var<workgroup> xs: array<f32, 1024>; // [BK][TILE], k-major
-var<workgroup> ws: array<f32, 1024>; // [BK][TILE], k-major
+var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4]: 4 tile rows per vec4
+var<workgroup> ws: array<vec4<f32>, 256>; // [BK][TN / 4]: 4 tile columns per vec4
 
-// acc += xs^T ws over one staged K step.
-fn fma_tile(acc: ptr<function, array<f32, 16>>, lid: vec3<u32>) {
+fn put_x(kk: u32, r: u32, v: f32) {
+    xs[kk * (TM / 4u) + (r >> 2u)][r & 3u] = v;
+}
+
+fn put_w(kk: u32, c: u32, v: f32) {
+    ws[kk * (TN / 4u) + (c >> 2u)][c & 3u] = v;
+}
+
+// acc += xs^T ws over one staged K step: rows lid.y * 8 .. + 8, columns lid.x * 4 .. + 4.
+fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
     for (var kk = 0u; kk < BK; kk++) {
-        let a = vec4<f32>(
-            xs[kk * TILE + lid.y * 4u], xs[kk * TILE + lid.y * 4u + 1u],
-            xs[kk * TILE + lid.y * 4u + 2u], xs[kk * TILE + lid.y * 4u + 3u]);
-        let b = vec4<f32>(
-            ws[kk * TILE + lid.x * 4u], ws[kk * TILE + lid.x * 4u + 1u],
-            ws[kk * TILE + lid.x * 4u + 2u], ws[kk * TILE + lid.x * 4u + 3u]);
-        for (var i = 0u; i < 4u; i++) {
-            (*acc)[i * 4u] = fma(a[i], b.x, (*acc)[i * 4u]);
-            (*acc)[i * 4u + 1u] = fma(a[i], b.y, (*acc)[i * 4u + 1u]);
-            (*acc)[i * 4u + 2u] = fma(a[i], b.z, (*acc)[i * 4u + 2u]);
-            (*acc)[i * 4u + 3u] = fma(a[i], b.w, (*acc)[i * 4u + 3u]);
+        let a = xs[kk * (TM / 4u) + 2u * lid.y];
+        let a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
+        let b = ws[kk * (TN / 4u) + lid.x];
+        (*acc)[0] = fma(vec4<f32>(a.x), b, (*acc)[0]);
+        (*acc)[1] = fma(vec4<f32>(a.y), b, (*acc)[1]);
+        (*acc)[2] = fma(vec4<f32>(a.z), b, (*acc)[2]);
+        (*acc)[3] = fma(vec4<f32>(a.w), b, (*acc)[3]);
+        (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
+        (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
+        (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
+        (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
+    }
+}
+
+fn x_at(e: u32) -> f32 {
+    return x[e >> 2u][e & 3u];
+}
+
+fn weight_at(e: u32) -> f32 {
+    if (W_DTYPE == 0u) {
+        return bitcast<f32>(w[e >> 2u][e & 3u]);
+    }
+    let word = w[e >> 3u][(e >> 1u) & 3u];
+    if (W_DTYPE == 1u) {
+        return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (e & 1u) == 1u));
+    }
+    return unpack2x16float(word)[e & 1u];
+}
+
+// Eight consecutive weights of a row from one vec4<u32> (16-bit) or two (f32), widened.
+fn eight(v: vec4<u32>, v2: vec4<u32>) -> array<f32, 8> {
+    if (W_DTYPE == 0u) {
+        let a = bitcast<vec4<f32>>(v);
+        let b = bitcast<vec4<f32>>(v2);
+        return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+    }
+    if (W_DTYPE == 1u) {
+        let lo = bitcast<vec4<f32>>(v << vec4<u32>(16u));
+        let hi = bitcast<vec4<f32>>(v & vec4<u32>(0xffff0000u));
+        return array<f32, 8>(lo.x, hi.x, lo.y, hi.y, lo.z, hi.z, lo.w, hi.w);
+    }
+    let a = unpack2x16float(v.x);
+    let b = unpack2x16float(v.y);
+    let c = unpack2x16float(v.z);
+    let d = unpack2x16float(v.w);
+    return array<f32, 8>(a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y);
+}
+
+// What one invocation stages per K step on the vector path: 8 k of x row `r` and of w row `r`.
+struct Staged {
+    xa: vec4<f32>,
+    xb: vec4<f32>,
+    wa: vec4<u32>,
+    wb: vec4<u32>,
+}
+
+// Issue the loads of K step k0: x row li % 128, k chunk li / 128 (of 8); the first 128
+// invocations also load w row li % 64, k chunk li / 64.
+fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
+    var s = Staged(vec4<f32>(0.0), vec4<f32>(0.0), vec4<u32>(0u), vec4<u32>(0u));
+    let kx = k0 + (li / TM) * 8u;
+    if (kx < p.k) {
+        let xe = (p.x_offset + min(row0 + li % TM, p.m - 1u) * p.x_stride + kx) >> 2u;
+        s.xa = x[xe];
+        s.xb = x[xe + 1u];
+    }
+    let kw = k0 + (li / TN) * 8u;
+    if (li < 2u * TN && kw < p.k) {
+        let wr = min(col0 + li % TN, p.n - 1u);
+        if (W_DTYPE == 0u) {
+            let we = (wr * p.k + kw) >> 2u;
+            s.wa = w[we];
+            s.wb = w[we + 1u];
+        } else {
+            s.wa = w[(wr * p.k + kw) >> 3u];
+        }
+    }
+    return s;
+}
+
+fn store_step(s: Staged, li: u32) {
+    let xk = (li / TM) * 8u;
+    let xv = array<f32, 8>(s.xa.x, s.xa.y, s.xa.z, s.xa.w, s.xb.x, s.xb.y, s.xb.z, s.xb.w);
+    for (var i = 0u; i < 8u; i++) {
+        put_x(xk + i, li % TM, xv[i]);
+    }
+    if (li < 2u * TN) {
+        let wk = (li / TN) * 8u;
+        let wv = eight(s.wa, s.wb);
+        for (var i = 0u; i < 8u; i++) {
+            put_w(wk + i, li % TN, wv[i]);
         }
     }
 }
 
-fn base_tile(acc: ptr<function, array<f32, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
-    let row0 = wg.y * TILE;
-    let col0 = wg.x * TILE;
-    for (var k0 = 0u; k0 < p.k; k0 += BK) {
-        for (var e = 0u; e < 4u; e++) {
-            let idx = li + e * 256u;
-            let r = idx / BK;
-            let kk = idx % BK;
-            let kg = k0 + kk;
-            var xv = 0.0;
-            if (row0 + r < p.m && kg < p.k) {
-                xv = x[p.x_offset + (row0 + r) * p.x_stride + kg];
-            }
-            xs[kk * TILE + r] = xv;
-            var wv = 0.0;
-            if (col0 + r < p.n && kg < p.k) {
-                wv = weight((col0 + r) * p.k + kg);
-            }
-            ws[kk * TILE + r] = wv;
+// Element-wise staging of K step k0 (any K, any x offset).
+fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
+    for (var e = 0u; e < 8u; e++) {
+        let idx = li + e * 256u;
+        let r = idx % TM;
+        let kk = idx / TM;
+        let kg = k0 + kk;
+        var xv = 0.0;
+        if (kg < p.k) {
+            xv = x_at(p.x_offset + min(row0 + r, p.m - 1u) * p.x_stride + kg);
         }
+        put_x(kk, r, xv);
+    }
+    for (var e = 0u; e < 4u; e++) {
+        let idx = li + e * 256u;
+        let c = idx % TN;
+        let kk = idx / TN;
+        let kg = k0 + kk;
+        var wv = 0.0;
+        if (kg < p.k) {
+            wv = weight_at(min(col0 + c, p.n - 1u) * p.k + kg);
+        }
+        put_w(kk, c, wv);
+    }
+}
+
+fn base_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
+    let row0 = wg.y * TM;
+    let col0 = wg.x * TN;
+    if ((p.k & 7u) == 0u && (p.x_offset & 3u) == 0u) {
+        var next = load_step(0u, row0, col0, li);
+        for (var k0 = 0u; k0 < p.k; k0 += BK) {
+            workgroupBarrier();
+            store_step(next, li);
+            workgroupBarrier();
+            next = load_step(k0 + BK, row0, col0, li);
+            fma_tile(acc, lid);
+        }
+        return;
+    }
+    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        workgroupBarrier();
+        stage_elements(k0, row0, col0, li);
         workgroupBarrier();
         fma_tile(acc, lid);
-        workgroupBarrier();
     }
 }
 
 // The LoRA expand as extra K steps: x' = s * t[:, offset..offset + r], w' = B.
-fn lora_tile(acc: ptr<function, array<f32, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
-    let row0 = wg.y * TILE;
-    let col0 = wg.x * TILE;
+fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
+    let row0 = wg.y * TM;
+    let col0 = wg.x * TN;
     for (var k0 = 0u; k0 < p.lora_rank; k0 += BK) {
+        workgroupBarrier();
+        for (var e = 0u; e < 8u; e++) {
+            let idx = li + e * 256u;
+            let r = idx % TM;
+            let j = k0 + idx / TM;
+            var tv = 0.0;
+            if (j < p.lora_rank) {
+                tv = t[min(row0 + r, p.m - 1u) * p.lora_t_stride + p.lora_t_offset + j] * p.lora_scale;
+            }
+            put_x(idx / TM, r, tv);
+        }
         for (var e = 0u; e < 4u; e++) {
             let idx = li + e * 256u;
-            let r = idx / BK;
-            let kk = idx % BK;
-            let j = k0 + kk;
-            var tv = 0.0;
-            if (row0 + r < p.m && j < p.lora_rank) {
-                tv = t[(row0 + r) * p.lora_t_stride + p.lora_t_offset + j] * p.lora_scale;
-            }
-            xs[kk * TILE + r] = tv;
+            let c = idx % TN;
+            let j = k0 + idx / TN;
             var bv = 0.0;
-            if (col0 + r < p.n && j < p.lora_rank) {
-                bv = lora_b[(p.lora_row_offset + col0 + r) * p.lora_rank + j];
+            if (j < p.lora_rank) {
+                bv = lora_b[(p.lora_row_offset + min(col0 + c, p.n - 1u)) * p.lora_rank + j];
             }
-            ws[kk * TILE + r] = bv;
+            put_w(idx / TN, c, bv);
         }
         workgroupBarrier();
         fma_tile(acc, lid);
-        workgroupBarrier();
     }
 }
 
-fn store_tile(acc: ptr<function, array<f32, 16>>, wg: vec3<u32>, lid: vec3<u32>) {
-    for (var i = 0u; i < 4u; i++) {
-        let r = wg.y * TILE + lid.y * 4u + i;
+fn store_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>) {
+    for (var i = 0u; i < 8u; i++) {
+        let r = wg.y * TM + lid.y * 8u + i;
+        let v = (*acc)[i];
         for (var j = 0u; j < 4u; j++) {
-            let c = wg.x * TILE + lid.x * 4u + j;
+            let c = wg.x * TN + lid.x * 4u + j;
             if (r < p.m && c < p.n) {
-                store(p.y_offset + r * p.y_stride + c, (*acc)[i * 4u + j]);
+                let idx = p.y_offset + r * p.y_stride + c;
+                if (ACCUMULATE) {
+                    y[idx] = y[idx] + v[j];
+                } else {
+                    y[idx] = v[j];
+                }
             }
         }
     }
@@ -155,7 +266,7 @@ fn matmul(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    var acc: array<f32, 16>;
+    var acc: array<vec4<f32>, 8>;
     base_tile(&acc, wg, lid, li);
     store_tile(&acc, wg, lid);
 }
@@ -166,7 +277,7 @@ fn matmul_lora(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    var acc: array<f32, 16>;
+    var acc: array<vec4<f32>, 8>;
     base_tile(&acc, wg, lid, li);
     lora_tile(&acc, wg, lid, li);
     store_tile(&acc, wg, lid);

@@ -115,7 +115,7 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
         let groups = if io.m == 1 {
             grid_1d((chunk.rows as u32).div_ceil(8 * 64 / lanes), max)
         } else {
-            [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1]
+            [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(128), 1]
         };
         match lora {
             None => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,

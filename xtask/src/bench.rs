@@ -57,8 +57,37 @@ fn machine() -> String {
     format!("{cpu}, {cores} cores")
 }
 
-/// Run the benchmark; `quick` is a smoke run (tiny sizes, one repeat).
-pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
+/// What `cargo xtask bench` was asked for.
+pub struct Options {
+    /// A smoke run: tiny sizes, one repeat.
+    pub quick: bool,
+    /// Also time every dispatch (GPU timestamps) and write the per-kernel table.
+    pub profile: bool,
+    /// An earlier build of the bench example to run on the same model in the same sitting.
+    pub compare: Option<PathBuf>,
+}
+
+/// The per-kernel-family table of one phase of the engine's profile.
+fn profile_table(rows: &Value) -> String {
+    let mut md = String::from(
+        "| kernel | dispatches/token | weight MB/token | µs/token | weight GB/s |\n|---|---|---|---|---|\n",
+    );
+    for r in rows.as_array().into_iter().flatten() {
+        let gbs = r["weight_gb_s"].as_f64().map_or("–".to_string(), |g| format!("{g:.2}"));
+        md.push_str(&format!(
+            "| {} | {:.2} | {:.1} | {:.0} | {gbs} |\n",
+            r["kernel"].as_str().unwrap_or("?"),
+            r["dispatches_per_token"].as_f64().unwrap_or(f64::NAN),
+            r["weight_bytes_per_token"].as_f64().unwrap_or(0.0) / 1e6,
+            r["us_per_token"].as_f64().unwrap_or(f64::NAN),
+        ));
+    }
+    md
+}
+
+/// Run the benchmark.
+pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
+    let quick = opts.quick;
     let sizes =
         if quick { Sizes { prompt: 16, decode: 4, repeats: 1 } } else { Sizes { prompt: 128, decode: 64, repeats: 5 } };
     let dir = root.join("target/bench");
@@ -74,7 +103,20 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     ours.arg("--adapter").arg(&adapter);
     ours.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
     ours.args(["--repeats", &sizes.repeats.to_string()]);
+    if opts.profile {
+        ours.arg("--profile");
+    }
     let engine = capture(ours)?;
+    let earlier = match &opts.compare {
+        Some(bin) => {
+            let mut cmd = Command::new(bin);
+            cmd.arg("--model").arg(&model).arg("--adapter").arg(&adapter);
+            cmd.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
+            cmd.args(["--repeats", &sizes.repeats.to_string(), "--learn-tokens", "0"]);
+            Some(capture(cmd)?)
+        }
+        None => None,
+    };
     let mut peers = Command::new(python);
     peers.arg(root.join("xtask/python/bench_peers.py")).arg("--model").arg(&model).arg("--adapter").arg(&adapter);
     peers.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
@@ -100,7 +142,16 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
     let floor = &engine["bandwidth_floor"];
     let swap = &a["swap_us"];
     let pct = |with: f64, without: f64| (1.0 - with / without) * 100.0;
-    let command = if quick { "cargo xtask bench --quick" } else { "cargo xtask bench" };
+    let mut command = String::from("cargo xtask bench");
+    if quick {
+        command.push_str(" --quick");
+    }
+    if opts.profile {
+        command.push_str(" --profile");
+    }
+    if let Some(bin) = &opts.compare {
+        command.push_str(&format!(" --compare {}", bin.display()));
+    }
     let mut md = String::new();
     md.push_str("# Benchmarks\n\n");
     md.push_str(&format!(
@@ -128,6 +179,13 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         let keys = ["prefill_tok_s", "adapter_prefill_tok_s", "decode_tok_s", "adapter_decode_tok_s"];
         throughput_row(&name, keys.map(|k| &v[k]))
     };
+    if let (Some(e), Some(bin)) = (&earlier, &opts.compare) {
+        let ea = &e["adapter"];
+        md.push_str(&throughput_row(
+            &format!("this engine, earlier build (`{}`)", bin.display()),
+            [&e["prefill_tok_s"], &ea["prefill_tok_s"], &e["decode_tok_s"], &ea["decode_tok_s"]],
+        ));
+    }
     md.push_str(&peer(&torch, "transformers + peft"));
     match &llama {
         Ok(l) => md.push_str(&(peer(l, "llama.cpp") + "\n")),
@@ -211,10 +269,23 @@ pub fn run(root: &Path, python: &Path, quick: bool) -> Result<()> {
         engine["gpu_bytes_allocated"].as_f64().unwrap_or(0.0) / 1e6,
         engine["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
     ));
+    let prof = &engine["profile"];
+    if prof["timestamps"].as_bool() == Some(true) {
+        md.push_str(&format!(
+            "Profile (`{command}`, GPU timestamps around every dispatch, each in a pass of its own; base model): \
+             greedy decode, per token over {} tokens:\n\n{}\nPrefill of {} tokens, per prompt token:\n\n{}\n",
+            prof["decode_tokens"],
+            profile_table(&prof["decode"]),
+            prof["prefill_tokens"],
+            profile_table(&prof["prefill"])
+        ));
+    } else if opts.profile {
+        md.push_str("Profile: the adapter has no TIMESTAMP_QUERY, so no per-kernel times were taken.\n\n");
+    }
     md.push_str("Raw results of this run:\n\n```json\n");
     let llama = llama.as_ref().map(Value::clone).unwrap_or_else(|e| Value::String(format!("{e:#}")));
     md.push_str(&serde_json::to_string_pretty(
-        &serde_json::json!({"engine": engine, "transformers_peft": torch, "llama_cpp": llama}),
+        &serde_json::json!({"engine": engine, "engine_earlier_build": earlier, "transformers_peft": torch, "llama_cpp": llama}),
     )?);
     md.push_str("\n```\n");
     let history = root.join("BENCHMARKS.md");

@@ -21,9 +21,12 @@ cargo xtask <command>
                        torch/transformers/peft/tokenizers; CPU only)
   train-demo           train the embedded demo model, its tokenizer and its two LoRA adapters on a
                        synthetic corpus, and record transformers + peft generations (~20 min, CPU)
-  bench [--quick]      this engine, transformers + peft and llama.cpp (llama-cpp-python built from
+  bench [--quick] [--profile] [--compare BIN]
+                       this engine, transformers + peft and llama.cpp (llama-cpp-python built from
                        source) on the same 0.8B-dimension random model and rank-16 adapter, plus the
-                       copy-bandwidth floor; writes BENCHMARKS.md (--quick: tiny sizes, one repeat)
+                       streaming-read and host-read floors; writes BENCHMARKS.md (--quick: tiny
+                       sizes, one repeat; --profile: GPU time per kernel family from timestamp
+                       queries; --compare: also run an earlier build of the bench example)
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
@@ -38,7 +41,17 @@ fn main() -> Result<()> {
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
         Some("fixtures") => python(&["make_fixtures.py", "make_adapters.py", "make_learn.py"]),
         Some("train-demo") => python(&["train_demo.py"]),
-        Some("bench") => bench::run(&root(), &venv()?, args.iter().any(|a| a == "--quick")),
+        Some("bench") => {
+            let compare = args.iter().position(|a| a == "--compare").map(|i| {
+                args.get(i + 1).map(PathBuf::from).context("--compare needs the path of an earlier bench binary")
+            });
+            let opts = bench::Options {
+                quick: args.iter().any(|a| a == "--quick"),
+                profile: args.iter().any(|a| a == "--profile"),
+                compare: compare.transpose()?,
+            };
+            bench::run(&root(), &venv()?, &opts)
+        }
         Some("probe") => probe(),
         _ => {
             print!("{HELP}");
