@@ -8,7 +8,7 @@ use common::tolerance::{KERNEL_ATOL, KERNEL_RTOL};
 use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
-use qwen35_wgpu::kernels::gdn::{gated_delta, GdnIo, GdnParams};
+use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams};
 use qwen35_wgpu::kernels::matmul::{linear, matvec_lanes, LinearIo, LoraExpand, MATVEC_LANES};
 use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -352,6 +352,70 @@ fn gated_delta_net_matches_reference_across_steps() {
                 assert_close(&what, &read(&ctx, &core, t * d.hv * d.dv), &want, KERNEL_ATOL, KERNEL_RTOL);
                 let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+}
+
+#[test]
+fn fused_gdn_token_step_matches_reference_across_steps() {
+    let Some(ctx) = ctx() else { return };
+    // GQA groups 1, 2 and 3, head dims below, at and above the workgroup of 128.
+    let dims = [
+        cpu::GdnDims { hk: 2, hv: 4, dk: 16, dv: 16 },
+        cpu::GdnDims { hk: 1, hv: 3, dk: 10, dv: 14 },
+        cpu::GdnDims { hk: 2, hv: 2, dk: 130, dv: 200 },
+    ];
+    for (di, d) in dims.iter().enumerate() {
+        for k in [2usize, 4] {
+            let (kd, vd) = (d.hk * d.dk, d.hv * d.dv);
+            let c = 2 * kd + vd;
+            let conv_w = rand(c * k, 40 + di as u64, 0.5);
+            let mut gate = rand(d.hv, 41, 1.0);
+            gate.extend(rand(d.hv, 42, 1.0));
+            let norm_w = rand(d.dv, 43, 1.0);
+            let prm: Vec<f32> = conv_w.iter().chain(&gate).chain(&norm_w).copied().collect();
+            let pv = GpuVector::upload(&ctx, "prm", &prm).expect("prm");
+            let conv = [upload(&ctx, &vec![0.0; c * (k - 1)]), upload(&ctx, &vec![9.0; c * (k - 1)])];
+            let state = [upload(&ctx, &vec![0.0; d.hv * d.dk * d.dv]), upload(&ctx, &vec![9.0; d.hv * d.dk * d.dv])];
+            let mut cpu_conv = vec![0.0; c * (k - 1)];
+            let mut cpu_state = vec![0.0; d.hv * d.dk * d.dv];
+            for step in 0..4 {
+                let seed = 300 + step as u64 * 5 + di as u64;
+                let mixed = rand(c, seed, 2.0);
+                let zba = rand(vd + 2 * d.hv, seed + 1, 3.0);
+                let (mb, zb, core) = (upload(&ctx, &mixed), upload(&ctx, &zba), upload(&ctx, &vec![0.0; vd]));
+                let params = GdnStepParams {
+                    c: c as u32,
+                    k: k as u32,
+                    hk: d.hk as u32,
+                    hv: d.hv as u32,
+                    dk: d.dk as u32,
+                    dv: d.dv as u32,
+                    eps: 1e-6,
+                    _pad: 0,
+                };
+                let (from, to) = (step % 2, 1 - step % 2);
+                let io = GdnStepIo {
+                    mixed: &mb,
+                    zba: &zb,
+                    conv_in: &conv[from],
+                    conv_out: &conv[to],
+                    state_in: &state[from],
+                    state_out: &state[to],
+                    core: &core,
+                };
+                run(&ctx, |rec| gdn_step(rec, &pv, &params, &io));
+                let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, 1, c, k);
+                let (b, a) = (&zba[vd..vd + d.hv], &zba[vd + d.hv..]);
+                let o = cpu::delta_rule(&y, b, a, &gate, &mut cpu_state, 1, *d);
+                let want = cpu::rms_norm_gated(&o, &zba[..vd], &norm_w, d.dv, 1e-6);
+                let what = format!("gdn step {d:?} K{k} step {step}");
+                assert_close(&what, &read(&ctx, &core, vd), &want, KERNEL_ATOL, KERNEL_RTOL);
+                let st = read(&ctx, &state[to], cpu_state.len());
+                assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
+                let cs = read(&ctx, &conv[to], cpu_conv.len());
+                assert_close(&format!("{what} conv history"), &cs, &cpu_conv, 0.0, 0.0);
             }
         }
     }

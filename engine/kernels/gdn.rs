@@ -1,4 +1,5 @@
-//! `gdn_conv.wgsl` and `gdn_rule.wgsl`: the Gated DeltaNet token mixer's conv and recurrence.
+//! `gdn_conv.wgsl` and `gdn_rule.wgsl`: the Gated DeltaNet token mixer's conv and recurrence;
+//! `gdn_step.wgsl`: both plus the gated norm in one dispatch for a single token.
 
 use crate::error::GpuError;
 use crate::gpu::{GpuVector, Recorder};
@@ -72,5 +73,61 @@ pub fn gated_delta(
         &[io.conv_y, io.b, io.a, io.core, io.state_in, io.state_out],
         &[&gate_p.bind_group],
         [params.dv.div_ceil(64), params.hv, 1],
+    )
+}
+
+/// Mirrors `Params` in `gdn_step.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct GdnStepParams {
+    /// Conv channels C = 2·Kd + Vd.
+    pub c: u32,
+    /// Conv kernel width.
+    pub k: u32,
+    /// Key heads.
+    pub hk: u32,
+    /// Value heads.
+    pub hv: u32,
+    /// Key head dim.
+    pub dk: u32,
+    /// Value head dim.
+    pub dv: u32,
+    /// Epsilon of the gated RMSNorm.
+    pub eps: f32,
+    /// Padding.
+    pub _pad: u32,
+}
+
+/// Largest key and value head dims `gdn_step.wgsl` takes (`MAX_D`); larger ones use the
+/// separate conv, rule and norm dispatches.
+pub const GDN_STEP_MAX_D: usize = 256;
+
+/// The buffers of one GDN layer's single-token step.
+pub struct GdnStepIo<'a> {
+    /// in_proj_qkv output `[C]`.
+    pub mixed: &'a wgpu::Buffer,
+    /// in_proj_z output `[Vd]`, then in_proj_b's and in_proj_a's `[Hv]` each.
+    pub zba: &'a wgpu::Buffer,
+    /// Conv history before the token.
+    pub conv_in: &'a wgpu::Buffer,
+    /// Conv history after it (another buffer).
+    pub conv_out: &'a wgpu::Buffer,
+    /// Recurrent state before the token.
+    pub state_in: &'a wgpu::Buffer,
+    /// Recurrent state after it (another buffer).
+    pub state_out: &'a wgpu::Buffer,
+    /// Gated-normed output `[Vd]`.
+    pub core: &'a wgpu::Buffer,
+}
+
+/// Record the conv, delta rule and gated norm of one token: one workgroup per value head.
+/// `prm` is `[conv taps | A_log | dt_bias | norm weight]`.
+pub fn gdn_step(rec: &mut Recorder, prm: &GpuVector, params: &GdnStepParams, io: &GdnStepIo) -> Result<(), GpuError> {
+    rec.dispatch(
+        PipelineKey::plain(Kernel::GdnDecode),
+        params,
+        &[io.mixed, io.zba, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core],
+        &[&prm.bind_group],
+        [params.hv, 1, 1],
     )
 }

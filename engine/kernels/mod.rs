@@ -52,11 +52,13 @@ pub enum Shader {
     NormRopeBwd,
     /// `argmax.wgsl`
     Argmax,
+    /// `gdn_step.wgsl`
+    GdnStep,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 18] = [
+    pub const ALL: [Shader; 19] = [
         Shader::Matmul,
         Shader::Matvec,
         Shader::Norm,
@@ -75,6 +77,7 @@ impl Shader {
         Shader::AttentionBwd,
         Shader::NormRopeBwd,
         Shader::Argmax,
+        Shader::GdnStep,
     ];
 
     /// The file name under `wgsl/`.
@@ -98,6 +101,7 @@ impl Shader {
             Shader::AttentionBwd => "attention_bwd.wgsl",
             Shader::NormRopeBwd => "norm_rope_bwd.wgsl",
             Shader::Argmax => "argmax.wgsl",
+            Shader::GdnStep => "gdn_step.wgsl",
         }
     }
 
@@ -122,6 +126,7 @@ impl Shader {
             Shader::AttentionBwd => include_str!("../../wgsl/attention_bwd.wgsl"),
             Shader::NormRopeBwd => include_str!("../../wgsl/norm_rope_bwd.wgsl"),
             Shader::Argmax => include_str!("../../wgsl/argmax.wgsl"),
+            Shader::GdnStep => include_str!("../../wgsl/gdn_step.wgsl"),
         }
     }
 }
@@ -181,11 +186,13 @@ pub enum Kernel {
     ArgmaxBlocks,
     /// Greedy choice, second pass: the chosen id into the next step's input.
     ArgmaxFinal,
+    /// GDN conv + delta rule + gated norm for one token.
+    GdnDecode,
 }
 
 impl Kernel {
     /// Every entry point, for the naga translation tests.
-    pub const ALL: [Kernel; 26] = [
+    pub const ALL: [Kernel; 27] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::MatmulLora,
@@ -212,6 +219,7 @@ impl Kernel {
         Kernel::NormRopeBwd,
         Kernel::ArgmaxBlocks,
         Kernel::ArgmaxFinal,
+        Kernel::GdnDecode,
     ];
 }
 
@@ -237,6 +245,7 @@ impl Kernel {
             Kernel::AttnBwdQ | Kernel::AttnBwdKv => Shader::AttentionBwd,
             Kernel::NormRopeBwd => Shader::NormRopeBwd,
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => Shader::Argmax,
+            Kernel::GdnDecode => Shader::GdnStep,
         }
     }
 
@@ -269,6 +278,7 @@ impl Kernel {
             Kernel::NormRopeBwd => "norm_rope_bwd",
             Kernel::ArgmaxBlocks => "argmax_blocks",
             Kernel::ArgmaxFinal => "argmax_final",
+            Kernel::GdnDecode => "gdn_decode",
         }
     }
 
@@ -278,6 +288,7 @@ impl Kernel {
             Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
             Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
+            Kernel::GdnDecode => &[R, R, R, W, R, W, W],
             Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],
@@ -309,6 +320,7 @@ impl Kernel {
                 | Kernel::PrepKv
                 | Kernel::ConvSilu
                 | Kernel::DeltaRule
+                | Kernel::GdnDecode
                 | Kernel::Embed
                 | Kernel::MatmulDx
                 | Kernel::RmsNormBwd

@@ -63,6 +63,9 @@ pub struct GdnWeights {
     pub gate_p: GpuVector,
     /// `norm.weight` `[Dv]` f32 (gated RMSNorm, plain w).
     pub norm: GpuVector,
+    /// The single-token kernel's parameters in one vector: conv taps, A_log, dt_bias, norm
+    /// weight (the same values as the three above).
+    pub step_params: GpuVector,
 }
 
 /// The token mixer of a layer.
@@ -210,6 +213,8 @@ impl Model {
                     let conv = l.values(&format!("{a}conv1d.weight"), &[cd, 1, c.conv_kernel])?;
                     let mut gate = l.values(&format!("{a}A_log"), &[hv])?;
                     gate.extend(l.values(&format!("{a}dt_bias"), &[hv])?);
+                    let norm = l.values(&format!("{a}norm.weight"), &[c.linear_value_dim])?;
+                    let step: Vec<f32> = conv.iter().chain(&gate).chain(&norm).copied().collect();
                     Mixer::Gdn(GdnWeights {
                         in_proj_qkv: l.matrix(&format!("{a}in_proj_qkv.weight"), cd, h)?,
                         in_proj_z: l.matrix(&format!("{a}in_proj_z.weight"), vd, h)?,
@@ -218,7 +223,8 @@ impl Model {
                         out_proj: l.matrix(&format!("{a}out_proj.weight"), h, vd)?,
                         conv_w: GpuVector::upload(&ctx, &format!("{a}conv1d"), &conv)?,
                         gate_p: GpuVector::upload(&ctx, &format!("{a}gates"), &gate)?,
-                        norm: l.vector(&format!("{a}norm.weight"), c.linear_value_dim)?,
+                        norm: GpuVector::upload(&ctx, &format!("{a}norm.weight"), &norm)?,
+                        step_params: GpuVector::upload(&ctx, &format!("{a}step params"), &step)?,
                     })
                 }
             };

@@ -35,7 +35,8 @@ pub struct Scratch {
     pub wide_a: wgpu::Buffer,
     /// `[rows, max(C, Hq·hd)]`: GDN conv output, or rotated queries.
     pub wide_b: wgpu::Buffer,
-    /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys.
+    /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys; for a single token, `[Vd + 2·Hv]`:
+    /// z, then the GDN beta and decay logits.
     pub mid_a: wgpu::Buffer,
     /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output.
     pub mid_b: wgpu::Buffer,
@@ -63,7 +64,11 @@ impl Scratch {
             xnorm: f("xnorm", c.hidden_size)?,
             wide_a: f("wide_a", c.conv_dim().max(q_out))?,
             wide_b: f("wide_b", c.conv_dim().max(attn))?,
-            mid_a: f("mid_a", c.value_dim().max(kv))?,
+            mid_a: ctx.storage_buffer(
+                "mid_a",
+                ((rows * c.value_dim().max(kv)).max(c.value_dim() + 2 * c.linear_value_heads) * 4) as u64,
+                true,
+            )?,
             mid_b: f("mid_b", c.value_dim().max(kv).max(attn))?,
             mid_c: f("mid_c", kv)?,
             beta: f("beta", c.linear_value_heads)?,

@@ -2,7 +2,8 @@
 //!
 //! Scratch use per block (see `cache.rs` for the buffers):
 //! * GDN: xnorm → in_proj_qkv → wide_a → conv → wide_b → delta rule (+ beta, decay) → mid_b,
-//!   gated norm with z (mid_a) → out_proj added into hidden;
+//!   gated norm with z (mid_a) → out_proj added into hidden; one token: z, b, a → mid_a, then
+//!   one dispatch (conv, rule, gated norm) → mid_b;
 //! * attention: xnorm → q_proj → wide_a, k_proj → mid_a, v_proj → mid_c → norm/RoPE → wide_b and
 //!   the KV cache → attention → mid_b → o_proj added into hidden;
 //! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden.
@@ -10,7 +11,7 @@
 use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, GdnIo, GdnParams};
+use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
 use crate::kernels::misc::{argmax, embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -146,40 +147,68 @@ fn gdn_block(
     let s = shrink(rec, lora, InputGroup::MixerIn, &sc.xnorm, t)?;
     project(rec, &w.in_proj_qkv, &lin(&sc.xnorm, &sc.wide_a, t, cd), &s, Proj::InProjQkv)?;
     project(rec, &w.in_proj_z, &lin(&sc.xnorm, &sc.mid_a, t, vd), &s, Proj::InProjZ)?;
-    project(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv), &s, Proj::InProjB)?;
-    project(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv), &s, Proj::InProjA)?;
-    let params = GdnParams {
-        t: t as u32,
-        c: cd as u32,
-        k: c.conv_kernel as u32,
-        hk: c.linear_key_heads as u32,
-        hv: hv as u32,
-        dk: c.linear_key_dim as u32,
-        dv: c.linear_value_dim as u32,
-        _pad: 0,
-    };
-    let io = GdnIo {
-        mixed: &sc.wide_a,
-        conv_y: &sc.wide_b,
-        conv_in: conv[0],
-        conv_out: conv[1],
-        b: &sc.beta,
-        a: &sc.decay,
-        core: &sc.mid_b,
-        state_in: state[0],
-        state_out: state[1],
-    };
-    gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
-    let norm = NormIo {
-        x: &sc.mid_a,
-        y: &sc.mid_b,
-        x_offset: 0,
-        y_offset: 0,
-        rows: t * hv,
-        n: c.linear_value_dim,
-        eps: c.rms_norm_eps,
-    };
-    rms_norm_gated(rec, &w.norm, &norm)?;
+    let fused = t == 1 && c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D;
+    if fused {
+        // One token: b and a land after z, and one dispatch does conv, rule and gated norm.
+        let after_z = |y_offset| LinearIo { y_offset, ..lin(&sc.xnorm, &sc.mid_a, 1, hv) };
+        project(rec, &w.in_proj_b, &after_z(vd), &s, Proj::InProjB)?;
+        project(rec, &w.in_proj_a, &after_z(vd + hv), &s, Proj::InProjA)?;
+        let params = GdnStepParams {
+            c: cd as u32,
+            k: c.conv_kernel as u32,
+            hk: c.linear_key_heads as u32,
+            hv: hv as u32,
+            dk: c.linear_key_dim as u32,
+            dv: c.linear_value_dim as u32,
+            eps: c.rms_norm_eps,
+            _pad: 0,
+        };
+        let io = GdnStepIo {
+            mixed: &sc.wide_a,
+            zba: &sc.mid_a,
+            conv_in: conv[0],
+            conv_out: conv[1],
+            state_in: state[0],
+            state_out: state[1],
+            core: &sc.mid_b,
+        };
+        gdn_step(rec, &w.step_params, &params, &io)?;
+    } else {
+        project(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv), &s, Proj::InProjB)?;
+        project(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv), &s, Proj::InProjA)?;
+        let params = GdnParams {
+            t: t as u32,
+            c: cd as u32,
+            k: c.conv_kernel as u32,
+            hk: c.linear_key_heads as u32,
+            hv: hv as u32,
+            dk: c.linear_key_dim as u32,
+            dv: c.linear_value_dim as u32,
+            _pad: 0,
+        };
+        let io = GdnIo {
+            mixed: &sc.wide_a,
+            conv_y: &sc.wide_b,
+            conv_in: conv[0],
+            conv_out: conv[1],
+            b: &sc.beta,
+            a: &sc.decay,
+            core: &sc.mid_b,
+            state_in: state[0],
+            state_out: state[1],
+        };
+        gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
+        let norm = NormIo {
+            x: &sc.mid_a,
+            y: &sc.mid_b,
+            x_offset: 0,
+            y_offset: 0,
+            rows: t * hv,
+            n: c.linear_value_dim,
+            eps: c.rms_norm_eps,
+        };
+        rms_norm_gated(rec, &w.norm, &norm)?;
+    }
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, h) };
     let s = shrink(rec, lora, InputGroup::MixerOut, &sc.mid_b, t)?;
     project(rec, &w.out_proj, &out, &s, Proj::OutProj)

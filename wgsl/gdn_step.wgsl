@@ -1,0 +1,125 @@
+// Gated DeltaNet token mixer for one token (decode), in one dispatch: causal conv + SiLU of the
+// head's q, k and v channels, the gated delta rule, and the gated RMSNorm of the head's output.
+// The same math as gdn_conv.wgsl + gdn_rule.wgsl + norm.wgsl `rms_norm_gated` (see there for the
+// formulas), with the per-head work shared instead of repeated: one workgroup per value head
+// convolves the head's channels once into workgroup memory, computes the q/k l2 norms once, then
+// each invocation updates state columns; the output norm is a workgroup sum.
+//
+// mixed:      [C]           in_proj_qkv output
+// zba:        [Vd + 2 Hv]   in_proj_z output, then in_proj_b's, then in_proj_a's
+// conv_in:    [C, K-1]      conv history before the token; conv_out: after it (another buffer)
+// state_in:   [Hv, Dk, Dv]  recurrent state before the token; state_out: after it
+// core:       [Vd]          gated-normed output (the input of out_proj)
+// prm:        [C*K conv taps | A_log (Hv) | dt_bias (Hv) | norm weight (Dv)]
+// A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
+// key head's q/k conv history (the others read the same inputs and compute the same values).
+
+struct Params {
+    c: u32,
+    k: u32,
+    hk: u32,
+    hv: u32,
+    dk: u32,
+    dv: u32,
+    eps: f32,
+    _pad: u32,
+}
+
+const WG: u32 = 128u;
+const MAX_D: u32 = 256u;   // largest Dk and Dv this kernel takes (the host checks)
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> mixed: array<f32>;
+@group(0) @binding(2) var<storage, read> zba: array<f32>;
+@group(0) @binding(3) var<storage, read> conv_in: array<f32>;
+@group(0) @binding(4) var<storage, read_write> conv_out: array<f32>;
+@group(0) @binding(5) var<storage, read> state_in: array<f32>;
+@group(0) @binding(6) var<storage, read_write> state_out: array<f32>;
+@group(0) @binding(7) var<storage, read_write> core: array<f32>;
+@group(1) @binding(0) var<storage, read> prm: array<f32>;
+
+var<workgroup> qs: array<f32, MAX_D>;
+var<workgroup> ks: array<f32, MAX_D>;
+var<workgroup> vs: array<f32, MAX_D>;
+var<workgroup> os: array<f32, MAX_D>;
+
+// silu(conv) of channel ch for this token; shifts the history into conv_out when `write`.
+fn conv_channel(ch: u32, write: bool) -> f32 {
+    let km1 = p.k - 1u;
+    var acc = 0.0;
+    for (var j = 0u; j < km1; j++) {
+        let v = conv_in[ch * km1 + j];
+        acc = fma(prm[ch * p.k + j], v, acc);
+        if (write && j > 0u) {
+            conv_out[ch * km1 + j - 1u] = v;
+        }
+    }
+    let cur = mixed[ch];
+    acc = fma(prm[ch * p.k + km1], cur, acc);
+    if (write && km1 > 0u) {
+        conv_out[ch * km1 + km1 - 1u] = cur;
+    }
+    return acc / (1.0 + exp(-acc));
+}
+
+fn softplus(u: f32) -> f32 {
+    if (u > 20.0) {
+        return u;
+    }
+    return log(1.0 + exp(u));
+}
+
+@compute @workgroup_size(128)
+fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg.x;
+    let group = p.hv / p.hk;
+    let kh = h / group;
+    let kd = p.hk * p.dk;
+    let owner = h % group == 0u;
+    for (var i = li; i < p.dk; i += WG) {
+        qs[i] = conv_channel(kh * p.dk + i, owner);
+        ks[i] = conv_channel(kd + kh * p.dk + i, owner);
+    }
+    for (var j = li; j < p.dv; j += WG) {
+        vs[j] = conv_channel(2u * kd + h * p.dv + j, true);
+    }
+    workgroupBarrier();
+    var qq = 0.0;
+    var kk = 0.0;
+    for (var i = 0u; i < p.dk; i++) {
+        qq = fma(qs[i], qs[i], qq);
+        kk = fma(ks[i], ks[i], kk);
+    }
+    let qn = inverseSqrt(qq + 1e-6) * inverseSqrt(f32(p.dk));
+    let kn = inverseSqrt(kk + 1e-6);
+    let gates = p.c * p.k;
+    let vd = p.hv * p.dv;
+    let beta = 1.0 / (1.0 + exp(-zba[vd + h]));
+    let decay = exp(-exp(prm[gates + h]) * softplus(zba[vd + p.hv + h] + prm[gates + p.hv + h]));
+    for (var j = li; j < p.dv; j += WG) {
+        let sb = h * p.dk * p.dv + j;
+        var mem = 0.0;
+        for (var i = 0u; i < p.dk; i++) {
+            mem = fma(state_in[sb + i * p.dv] * decay, ks[i] * kn, mem);
+        }
+        let delta = beta * (vs[j] - mem);
+        var o = 0.0;
+        for (var i = 0u; i < p.dk; i++) {
+            let s = fma(ks[i] * kn, delta, state_in[sb + i * p.dv] * decay);
+            state_out[sb + i * p.dv] = s;
+            o = fma(s, qs[i] * qn, o);
+        }
+        os[j] = o;
+    }
+    workgroupBarrier();
+    var ss = 0.0;
+    for (var j = 0u; j < p.dv; j++) {
+        ss = fma(os[j], os[j], ss);
+    }
+    let scale = inverseSqrt(ss / f32(p.dv) + p.eps);
+    let nw = gates + 2u * p.hv;
+    for (var j = li; j < p.dv; j += WG) {
+        let zv = zba[h * p.dv + j];
+        core[h * p.dv + j] = os[j] * scale * prm[nw + j] * (zv / (1.0 + exp(-zv)));
+    }
+}
