@@ -502,3 +502,30 @@ fn embed_and_swiglu_match_reference() {
         assert_close(&format!("swiglu {n}"), &read(&ctx, &gb, n), &want, KERNEL_ATOL, KERNEL_RTOL);
     }
 }
+
+#[test]
+fn the_uniform_arena_grows_to_what_a_recording_needs() {
+    let Some(ctx) = ctx() else { return };
+    // One 256-byte slot to start with, 600 dispatches recorded: the arena grows at submit.
+    let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some("tiny arena"),
+        size: 256,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let mut cache = IoBindCache::new(arena);
+    let (n, k) = (3, 8);
+    let (bytes, w) = weight_bytes(&rand(n * k, 77, 1.0), Dtype::F32);
+    let gw = GpuWeight::upload(&ctx, "w", Dtype::F32, n, k, &bytes, u64::MAX).expect("weight");
+    let x = rand(k, 78, 1.0);
+    let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &[0.0; 3]));
+    let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: true };
+    let mut rec = Recorder::new(&ctx, &mut cache);
+    for _ in 0..600 {
+        linear(&mut rec, &gw, &io, None).expect("record");
+    }
+    rec.submit().expect("submit");
+    assert!(cache.params().size() >= 600 * 256, "arena grew to {}", cache.params().size());
+    let want: Vec<f32> = cpu::linear(&x, &w, 1, n, k).iter().map(|v| v * 600.0).collect();
+    assert_close("600 accumulated matvecs", &read(&ctx, &yb, n), &want, 1e-2, 1e-4);
+}

@@ -15,7 +15,7 @@ const MAX_TIMED: usize = 2048;
 enum Op {
     Dispatch {
         pipeline: wgpu::ComputePipeline,
-        io: wgpu::BindGroup,
+        buffers: Vec<wgpu::Buffer>,
         offset: u32,
         bound: Vec<wgpu::BindGroup>,
         groups: [u32; 3],
@@ -32,7 +32,8 @@ enum Op {
 }
 
 /// Group-0 bind groups over a fixed set of buffers plus the uniform arena, cached by the
-/// buffers they bind (built once per session, reused by every step).
+/// buffers they bind (built once per session, reused by every step). The arena grows to what a
+/// recording needs (the bind groups are then rebuilt once), so nobody counts dispatches ahead.
 pub struct IoBindCache {
     params: wgpu::Buffer,
     groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
@@ -49,8 +50,24 @@ impl IoBindCache {
         &self.params
     }
 
-    fn get(&mut self, ctx: &GpuContext, kernel: Kernel, buffers: &[&wgpu::Buffer]) -> wgpu::BindGroup {
-        let key = (kernel, buffers.iter().map(|b| (*b).clone()).collect::<Vec<_>>());
+    /// Make the arena hold at least `bytes` (doubling; the cached bind groups point at the old
+    /// arena, so they are dropped and rebuilt on use).
+    fn reserve(&mut self, ctx: &GpuContext, bytes: u64) {
+        if bytes <= self.params.size() {
+            return;
+        }
+        let size = bytes.next_power_of_two().max(self.params.size() * 2);
+        self.params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("uniform arena"),
+            size,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        self.groups.clear();
+    }
+
+    fn get(&mut self, ctx: &GpuContext, kernel: Kernel, buffers: &[wgpu::Buffer]) -> wgpu::BindGroup {
+        let key = (kernel, buffers.to_vec());
         if let Some(g) = self.groups.get(&key) {
             return g.clone();
         }
@@ -157,9 +174,9 @@ impl<'a> Recorder<'a> {
         let offset = self.params.len() as u32;
         self.params.extend_from_slice(bytemuck::bytes_of(params));
         self.params.resize(offset as usize + PARAMS_SLOT as usize, 0);
-        let io = self.cache.get(self.ctx, key.kernel, buffers);
+        let buffers = buffers.iter().map(|b| (*b).clone()).collect();
         let bound = bound.iter().map(|g| (*g).clone()).collect();
-        self.ops.push(Op::Dispatch { pipeline, io, offset, bound, groups, kernel: key.kernel, weight_bytes: 0 });
+        self.ops.push(Op::Dispatch { pipeline, buffers, offset, bound, groups, kernel: key.kernel, weight_bytes: 0 });
         Ok(())
     }
 
@@ -170,14 +187,24 @@ impl<'a> Recorder<'a> {
 
     /// Write the uniform arena and submit everything as one command buffer.
     pub fn submit(self) -> Result<wgpu::SubmissionIndex, GpuError> {
-        let arena = self.cache.params();
-        if self.params.len() as u64 > arena.size() {
+        let limit = self.ctx.limits.max_buffer_size;
+        if self.params.len() as u64 > limit {
             return Err(GpuError::BufferTooLarge {
                 name: "uniform arena".into(),
                 needed: self.params.len() as u64,
-                limit: arena.size(),
+                limit,
             });
         }
+        self.cache.reserve(self.ctx, self.params.len() as u64);
+        let ios: Vec<Option<wgpu::BindGroup>> = self
+            .ops
+            .iter()
+            .map(|op| match op {
+                Op::Dispatch { kernel, buffers, .. } => Some(self.cache.get(self.ctx, *kernel, buffers)),
+                Op::Copy { .. } => None,
+            })
+            .collect();
+        let arena = self.cache.params();
         let scope = self.ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
         if !self.params.is_empty() {
             self.ctx.write(arena, 0, &self.params);
@@ -221,7 +248,9 @@ impl<'a> Recorder<'a> {
                     let one = timestamp_writes.is_some();
                     let mut pass = encoder
                         .begin_compute_pass(&wgpu::ComputePassDescriptor { label: Some("step"), timestamp_writes });
-                    while let Some(Op::Dispatch { pipeline, io, offset, bound, groups, .. }) = self.ops.get(i) {
+                    while let (Some(Op::Dispatch { pipeline, offset, bound, groups, .. }), Some(Some(io))) =
+                        (self.ops.get(i), ios.get(i))
+                    {
                         pass.set_pipeline(pipeline);
                         pass.set_bind_group(0, io, &[*offset]);
                         for (g, group) in bound.iter().enumerate() {

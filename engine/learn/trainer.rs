@@ -153,17 +153,10 @@ impl Trainer {
             ur: all("learn ur", rank)?,
         };
         let norms = ctx.storage_buffer("learn norms", (tensors.len() * 4) as u64, true)?;
-        let chunks = |w: &crate::gpu::GpuWeight| w.chunks.len();
-        let l = &model.layers[layer];
-        let weights = 3 * chunks(model.output()) + 2 * (chunks(&l.mlp.gate_proj) + chunks(&l.mlp.up_proj));
-        let o = match &l.mixer {
-            Mixer::Attention(a) => chunks(&a.o_proj),
-            Mixer::Gdn(_) => 0,
-        };
-        let slots = 96 + weights + 2 * chunks(&l.mlp.down_proj) + o + 2 * tensors.len();
+        // The recorder grows the arena to what a learning step records.
         let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("learn uniform arena"),
-            size: slots as u64 * 256,
+            size: 256 * 256,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });

@@ -36,26 +36,6 @@ pub(crate) enum Input<'a> {
     Chosen,
 }
 
-/// Upper bound of dispatches in one submitted step (sizes the uniform arena).
-pub(crate) fn max_dispatches(model: &Model, max_batch: usize, logits_rows: usize) -> usize {
-    let chunks = |w: &GpuWeight| w.chunks.len();
-    let mut n = chunks(&model.embed) + 8;
-    for layer in &model.layers {
-        n += 14 + chunks(&layer.mlp.gate_proj) + chunks(&layer.mlp.up_proj) + chunks(&layer.mlp.down_proj);
-        n += match &layer.mixer {
-            Mixer::Attention(a) => chunks(&a.q_proj) + chunks(&a.k_proj) + chunks(&a.v_proj) + chunks(&a.o_proj),
-            Mixer::Gdn(g) => {
-                chunks(&g.in_proj_qkv)
-                    + chunks(&g.in_proj_z)
-                    + chunks(&g.in_proj_b)
-                    + chunks(&g.in_proj_a)
-                    + chunks(&g.out_proj)
-            }
-        };
-    }
-    n + chunks(model.output()) * (max_batch.div_ceil(logits_rows) + 1)
-}
-
 /// The active adapter as one layer's step sees it.
 #[derive(Clone, Copy)]
 struct LayerLora<'a> {

@@ -109,10 +109,10 @@ impl Session {
         let row_bytes = (c.vocab_size * 4) as u64;
         let logits_rows = ((ctx.max_binding() / row_bytes) as usize).clamp(1, opts.max_batch);
         let logits = ctx.storage_buffer("logits", row_bytes * logits_rows as u64, true)?;
-        let dispatches = forward::max_dispatches(&model, opts.max_batch, logits_rows);
+        // The recorder grows the arena to what a step needs; this holds a decode step.
         let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("uniform arena"),
-            size: dispatches as u64 * 256,
+            size: 512 * 256,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
