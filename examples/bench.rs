@@ -196,9 +196,10 @@ fn family_table(submits: &[Vec<Timed>], tokens: f64) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// A profiled greedy generation (GPU timestamps on every dispatch): the prompt's step and
-/// `decode` decode steps, per kernel family.
+/// A profiled greedy generation on the base model (GPU timestamps on every dispatch): the
+/// prompt's step and `decode` decode steps, per kernel family.
 fn profile(session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
+    session.set_adapter(None)?;
     session.reset();
     if !session.start_profile() {
         return Ok(serde_json::json!({"timestamps": false}));

@@ -9,7 +9,9 @@ use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams};
-use qwen35_wgpu::kernels::matmul::{linear, matvec_lanes, LinearIo, LoraExpand, MATVEC_LANES};
+use qwen35_wgpu::kernels::matmul::{
+    linear, matmul_rows, matvec_lanes, LinearIo, LoraExpand, MATMUL_ROWS, MATVEC_LANES,
+};
 use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
@@ -191,7 +193,18 @@ fn matmul_sweep_matches_reference() {
     // (m, n, k): tokens below, at and above the 128-row tile, outputs around the 64-column tile,
     // k a multiple of 8 that is not one of BK (vector staging with a partial last step), odd k
     // (element staging); x offsets 4 (aligned) and 1 (element staging).
-    let shapes = [(2, 5, 8), (127, 64, 24), (128, 65, 40), (129, 130, 1032), (200, 16, 13), (3, 70, 64)];
+    let shapes = [
+        (2, 5, 8),
+        (64, 33, 16),
+        (65, 64, 24),
+        (127, 64, 24),
+        (128, 65, 40),
+        (129, 130, 1032),
+        (200, 16, 13),
+        (3, 70, 64),
+    ];
+    let rows: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| matmul_rows(m)).collect();
+    assert_eq!(rows.into_iter().collect::<Vec<_>>(), MATMUL_ROWS.to_vec(), "tile variants covered");
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 24, 5), (4, n, 20)] {

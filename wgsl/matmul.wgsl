@@ -15,13 +15,15 @@
 // B: f32 [rows of the whole projection, lora_rank]; this chunk's rows start at lora_row_offset.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 //
-// Tiling: a workgroup of 16 x 16 invocations computes a 128 x 64 tile of y (128 tokens, 64
-// outputs), 8 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory). Each
+// Tiling: a workgroup of 16 x 16 invocations computes a TM x 64 tile of y (TM tokens, 64
+// outputs), TM / 16 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory at
+// most). TM is 128 (8 x 4 per invocation, 12 workgroup loads per 32 FMAs) or 64 for short
+// prompts (4 x 4), chosen by the host so few rows are computed only to be thrown away. Each
 // step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8 consecutive
-// k of one tile row (two vec4<f32> of x; one vec4<u32> = 8 16-bit weights, or two of f32, for
-// the first 128 invocations) and widens them once; neighbouring invocations take neighbouring
-// rows, so the transposed stores hit consecutive words (no bank conflicts) and the compute loop
-// reads whole vec4 (12 workgroup loads per 32 FMAs). The loads for step s + 1 are issued into
+// k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one vec4<u32> = 8 16-bit
+// weights, or two of f32, for the first 128) and widens them once; neighbouring invocations take
+// neighbouring rows, so the transposed stores hit consecutive words (no bank conflicts) and the
+// compute loop reads whole vec4. The loads for step s + 1 are issued into
 // registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte aligned,
 // tiles are staged element by element.
 
@@ -50,11 +52,11 @@ struct Params {
 @group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(2) @binding(0) var<storage, read> lora_b: array<f32>;
 
-const TM: u32 = 128u;   // tile rows (tokens)
+override TM: u32 = 128u; // tile rows (tokens): 128 or 64
 const TN: u32 = 64u;    // tile columns (outputs)
 const BK: u32 = 16u;
 
-var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4]: 4 tile rows per vec4
+var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
 var<workgroup> ws: array<vec4<f32>, 256>; // [BK][TN / 4]: 4 tile columns per vec4
 
 fn put_x(kk: u32, r: u32, v: f32) {
@@ -65,20 +67,24 @@ fn put_w(kk: u32, c: u32, v: f32) {
     ws[kk * (TN / 4u) + (c >> 2u)][c & 3u] = v;
 }
 
-// acc += xs^T ws over one staged K step: rows lid.y * 8 .. + 8, columns lid.x * 4 .. + 4.
+// acc += xs^T ws over one staged K step: rows lid.y * TM / 16 .. + TM / 16, columns
+// lid.x * 4 .. + 4.
 fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
+    let quads = TM / 64u; // vec4 of tile rows per invocation: 2 or 1
     for (var kk = 0u; kk < BK; kk++) {
-        let a = xs[kk * (TM / 4u) + 2u * lid.y];
-        let a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
+        let a = xs[kk * (TM / 4u) + quads * lid.y];
         let b = ws[kk * (TN / 4u) + lid.x];
         (*acc)[0] = fma(vec4<f32>(a.x), b, (*acc)[0]);
         (*acc)[1] = fma(vec4<f32>(a.y), b, (*acc)[1]);
         (*acc)[2] = fma(vec4<f32>(a.z), b, (*acc)[2]);
         (*acc)[3] = fma(vec4<f32>(a.w), b, (*acc)[3]);
-        (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
-        (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
-        (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
-        (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
+        if (quads == 2u) {
+            let a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
+            (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
+            (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
+            (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
+            (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
+        }
     }
 }
 
@@ -124,12 +130,12 @@ struct Staged {
     wb: vec4<u32>,
 }
 
-// Issue the loads of K step k0: x row li % 128, k chunk li / 128 (of 8); the first 128
-// invocations also load w row li % 64, k chunk li / 64.
+// Issue the loads of K step k0: the first 2 TM invocations load x row li % TM, k chunk li / TM
+// (of 8); the first 128 load w row li % 64, k chunk li / 64.
 fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     var s = Staged(vec4<f32>(0.0), vec4<f32>(0.0), vec4<u32>(0u), vec4<u32>(0u));
     let kx = k0 + (li / TM) * 8u;
-    if (kx < p.k) {
+    if (li < 2u * TM && kx < p.k) {
         let xe = (p.x_offset + min(row0 + li % TM, p.m - 1u) * p.x_stride + kx) >> 2u;
         s.xa = x[xe];
         s.xb = x[xe + 1u];
@@ -149,10 +155,12 @@ fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
 }
 
 fn store_step(s: Staged, li: u32) {
-    let xk = (li / TM) * 8u;
-    let xv = array<f32, 8>(s.xa.x, s.xa.y, s.xa.z, s.xa.w, s.xb.x, s.xb.y, s.xb.z, s.xb.w);
-    for (var i = 0u; i < 8u; i++) {
-        put_x(xk + i, li % TM, xv[i]);
+    if (li < 2u * TM) {
+        let xk = (li / TM) * 8u;
+        let xv = array<f32, 8>(s.xa.x, s.xa.y, s.xa.z, s.xa.w, s.xb.x, s.xb.y, s.xb.z, s.xb.w);
+        for (var i = 0u; i < 8u; i++) {
+            put_x(xk + i, li % TM, xv[i]);
+        }
     }
     if (li < 2u * TN) {
         let wk = (li / TN) * 8u;
@@ -165,7 +173,7 @@ fn store_step(s: Staged, li: u32) {
 
 // Element-wise staging of K step k0 (any K, any x offset).
 fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
-    for (var e = 0u; e < 8u; e++) {
+    for (var e = 0u; e < TM / 16u; e++) {
         let idx = li + e * 256u;
         let r = idx % TM;
         let kk = idx / TM;
@@ -217,7 +225,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
     let col0 = wg.x * TN;
     for (var k0 = 0u; k0 < p.lora_rank; k0 += BK) {
         workgroupBarrier();
-        for (var e = 0u; e < 8u; e++) {
+        for (var e = 0u; e < TM / 16u; e++) {
             let idx = li + e * 256u;
             let r = idx % TM;
             let j = k0 + idx / TM;
@@ -243,8 +251,8 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
 }
 
 fn store_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>) {
-    for (var i = 0u; i < 8u; i++) {
-        let r = wg.y * TM + lid.y * 8u + i;
+    for (var i = 0u; i < TM / 16u; i++) {
+        let r = wg.y * TM + lid.y * (TM / 16u) + i;
         let v = (*acc)[i];
         for (var j = 0u; j < 4u; j++) {
             let c = wg.x * TN + lid.x * 4u + j;

@@ -85,6 +85,19 @@ pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
     32
 }
 
+/// The `TM` variants of `matmul.wgsl`: tokens per tile.
+pub const MATMUL_ROWS: [u32; 2] = [64, 128];
+
+/// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a
+/// tile would be rows computed only to be dropped.
+pub fn matmul_rows(m: usize) -> u32 {
+    if m <= 64 {
+        64
+    } else {
+        128
+    }
+}
+
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
 /// pipelines run (no LoRA code at all).
 pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
@@ -96,8 +109,8 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     for chunk in &w.chunks {
-        let lanes = if io.m == 1 { matvec_lanes(chunk.rows, rec.ctx().min_workgroups()) } else { 0 };
-        let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant: lanes };
+        let variant = if io.m == 1 { matvec_lanes(chunk.rows, rec.ctx().min_workgroups()) } else { matmul_rows(io.m) };
+        let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant };
         let params = MatmulParams {
             m: io.m as u32,
             n: chunk.rows as u32,
@@ -113,9 +126,9 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
             lora_scale: lora.map_or(0.0, |l| l.scale),
         };
         let groups = if io.m == 1 {
-            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / lanes), max)
+            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / variant), max)
         } else {
-            [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(128), 1]
+            [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
         };
         match lora {
             None => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,

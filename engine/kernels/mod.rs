@@ -342,6 +342,7 @@ impl Kernel {
     pub fn variants(self) -> &'static [u32] {
         match self {
             Kernel::Matvec | Kernel::MatvecLora => &crate::kernels::matmul::MATVEC_LANES,
+            Kernel::Matmul | Kernel::MatmulLora => &crate::kernels::matmul::MATMUL_ROWS,
             _ => &[0],
         }
     }
@@ -360,8 +361,8 @@ pub struct PipelineKey {
     pub dtype: Dtype,
     /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
     pub accumulate: bool,
-    /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group);
-    /// 0 for kernels without one. [`Kernel::variants`] lists the valid values.
+    /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group;
+    /// matmul: `TM`, the tokens per tile); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
     pub variant: u32,
 }
 
@@ -380,8 +381,10 @@ impl PipelineKey {
         if self.kernel.has_accumulate() {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
-        if matches!(self.kernel, Kernel::Matvec | Kernel::MatvecLora) {
-            c.push(("LANES", self.variant as f64));
+        match self.kernel {
+            Kernel::Matvec | Kernel::MatvecLora => c.push(("LANES", self.variant as f64)),
+            Kernel::Matmul | Kernel::MatmulLora => c.push(("TM", self.variant as f64)),
+            _ => {}
         }
         c
     }
