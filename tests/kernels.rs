@@ -10,7 +10,7 @@ use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, 
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams};
 use qwen35_wgpu::kernels::matmul::{
-    linear, matmul_rows, matvec_lanes, LinearIo, LoraExpand, MATMUL_ROWS, MATVEC_LANES,
+    linear, linear_with, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, MATMUL_ROWS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -155,7 +155,17 @@ fn matvec_sweep_matches_reference() {
     assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "variants covered");
     for (si, &(n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
-            for (x_off, chunk_rows, rank) in [(4, n, 0), (3, n, 3), (4, 16, 5), (4, n, 16)] {
+            // (x offset, rows per chunk, LoRA rank, prologue: 0 none, 1 RMSNorm1p, 2 SwiGLU).
+            for (x_off, chunk_rows, rank, pro) in [
+                (4, n, 0, 0),
+                (3, n, 3, 0),
+                (4, 16, 5, 0),
+                (4, n, 16, 0),
+                (4, n, 0, 1),
+                (3, 16, 5, 1),
+                (4, n, 3, 2),
+                (3, n, 0, 2),
+            ] {
                 let seed = 500 + si as u64 * 13 + dtype.size() as u64;
                 let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
                 let chunk = (chunk_rows.max(1) * k * dtype.size()) as u64;
@@ -164,21 +174,33 @@ fn matvec_sweep_matches_reference() {
                 let y0 = rand(n + 2, seed + 2, 1.0);
                 let t = rand(rank + 2, seed + 3, 1.0);
                 let b = rand(n * rank.max(1), seed + 4, 1.0);
+                let norm_w = rand(k, seed + 5, 0.5);
                 let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
+                let nb = upload(&ctx, &norm_w);
                 let bg = ctx.weights_bind_group(&bb, "b");
                 let lora = LoraExpand { t: &tb, t_offset: 2, t_stride: rank + 2, rank, scale: 0.5, b: &bg };
-                let accumulate = rank % 2 == 1;
+                let (norm, glu) = (pro & 1 == 1, pro & 2 == 2);
+                let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
-                run(&ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
-                let prod = cpu::linear(&x[x_off..], &w, 1, n, k);
+                let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
+                run(&ctx, |rec| linear_with(rec, &gw, &io, (rank > 0).then_some(&lora), fuse));
+                let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };
+                let prod = cpu::linear(&xin, &w, 1, n, k);
                 let mut want = y0.clone();
                 for j in 0..n {
                     let d: f32 = (0..rank).map(|r| t[2 + r] * b[j * rank + r]).sum();
                     let v = prod[j] + 0.5 * d;
-                    want[2 + j] = if accumulate { want[2 + j] + v } else { v };
+                    let slot = &mut want[2 + j];
+                    *slot = if glu {
+                        cpu::silu(*slot) * v
+                    } else if accumulate {
+                        *slot + v
+                    } else {
+                        v
+                    };
                 }
                 let what = format!(
-                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
+                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} acc={accumulate} chunks={}",
                     gw.chunks.len()
                 );
                 assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);

@@ -10,7 +10,8 @@
 // loads is kept in registers and reused for its 8 rows. Rows per workgroup = 8 * 64 / LANES
 // (LANES 8: 64 rows, 16: 32 rows, 32: 16 rows), chosen per shape by the host. Rows past the end are
 // clamped to the last row (computed, never stored), so the loop has no bound tests. The partial
-// sums of a row are reduced through workgroup memory after one barrier.
+// sums of a row are reduced through workgroup memory after one barrier; the invocation that
+// stores a row adds its LoRA expand s * t . B[row] (matvec_lora).
 //
 // Rows are 16-byte aligned when K is a multiple of 8 (one vec4<u32> of 16-bit weights, two of
 // f32, per group of 8); other K (and an x offset that is not a multiple of 4) take an
@@ -22,6 +23,13 @@
 override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
 override LANES: u32 = 32u;       // invocations along K per row group: 8, 16 or 32
+// What the kernel fuses in (the dispatches this saves):
+// NORM: RMSNorm1p of x with weight aux[0..K] first: x * rsqrt(mean(x^2) + eps) * (1 + aux) (the
+//    block's input norm: the product runs on x * (1 + aux), each row group sums x^2 on the way,
+//    and the row's sum is scaled by rsqrt(mean + eps) after the reduction);
+// GLU: SwiGLU on the way out: y = silu(y) * result (up_proj writing into gate_proj's output).
+override NORM: bool = false;
+override GLU: bool = false;
 
 const WG: u32 = 64u;
 const TM: u32 = 8u;
@@ -39,16 +47,19 @@ struct Params {
     lora_t_stride: u32,
     lora_row_offset: u32,
     lora_scale: f32,
+    eps: f32,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> t: array<f32>;
+@group(0) @binding(3) var<storage, read> t: array<f32>;       // LoRA t (bound to x when unused)
+@group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM: its weight (x when unused)
 @group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
 @group(2) @binding(0) var<storage, read> lora_b: array<f32>;
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
+var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 
 struct Slot {
     row0: u32, // first row of the workgroup
@@ -61,8 +72,23 @@ fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
     return Slot((wg.y * nwg.x + wg.x) * rows, li / LANES, li % LANES);
 }
 
-fn x_at(e: u32) -> f32 {
-    return x[e >> 2u][e & 3u];
+// x[e] times the norm weight for NORM, before the norm scale (element e of the row, flat
+// element xe).
+fn x_at(xe: u32, e: u32) -> f32 {
+    let v = x[xe >> 2u][xe & 3u];
+    if (NORM) {
+        return v * (1.0 + aux[e >> 2u][e & 3u]);
+    }
+    return v;
+}
+
+// The x vec4 at vec4 index q of the row (element 4 q), likewise.
+fn x_vec(x4: u32, q: u32) -> vec4<f32> {
+    let v = x[x4 + q];
+    if (NORM) {
+        return v * (1.0 + aux[q]);
+    }
+    return v;
 }
 
 // Flat element e of the chunk (element-wise path).
@@ -99,12 +125,20 @@ fn dot8(row_vec: u32, j: u32, xe: vec4<f32>, xo: vec4<f32>) -> f32 {
     return dot(wv[0], xe) + dot(wv[1], xo);
 }
 
-// Partial sums of this invocation's 8 rows over its share of K, as two vec4 (rows 0-3, 4-7).
-// The 8 rows are written out (no loop over a private array), so every accumulator stays in a
-// register on every compiler.
-fn base_partials(s: Slot) -> array<vec4<f32>, 2> {
+// What an invocation hands to the reduction: its 8 rows' partial sums (rows 0-3, 4-7) and, for
+// NORM, its partial sum of x^2.
+struct Partials {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+    ssq: f32,
+}
+
+// Partial sums of this invocation's 8 rows over its share of K. The 8 rows are written out (no
+// loop over a private array), so every accumulator stays in a register on every compiler.
+fn base_partials(s: Slot) -> Partials {
     var lo = vec4<f32>(0.0);
     var hi = vec4<f32>(0.0);
+    var sq = 0.0;
     let first = s.row0 + s.group * TM;
     let last = p.n - 1u;
     if ((p.k % 8u) == 0u && (p.x_offset & 3u) == 0u) {
@@ -121,8 +155,13 @@ fn base_partials(s: Slot) -> array<vec4<f32>, 2> {
         let r7 = min(first + 7u, last) * row_vecs;
         let x4 = p.x_offset >> 2u;
         for (var j = s.lane; j < groups; j += LANES) {
-            let xa = x[x4 + 2u * j];
-            let xb = x[x4 + 2u * j + 1u];
+            if (NORM) {
+                let ra = x[x4 + 2u * j];
+                let rb = x[x4 + 2u * j + 1u];
+                sq += dot(ra, ra) + dot(rb, rb);
+            }
+            let xa = x_vec(x4, 2u * j);
+            let xb = x_vec(x4, 2u * j + 1u);
             var xe = xa;
             var xo = xb;
             if (W_DTYPE != 0u) {
@@ -132,60 +171,80 @@ fn base_partials(s: Slot) -> array<vec4<f32>, 2> {
             lo += vec4<f32>(dot8(r0, j, xe, xo), dot8(r1, j, xe, xo), dot8(r2, j, xe, xo), dot8(r3, j, xe, xo));
             hi += vec4<f32>(dot8(r4, j, xe, xo), dot8(r5, j, xe, xo), dot8(r6, j, xe, xo), dot8(r7, j, xe, xo));
         }
-        return array<vec4<f32>, 2>(lo, hi);
+        return Partials(lo, hi, sq);
     }
     for (var e = s.lane; e < p.k; e += LANES) {
-        let xv = x_at(p.x_offset + e);
+        if (NORM) {
+            let r = x[(p.x_offset + e) >> 2u][(p.x_offset + e) & 3u];
+            sq = fma(r, r, sq);
+        }
+        let xv = x_at(p.x_offset + e, e);
         let k = p.k;
         lo = fma(vec4<f32>(weight_at(min(first, last) * k + e), weight_at(min(first + 1u, last) * k + e),
             weight_at(min(first + 2u, last) * k + e), weight_at(min(first + 3u, last) * k + e)), vec4<f32>(xv), lo);
         hi = fma(vec4<f32>(weight_at(min(first + 4u, last) * k + e), weight_at(min(first + 5u, last) * k + e),
             weight_at(min(first + 6u, last) * k + e), weight_at(min(first + 7u, last) * k + e)), vec4<f32>(xv), hi);
     }
-    return array<vec4<f32>, 2>(lo, hi);
+    return Partials(lo, hi, sq);
 }
 
-// Adds this invocation's share of s * t . B[row] to its partials.
-fn add_lora(s: Slot, acc: ptr<function, array<vec4<f32>, 2>>) {
-    let first = s.row0 + s.group * TM;
-    let last = p.n - 1u;
-    let r = p.lora_rank;
-    let b0 = p.lora_row_offset + first;
-    let b1 = p.lora_row_offset + last;
-    for (var j = s.lane; j < r; j += LANES) {
-        let tv = vec4<f32>(t[p.lora_t_offset + j] * p.lora_scale);
-        let lo = vec4<f32>(lora_b[min(b0, b1) * r + j], lora_b[min(b0 + 1u, b1) * r + j],
-            lora_b[min(b0 + 2u, b1) * r + j], lora_b[min(b0 + 3u, b1) * r + j]);
-        let hi = vec4<f32>(lora_b[min(b0 + 4u, b1) * r + j], lora_b[min(b0 + 5u, b1) * r + j],
-            lora_b[min(b0 + 6u, b1) * r + j], lora_b[min(b0 + 7u, b1) * r + j]);
-        (*acc)[0] = fma(lo, tv, (*acc)[0]);
-        (*acc)[1] = fma(hi, tv, (*acc)[1]);
+// s * t . B[row] for one output row (added by the invocation that stores the row).
+fn lora_row(row: u32) -> f32 {
+    var acc = 0.0;
+    let b0 = (p.lora_row_offset + row) * p.lora_rank;
+    for (var j = 0u; j < p.lora_rank; j++) {
+        acc = fma(lora_b[b0 + j], t[p.lora_t_offset + j], acc);
     }
+    return acc * p.lora_scale;
 }
 
-fn reduce_store(s: Slot, acc: array<vec4<f32>, 2>, li: u32) {
+// One barrier, then the invocation li < rows (of a row inside the chunk) sums row li's LANES
+// partials (scaled by the norm for NORM); the entry point adds the LoRA expand and stores.
+fn reduce(s: Slot, part: Partials, li: u32) -> f32 {
     let at = s.group * TM * LANES + s.lane;
-    red[at] = acc[0].x;
-    red[at + LANES] = acc[0].y;
-    red[at + 2u * LANES] = acc[0].z;
-    red[at + 3u * LANES] = acc[0].w;
-    red[at + 4u * LANES] = acc[1].x;
-    red[at + 5u * LANES] = acc[1].y;
-    red[at + 6u * LANES] = acc[1].z;
-    red[at + 7u * LANES] = acc[1].w;
+    red[at] = part.lo.x;
+    red[at + LANES] = part.lo.y;
+    red[at + 2u * LANES] = part.lo.z;
+    red[at + 3u * LANES] = part.lo.w;
+    red[at + 4u * LANES] = part.hi.x;
+    red[at + 5u * LANES] = part.hi.y;
+    red[at + 6u * LANES] = part.hi.z;
+    red[at + 7u * LANES] = part.hi.w;
+    if (NORM) {
+        ssq[s.group * LANES + s.lane] = part.ssq;
+    }
     workgroupBarrier();
-    let rows = TM * (WG / LANES);
-    if (li < rows && s.row0 + li < p.n) {
-        var sum = 0.0;
+    var sum = 0.0;
+    if (stores(s, li)) {
         for (var l = 0u; l < LANES; l++) {
             sum += red[li * LANES + l];
         }
-        let idx = p.y_offset + s.row0 + li;
-        if (ACCUMULATE) {
-            y[idx] = y[idx] + sum;
-        } else {
-            y[idx] = sum;
+        if (NORM) {
+            let g = li / TM;
+            var total = 0.0;
+            for (var l = 0u; l < LANES; l++) {
+                total += ssq[g * LANES + l];
+            }
+            sum *= inverseSqrt(total / f32(p.k) + p.eps);
         }
+    }
+    return sum;
+}
+
+// Whether invocation li stores a row (row li of the workgroup, inside the chunk).
+fn stores(s: Slot, li: u32) -> bool {
+    return li < TM * (WG / LANES) && s.row0 + li < p.n;
+}
+
+fn store(s: Slot, li: u32, v: f32) {
+    let idx = p.y_offset + s.row0 + li;
+    if (GLU) {
+        let g = y[idx];
+        y[idx] = g / (1.0 + exp(-g)) * v;
+    } else if (ACCUMULATE) {
+        y[idx] = y[idx] + v;
+    } else {
+        y[idx] = v;
     }
 }
 
@@ -196,7 +255,10 @@ fn matvec(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    reduce_store(s, base_partials(s), li);
+    let v = reduce(s, base_partials(s), li);
+    if (stores(s, li)) {
+        store(s, li, v);
+    }
 }
 
 @compute @workgroup_size(64)
@@ -206,7 +268,8 @@ fn matvec_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    var acc = base_partials(s);
-    add_lora(s, &acc);
-    reduce_store(s, acc, li);
+    let v = reduce(s, base_partials(s), li);
+    if (stores(s, li)) {
+        store(s, li, v + lora_row(s.row0 + li));
+    }
 }

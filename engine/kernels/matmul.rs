@@ -32,6 +32,53 @@ pub struct MatmulParams {
     pub lora_row_offset: u32,
     /// The adapter's effective scale (user scale × alpha / r).
     pub lora_scale: f32,
+    /// Epsilon of the fused RMSNorm (matvec).
+    pub eps: f32,
+}
+
+/// The block norm a single-token linear layer applies to x first (`NORM` in `matvec.wgsl`).
+#[derive(Clone, Copy)]
+pub struct FusedNorm<'a> {
+    /// The RMSNorm1p weight `[K]` (f32).
+    pub weight: &'a wgpu::Buffer,
+    /// Epsilon.
+    pub eps: f32,
+}
+
+/// What a single-token linear layer fuses in, saving the dispatches that would do it.
+#[derive(Clone, Copy, Default)]
+pub struct Fuse<'a> {
+    /// The block's RMSNorm1p of x, before the product.
+    pub norm: Option<FusedNorm<'a>>,
+    /// SwiGLU after the product (`GLU`): `y = silu(y) · result`, y holding gate_proj's output
+    /// (up_proj writing into it).
+    pub glu: bool,
+}
+
+impl Fuse<'_> {
+    /// Nothing fused.
+    pub const NONE: Fuse<'static> = Fuse { norm: None, glu: false };
+
+    /// The `variant` bits: 1 = norm, 2 = SwiGLU.
+    pub fn code(&self) -> u32 {
+        u32::from(self.norm.is_some()) | u32::from(self.glu) << 1
+    }
+}
+
+/// The `variant` of a matvec pipeline: `LANES` and `FUSE`.
+pub fn matvec_variant(lanes: u32, fuse: u32) -> u32 {
+    lanes | fuse << 8
+}
+
+/// `LANES` and `FUSE` of a matvec pipeline variant.
+pub fn matvec_overrides(variant: u32) -> (u32, u32) {
+    (variant & 0xff, variant >> 8)
+}
+
+/// Every matvec pipeline variant (for the naga translation test).
+pub fn matvec_variants() -> &'static [u32] {
+    static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..3).map(move |p| matvec_variant(l, p))).collect())
 }
 
 /// The LoRA expand fused into a linear layer: `y += scale · t[:, offset..offset+r] · Bᵀ`.
@@ -101,6 +148,28 @@ pub fn matmul_rows(m: usize) -> u32 {
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
 /// pipelines run (no LoRA code at all).
 pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
+    linear_with(rec, w, io, lora, Fuse::NONE)
+}
+
+/// [`linear`] with a fused norm or SwiGLU; those exist for single-token steps only.
+pub fn linear_with(
+    rec: &mut Recorder,
+    w: &GpuWeight,
+    io: &LinearIo,
+    lora: Option<&LoraExpand>,
+    fuse: Fuse,
+) -> Result<(), GpuError> {
+    let bad = if fuse.code() != 0 && io.m != 1 {
+        Some(format!("a fused norm or SwiGLU needs one token, got {}", io.m))
+    } else if fuse.glu && io.accumulate {
+        Some("SwiGLU cannot also accumulate".to_string())
+    } else {
+        None
+    };
+    if let Some(message) = bad {
+        return Err(GpuError::Validation { during: "recording a linear layer".into(), message });
+    }
+    let (eps, aux) = fuse.norm.map_or((0.0, io.x), |n| (n.eps, n.weight));
     let kernel = match (io.m == 1, lora.is_some()) {
         (true, false) => Kernel::Matvec,
         (false, false) => Kernel::Matmul,
@@ -109,7 +178,11 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     for chunk in &w.chunks {
-        let variant = if io.m == 1 { matvec_lanes(chunk.rows, rec.ctx().min_workgroups()) } else { matmul_rows(io.m) };
+        let variant = if io.m == 1 {
+            matvec_variant(matvec_lanes(chunk.rows, rec.ctx().min_workgroups()), fuse.code())
+        } else {
+            matmul_rows(io.m)
+        };
         let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant };
         let params = MatmulParams {
             m: io.m as u32,
@@ -124,15 +197,21 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
             lora_t_stride: lora.map_or(0, |l| l.t_stride as u32),
             lora_row_offset: chunk.row_start as u32,
             lora_scale: lora.map_or(0.0, |l| l.scale),
+            eps,
         };
         let groups = if io.m == 1 {
-            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / variant), max)
+            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / matvec_overrides(variant).0), max)
         } else {
             [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
         };
-        match lora {
-            None => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
-            Some(l) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
+        match (lora, io.m == 1) {
+            (None, false) => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
+            (Some(l), false) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
+            // matvec binds t and the norm weight always (x where unused).
+            (None, true) => rec.dispatch(key, &params, &[io.x, io.y, io.x, aux], &[&chunk.bind_group], groups)?,
+            (Some(l), true) => {
+                rec.dispatch(key, &params, &[io.x, io.y, l.t, aux], &[&chunk.bind_group, l.b], groups)?
+            }
         }
         rec.weight_bytes(chunk.buffer.size());
     }

@@ -285,11 +285,12 @@ impl Kernel {
     /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
     pub fn io(self) -> IoSpec {
         match self {
-            Kernel::Matmul | Kernel::Matvec | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
+            Kernel::Matmul | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
+            Kernel::Matvec | Kernel::MatvecLora => &[R, W, R, R],
             Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
             Kernel::GdnDecode => &[R, R, R, W, R, W, W],
-            Kernel::MatmulLora | Kernel::MatvecLora => &[R, W, R],
+            Kernel::MatmulLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],
             Kernel::Attend => &[R, R, R, R, W],
@@ -341,7 +342,7 @@ impl Kernel {
     /// The shape variants a kernel is compiled in (`PipelineKey::variant`).
     pub fn variants(self) -> &'static [u32] {
         match self {
-            Kernel::Matvec | Kernel::MatvecLora => &crate::kernels::matmul::MATVEC_LANES,
+            Kernel::Matvec | Kernel::MatvecLora => crate::kernels::matmul::matvec_variants(),
             Kernel::Matmul | Kernel::MatmulLora => &crate::kernels::matmul::MATMUL_ROWS,
             _ => &[0],
         }
@@ -362,7 +363,8 @@ pub struct PipelineKey {
     /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
     pub accumulate: bool,
     /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group;
-    /// matmul: `TM`, the tokens per tile); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
+    /// matvec also `FUSE`, see `matmul::matvec_variant`; matmul: `TM`, the tokens per
+    /// tile); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
     pub variant: u32,
 }
 
@@ -382,7 +384,12 @@ impl PipelineKey {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
         match self.kernel {
-            Kernel::Matvec | Kernel::MatvecLora => c.push(("LANES", self.variant as f64)),
+            Kernel::Matvec | Kernel::MatvecLora => {
+                let (lanes, fuse) = crate::kernels::matmul::matvec_overrides(self.variant);
+                c.push(("LANES", lanes as f64));
+                c.push(("NORM", (fuse & 1) as f64));
+                c.push(("GLU", (fuse >> 1 & 1) as f64));
+            }
             Kernel::Matmul | Kernel::MatmulLora => c.push(("TM", self.variant as f64)),
             _ => {}
         }

@@ -12,7 +12,7 @@ use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams, GDN_STEP_MAX_D};
-use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
+use crate::kernels::matmul::{linear_with, Fuse, FusedNorm, LinearIo, LoraExpand};
 use crate::kernels::misc::{argmax, embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
@@ -52,18 +52,31 @@ struct Shrunk<'a> {
 }
 
 impl<'a> LayerLora<'a> {
-    fn shrink(
-        self,
-        rec: &mut Recorder,
-        group: InputGroup,
-        x: &wgpu::Buffer,
-        m: usize,
-    ) -> Result<Option<Shrunk<'a>>, GpuError> {
+    fn shrink(self, rec: &mut Recorder, group: InputGroup, src: Src, m: usize) -> Result<Option<Shrunk<'a>>, GpuError> {
         let Some(g) = self.adapter.group(self.layer, group) else {
             return Ok(None);
         };
-        linear(rec, &g.a, &lin(x, self.t, m, g.rank_total), None)?;
+        linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse)?;
         Ok(Some(Shrunk { lora: self, group: g }))
+    }
+}
+
+/// The input of a block's projections: a buffer and what to do to it first (single-token steps
+/// fold the block's RMSNorm or the SwiGLU product into the projections that read it).
+#[derive(Clone, Copy)]
+struct Src<'a> {
+    x: &'a wgpu::Buffer,
+    fuse: Fuse<'a>,
+}
+
+impl<'a> Src<'a> {
+    fn plain(x: &'a wgpu::Buffer) -> Self {
+        Self { x, fuse: Fuse::NONE }
+    }
+
+    /// `x` through the block norm `weight` (fused into the projections that read it).
+    fn normed(x: &'a wgpu::Buffer, weight: &'a wgpu::Buffer, eps: f32) -> Self {
+        Self { x, fuse: Fuse { norm: Some(FusedNorm { weight, eps }), glu: false } }
     }
 }
 
@@ -81,30 +94,31 @@ impl<'a> Shrunk<'a> {
     }
 }
 
-/// Shrink `x` for `group` if an adapter is active and covers it.
+/// Shrink `src` for `group` if an adapter is active and covers it.
 fn shrink<'a>(
     rec: &mut Recorder,
     lora: Option<LayerLora<'a>>,
     group: InputGroup,
-    x: &wgpu::Buffer,
+    src: Src,
     m: usize,
 ) -> Result<Option<Shrunk<'a>>, GpuError> {
     match lora {
-        Some(l) => l.shrink(rec, group, x, m),
+        Some(l) => l.shrink(rec, group, src, m),
         None => Ok(None),
     }
 }
 
-/// `linear` with the projection's LoRA expand when its group was shrunk.
+/// `linear` with the projection's LoRA expand when its group was shrunk; `io.x` is `src.x`.
 fn project(
     rec: &mut Recorder,
     w: &GpuWeight,
     io: &LinearIo,
+    src: Src,
     shrunk: &Option<Shrunk>,
     proj: Proj,
 ) -> Result<(), GpuError> {
     let expand = shrunk.as_ref().and_then(|s| s.expand(proj));
-    linear(rec, w, io, expand.as_ref())
+    linear_with(rec, w, io, expand.as_ref(), src.fuse)
 }
 
 /// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
@@ -120,19 +134,20 @@ fn gdn_block(
     w: &GdnWeights,
     conv: [&wgpu::Buffer; 2],
     state: [&wgpu::Buffer; 2],
+    src: Src,
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
-    let s = shrink(rec, lora, InputGroup::MixerIn, &sc.xnorm, t)?;
-    project(rec, &w.in_proj_qkv, &lin(&sc.xnorm, &sc.wide_a, t, cd), &s, Proj::InProjQkv)?;
-    project(rec, &w.in_proj_z, &lin(&sc.xnorm, &sc.mid_a, t, vd), &s, Proj::InProjZ)?;
+    let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
+    project(rec, &w.in_proj_qkv, &lin(src.x, &sc.wide_a, t, cd), src, &s, Proj::InProjQkv)?;
+    project(rec, &w.in_proj_z, &lin(src.x, &sc.mid_a, t, vd), src, &s, Proj::InProjZ)?;
     let fused = t == 1 && c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D;
     if fused {
         // One token: b and a land after z, and one dispatch does conv, rule and gated norm.
-        let after_z = |y_offset| LinearIo { y_offset, ..lin(&sc.xnorm, &sc.mid_a, 1, hv) };
-        project(rec, &w.in_proj_b, &after_z(vd), &s, Proj::InProjB)?;
-        project(rec, &w.in_proj_a, &after_z(vd + hv), &s, Proj::InProjA)?;
+        let after_z = |y_offset| LinearIo { y_offset, ..lin(src.x, &sc.mid_a, 1, hv) };
+        project(rec, &w.in_proj_b, &after_z(vd), src, &s, Proj::InProjB)?;
+        project(rec, &w.in_proj_a, &after_z(vd + hv), src, &s, Proj::InProjA)?;
         let params = GdnStepParams {
             c: cd as u32,
             k: c.conv_kernel as u32,
@@ -154,8 +169,8 @@ fn gdn_block(
         };
         gdn_step(rec, &w.step_params, &params, &io)?;
     } else {
-        project(rec, &w.in_proj_b, &lin(&sc.xnorm, &sc.beta, t, hv), &s, Proj::InProjB)?;
-        project(rec, &w.in_proj_a, &lin(&sc.xnorm, &sc.decay, t, hv), &s, Proj::InProjA)?;
+        project(rec, &w.in_proj_b, &lin(src.x, &sc.beta, t, hv), src, &s, Proj::InProjB)?;
+        project(rec, &w.in_proj_a, &lin(src.x, &sc.decay, t, hv), src, &s, Proj::InProjA)?;
         let params = GdnParams {
             t: t as u32,
             c: cd as u32,
@@ -190,8 +205,9 @@ fn gdn_block(
         rms_norm_gated(rec, &w.norm, &norm)?;
     }
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, h) };
-    let s = shrink(rec, lora, InputGroup::MixerOut, &sc.mid_b, t)?;
-    project(rec, &w.out_proj, &out, &s, Proj::OutProj)
+    let mid = Src::plain(&sc.mid_b);
+    let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
+    project(rec, &w.out_proj, &out, mid, &s, Proj::OutProj)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -204,14 +220,15 @@ fn attention_block(
     rope: &wgpu::Buffer,
     pos0: usize,
     s_max: usize,
+    src: Src,
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
-    let s = shrink(rec, lora, InputGroup::MixerIn, &sc.xnorm, t)?;
-    project(rec, &w.q_proj, &lin(&sc.xnorm, &sc.wide_a, t, 2 * hq * hd), &s, Proj::QProj)?;
-    project(rec, &w.k_proj, &lin(&sc.xnorm, &sc.mid_a, t, hkv * hd), &s, Proj::KProj)?;
-    project(rec, &w.v_proj, &lin(&sc.xnorm, &sc.mid_c, t, hkv * hd), &s, Proj::VProj)?;
+    let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
+    project(rec, &w.q_proj, &lin(src.x, &sc.wide_a, t, 2 * hq * hd), src, &s, Proj::QProj)?;
+    project(rec, &w.k_proj, &lin(src.x, &sc.mid_a, t, hkv * hd), src, &s, Proj::KProj)?;
+    project(rec, &w.v_proj, &lin(src.x, &sc.mid_c, t, hkv * hd), src, &s, Proj::VProj)?;
     let params = AttnParams {
         t: t as u32,
         pos0: pos0 as u32,
@@ -236,26 +253,37 @@ fn attention_block(
     };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
-    let s = shrink(rec, lora, InputGroup::MixerOut, &sc.mid_b, t)?;
-    project(rec, &w.o_proj, &out, &s, Proj::OProj)
+    let mid = Src::plain(&sc.mid_b);
+    let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
+    project(rec, &w.o_proj, &out, mid, &s, Proj::OProj)
 }
 
+/// The MLP; `fold` has up_proj apply SwiGLU as it stores (single-token steps).
 fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &Mlp,
+    src: Src,
+    fold: bool,
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
-    let s = shrink(rec, lora, InputGroup::MlpIn, &sc.xnorm, t)?;
-    project(rec, &w.gate_proj, &lin(&sc.xnorm, &sc.mlp_g, t, i), &s, Proj::GateProj)?;
-    project(rec, &w.up_proj, &lin(&sc.xnorm, &sc.mlp_u, t, i), &s, Proj::UpProj)?;
-    swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
+    let s = shrink(rec, lora, InputGroup::MlpIn, src, t)?;
+    project(rec, &w.gate_proj, &lin(src.x, &sc.mlp_g, t, i), src, &s, Proj::GateProj)?;
+    if fold {
+        // up_proj writes silu(gate) · up into gate's output as it stores.
+        let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
+        project(rec, &w.up_proj, &lin(src.x, &sc.mlp_g, t, i), glu, &s, Proj::UpProj)?;
+    } else {
+        project(rec, &w.up_proj, &lin(src.x, &sc.mlp_u, t, i), src, &s, Proj::UpProj)?;
+        swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
+    }
+    let act = Src::plain(&sc.mlp_g);
     let out = LinearIo { accumulate: true, ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size) };
-    let s = shrink(rec, lora, InputGroup::MlpOut, &sc.mlp_g, t)?;
-    project(rec, &w.down_proj, &out, &s, Proj::DownProj)
+    let s = shrink(rec, lora, InputGroup::MlpOut, act, t)?;
+    project(rec, &w.down_proj, &out, act, &s, Proj::DownProj)
 }
 
 fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
@@ -273,14 +301,14 @@ fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> Nor
 fn lm_head(
     rec: &mut Recorder,
     model: &Model,
-    sc: &Scratch,
+    src: Src,
     logits: &wgpu::Buffer,
     r0: usize,
     rows: usize,
 ) -> Result<(), GpuError> {
     let c = &model.config;
     let io = LinearIo {
-        x: &sc.xnorm,
+        x: src.x,
         x_offset: r0 * c.hidden_size,
         m: rows,
         y: logits,
@@ -288,7 +316,7 @@ fn lm_head(
         y_stride: c.vocab_size,
         accumulate: false,
     };
-    linear(rec, model.output(), &io, None)
+    linear_with(rec, model.output(), &io, None, src.fuse)
 }
 
 fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, slot: usize, bytes: u64) {
@@ -353,6 +381,10 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     let last = matches!(rows, Rows::Last | Rows::Choose { .. });
     let (r0, n) = if last { (t - 1, 1) } else { (0, t) };
     let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
+    // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
+    // the prologues of the projections that read them (no dispatch of their own).
+    let fold = t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
+    let eps = c.rms_norm_eps;
     let index = {
         let sc = &s.scratch;
         let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
@@ -362,7 +394,12 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
         for (i, layer) in model.layers.iter().enumerate() {
             let lora =
                 active.map(|(a, (t_buf, _))| LayerLora { adapter: &a.adapter, scale: a.scale, t: t_buf, layer: i });
-            rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
+            let mixer_src = if fold {
+                Src::normed(&sc.hidden, &layer.input_norm.buffer, eps)
+            } else {
+                rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
+                Src::plain(&sc.xnorm)
+            };
             if let Capture::Learn { layer, mixer_in, .. } = capture {
                 if layer == i {
                     rec.copy(&sc.xnorm, 0, mixer_in, 0, t as u64 * row);
@@ -371,10 +408,11 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
             match (&layer.mixer, &s.states[i]) {
                 (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
                     let (conv, state) = ([&conv[from], &conv[to]], [&state[from], &state[to]]);
-                    gdn_block(&mut rec, c, sc, w, conv, state, lora, t)?
+                    gdn_block(&mut rec, c, sc, w, conv, state, mixer_src, lora, t)?
                 }
                 (Mixer::Attention(w), LayerState::Attention { k, v }) => {
-                    attention_block(&mut rec, c, sc, w, (k, v), &s.rope, s.pos, s.opts.max_context, lora, t)?
+                    let cache = (k, v);
+                    attention_block(&mut rec, c, sc, w, cache, &s.rope, s.pos, s.opts.max_context, mixer_src, lora, t)?
                 }
                 _ => {
                     return Err(RunError::Gpu(GpuError::Validation {
@@ -388,13 +426,23 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                     rec.copy(&sc.hidden, row0 as u64 * row, mlp_in, 0, rows as u64 * row);
                 }
             }
-            rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
-            mlp_block(&mut rec, c, sc, &layer.mlp, lora, t)?;
+            let mlp_src = if fold {
+                Src::normed(&sc.hidden, &layer.post_norm.buffer, eps)
+            } else {
+                rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
+                Src::plain(&sc.xnorm)
+            };
+            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_src, fold, lora, t)?;
             capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
         }
-        rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
+        let head_src = if fold {
+            Src::normed(&sc.hidden, &model.norm.buffer, eps)
+        } else {
+            rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
+            Src::plain(&sc.xnorm)
+        };
         if first_rows > 0 {
-            lm_head(&mut rec, &model, sc, &s.logits, r0, first_rows)?;
+            lm_head(&mut rec, &model, head_src, &s.logits, r0, first_rows)?;
         }
         if let Rows::Choose { slot } = rows {
             argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
@@ -412,7 +460,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     while done < n && rows != Rows::Hidden {
         let rows = (n - done).min(s.logits_rows);
         let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
-        lm_head(&mut rec, &model, &s.scratch, &s.logits, r0 + done, rows)?;
+        lm_head(&mut rec, &model, Src::plain(&s.scratch.xnorm), &s.logits, r0 + done, rows)?;
         rec.submit()?;
         data.extend(s.read_logits(rows)?);
         done += rows;
