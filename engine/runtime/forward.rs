@@ -258,18 +258,19 @@ fn attention_block(
     project(rec, &w.o_proj, &out, mid, &s, Proj::OProj)
 }
 
-/// The MLP; `fold` has up_proj apply SwiGLU as it stores (single-token steps).
+/// The MLP. When its input norm is fused (single-token steps), up_proj also applies SwiGLU as it
+/// stores.
 fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &Mlp,
     src: Src,
-    fold: bool,
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
+    let fold = src.fuse.norm.is_some();
     let s = shrink(rec, lora, InputGroup::MlpIn, src, t)?;
     project(rec, &w.gate_proj, &lin(src.x, &sc.mlp_g, t, i), src, &s, Proj::GateProj)?;
     if fold {
@@ -432,7 +433,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
                 Src::plain(&sc.xnorm)
             };
-            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_src, fold, lora, t)?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_src, lora, t)?;
             capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
         }
         let head_src = if fold {
