@@ -218,18 +218,31 @@ fn profile(session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_js
 }
 
 /// What one greedy decode token costs the engine, counted by the engine itself: dispatches,
-/// submits and bytes read back per token (a generation of `decode + 1` tokens minus one of 1).
+/// submits and bytes read back per token (a generation of `decode + 1` tokens minus one of 1),
+/// with the session's default fusion, and the dispatches with the norms and SwiGLU folded into
+/// the projections (the GPU default) and without (the CPU-adapter default).
 fn per_token_counts(ctx: &GpuContext, session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
-    let mut counted = |tokens: usize| -> Result<Counters> {
+    let counted = |session: &mut Session, tokens: usize| -> Result<Counters> {
         session.reset();
         let before = ctx.counters();
         session.generate(ids, &greedy(tokens), |_| true)?;
         Ok(ctx.counters() - before)
     };
-    let (one, all) = (counted(0)?, counted(decode)?);
     let d = decode.max(1) as f64;
+    let (one, all) = (counted(session, 0)?, counted(session, decode)?);
+    let default = session.fused_decode();
+    let mut dispatches = |fused: bool| -> Result<f64> {
+        session.set_fused_decode(fused);
+        let (one, all) = (counted(session, 0)?, counted(session, decode)?);
+        Ok((all.dispatches - one.dispatches) as f64 / d)
+    };
+    let (fused, unfused) = (dispatches(true)?, dispatches(false)?);
+    session.set_fused_decode(default);
     Ok(serde_json::json!({
         "dispatches_per_token": (all.dispatches - one.dispatches) as f64 / d,
+        "dispatches_per_token_fused": fused,
+        "dispatches_per_token_unfused": unfused,
+        "fused_decode": default,
         "submits_per_token": (all.submits - one.submits) as f64 / d,
         "readback_bytes_per_token": (all.read_back - one.read_back) as f64 / d,
     }))
@@ -271,6 +284,9 @@ fn main() -> Result<()> {
         "prefill_tok_s": prefill.json(),
         "decode_tok_s": decode.json(),
         "dispatches_per_token": counts["dispatches_per_token"],
+        "dispatches_per_token_fused": counts["dispatches_per_token_fused"],
+        "dispatches_per_token_unfused": counts["dispatches_per_token_unfused"],
+        "fused_decode": counts["fused_decode"],
         "submits_per_token": counts["submits_per_token"],
         "readback_bytes_per_token": counts["readback_bytes_per_token"],
     });
@@ -332,6 +348,8 @@ fn main() -> Result<()> {
             "prefill_tok_s": lp.json(),
             "decode_tok_s": ld.json(),
             "dispatches_per_token": adapter_counts["dispatches_per_token"],
+            "dispatches_per_token_fused": adapter_counts["dispatches_per_token_fused"],
+            "dispatches_per_token_unfused": adapter_counts["dispatches_per_token_unfused"],
             "prefill_ratio_adapter_over_base": ratio(&lp, &prefill),
             "decode_ratio_adapter_over_base": ratio(&ld, &decode),
             "swap_us": swaps.json(),

@@ -137,13 +137,18 @@ fn prefill_with_adapter_equals_token_by_token_decode() {
     let mut s = Session::new(model.clone(), opts()).expect("session");
     s.set_adapter(Some((a, 1.0))).expect("set");
     let full = s.feed_all(&ids).expect("prefill").data;
-    s.reset();
-    let mut steps = Vec::new();
-    for &id in &ids {
-        steps.extend(s.feed(&[id]).expect("decode").data);
+    // Decode with the block norms and SwiGLU folded into the projections (and the shrinks), and
+    // without.
+    for fused in [false, true] {
+        s.reset();
+        s.set_fused_decode(fused);
+        let mut steps = Vec::new();
+        for &id in &ids {
+            steps.extend(s.feed(&[id]).expect("decode").data);
+        }
+        let (rel, _) = rel_and_max(&steps, &full);
+        assert!(rel <= PATHS_REL, "decode vs prefill with adapter (fused {fused}): rel {rel:.3e}");
     }
-    let (rel, _) = rel_and_max(&steps, &full);
-    assert!(rel <= PATHS_REL, "decode vs prefill with adapter: rel {rel:.3e}");
 }
 
 /// A backend that keeps the trait's adapter defaults.

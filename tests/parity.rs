@@ -76,15 +76,20 @@ fn greedy_continuations_match_transformers() {
             let ids = r.ids(&format!("prompt{p}.ids"));
             let want = r.ids(&format!("prompt{p}.generated"));
             let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
-            let mut streamed = Vec::new();
-            let got = session(&model)
-                .generate(&ids, &params, |t| {
-                    streamed.push(t);
-                    true
-                })
-                .expect("generate");
-            assert_eq!(got, want, "{name} prompt{p}: greedy continuation");
-            assert_eq!(streamed, got, "{name} prompt{p}: streamed tokens");
+            // Decode with the block norms and SwiGLU folded into the projections, and without.
+            for fused in [false, true] {
+                let mut streamed = Vec::new();
+                let mut s = session(&model);
+                s.set_fused_decode(fused);
+                let got = s
+                    .generate(&ids, &params, |t| {
+                        streamed.push(t);
+                        true
+                    })
+                    .expect("generate");
+                assert_eq!(got, want, "{name} prompt{p} (fused {fused}): greedy continuation");
+                assert_eq!(streamed, got, "{name} prompt{p}: streamed tokens");
+            }
         }
     }
 }
@@ -99,16 +104,19 @@ fn decode_after_prefill_matches_full_prefill() {
         let ids = r.ids("prompt1.ids");
         let vocab = model.config.vocab_size;
         let full = session(&model).feed_all(&ids).expect("prefill");
-        let mut s = session(&model);
-        let split = 3;
-        let head = s.feed_all(&ids[..split]).expect("prefill head");
-        let mut ours = head.data;
-        for &id in &ids[split..] {
-            ours.extend(s.feed(&[id]).expect("decode").data);
-        }
-        for (pos, (o, w)) in ours.chunks(vocab).zip(full.data.chunks(vocab)).enumerate() {
-            let (rel, _) = rel_and_max(o, w);
-            assert!(rel <= PATHS_REL, "{name} position {pos}: decode vs prefill rel {rel:.3e}");
+        for fused in [false, true] {
+            let mut s = session(&model);
+            s.set_fused_decode(fused);
+            let split = 3;
+            let head = s.feed_all(&ids[..split]).expect("prefill head");
+            let mut ours = head.data;
+            for &id in &ids[split..] {
+                ours.extend(s.feed(&[id]).expect("decode").data);
+            }
+            for (pos, (o, w)) in ours.chunks(vocab).zip(full.data.chunks(vocab)).enumerate() {
+                let (rel, _) = rel_and_max(o, w);
+                assert!(rel <= PATHS_REL, "{name} position {pos} (fused {fused}): decode vs prefill rel {rel:.3e}");
+            }
         }
     }
 }

@@ -8,7 +8,7 @@
 // together, each loading one vec4<u32> of weights per row and step (8 bf16/f16 or 4 f32 weights,
 // 16 contiguous bytes, neighbouring invocations reading neighbouring 16 bytes), so the x chunk it
 // loads is kept in registers and reused for its 8 rows. Rows per workgroup = 8 * 64 / LANES
-// (LANES 8: 64 rows, 16: 32 rows, 32: 16 rows), chosen per shape by the host. Rows past the end are
+// (LANES 8: 64 rows, 16: 32, 32: 16, 64: 8), chosen per shape by the host. Rows past the end are
 // clamped to the last row (computed, never stored), so the loop has no bound tests. The partial
 // sums of a row are reduced through workgroup memory after one barrier; the invocation that
 // stores a row adds its LoRA expand s * t . B[row] (matvec_lora).
@@ -22,7 +22,7 @@
 
 override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
-override LANES: u32 = 32u;       // invocations along K per row group: 8, 16 or 32
+override LANES: u32 = 32u;       // invocations along K per row group: 8, 16, 32 or 64
 // What the kernel fuses in (the dispatches this saves):
 // NORM: RMSNorm1p of x with weight aux[0..K] first: x * rsqrt(mean(x^2) + eps) * (1 + aux) (the
 //    block's input norm: the product runs on x * (1 + aux), each row group sums x^2 on the way,

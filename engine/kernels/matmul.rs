@@ -117,19 +117,20 @@ pub struct LinearIo<'a> {
 
 /// The `LANES` variants of `matvec.wgsl`: invocations along K per row group (rows per workgroup
 /// = 8 · 64 / LANES).
-pub const MATVEC_LANES: [u32; 3] = [8, 16, 32];
+pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
 
-/// Invocations along K for a chunk of `n` rows: the most rows per workgroup (64, then 32, then
-/// 16) that still gives the device `min_groups` workgroups. More rows per workgroup read x once
-/// for more rows, stream 128 contiguous bytes per row and step (8 lanes × 16 bytes) and leave
-/// fewer partial sums to reduce; fewer rows keep a narrow projection spread over a wide GPU.
+/// Invocations along K for a chunk of `n` rows: the most rows per workgroup (64, 32, 16, then 8)
+/// that still gives the device `min_groups` workgroups. More rows per workgroup read x once for
+/// more rows, stream 128 contiguous bytes per row and step (8 lanes × 16 bytes) and leave fewer
+/// partial sums to reduce; fewer rows keep a narrow projection (the LoRA shrinks: a few dozen
+/// rows) spread over the device.
 pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
-    for lanes in [8, 16] {
+    for lanes in [8, 16, 32] {
         if n.div_ceil(8 * 64 / lanes as usize) >= min_groups {
             return lanes;
         }
     }
-    32
+    64
 }
 
 /// The `TM` variants of `matmul.wgsl`: tokens per tile.

@@ -384,7 +384,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
     // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
     // the prologues of the projections that read them (no dispatch of their own).
-    let fold = t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
+    let fold = s.fused && t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
     let eps = c.rms_norm_eps;
     let index = {
         let sc = &s.scratch;

@@ -86,6 +86,8 @@ pub struct Session {
     pub(crate) logits_staging: Staging,
     /// GPU timings of every dispatch while profiling.
     pub(crate) profile: Option<Profile>,
+    /// Whether single-token steps fold the block norms and SwiGLU into the projections.
+    pub(crate) fused: bool,
 }
 
 impl Session {
@@ -138,6 +140,7 @@ impl Session {
             chosen,
             logits_staging,
             profile: None,
+            fused: !ctx.is_cpu(),
         };
         s.reset();
         Ok(s)
@@ -223,6 +226,20 @@ impl Session {
     /// Stop profiling and return what was timed.
     pub fn take_profile(&mut self) -> Option<Profile> {
         self.profile.take()
+    }
+
+    /// Whether single-token steps fold each block's RMSNorm and the MLP's SwiGLU into the
+    /// projections that read them (73 fewer dispatches per token at the 0.8B dimensions). The
+    /// default is on for GPUs, where a dispatch costs more than re-reading the 4 KiB norm
+    /// weight in every workgroup, and off for CPU adapters (lavapipe), where every extra load
+    /// costs instructions and the fold made decode 15 % slower (ARCHITECTURE.md, "Decode").
+    pub fn set_fused_decode(&mut self, on: bool) {
+        self.fused = on;
+    }
+
+    /// See [`Session::set_fused_decode`].
+    pub fn fused_decode(&self) -> bool {
+        self.fused
     }
 
     /// Make a submitted step of `tokens` tokens part of the sequence: its GDN states become the
