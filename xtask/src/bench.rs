@@ -235,12 +235,18 @@ pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
         md.push_str(&format!(" and {:.1} % of the host floor", f("decode_efficiency_of_host_floor") * 100.0));
     }
     md.push_str(&format!(
-        ".\n\nGreedy decode, counted by the engine: {} dispatches per token ({} with the adapter), {} submit(s) and \
-         {} bytes read back per token.\n\n",
+        ".\n\nGreedy decode, counted by the engine: {} dispatches per token ({} with the adapter) as measured here \
+         (norms and SwiGLU folded into the projections: {}), {} submit(s) and {} bytes read back per token; with \
+         the fold (the GPU default) {} dispatches ({} with the adapter), without it (the CPU-adapter default) {} ({}).\n\n",
         engine["dispatches_per_token"],
         a["dispatches_per_token"],
+        engine["fused_decode"],
         engine["submits_per_token"],
-        engine["readback_bytes_per_token"]
+        engine["readback_bytes_per_token"],
+        engine["dispatches_per_token_fused"],
+        a["dispatches_per_token_fused"],
+        engine["dispatches_per_token_unfused"],
+        a["dispatches_per_token_unfused"],
     ));
     md.push_str(&format!(
         "Targets: decode overhead with adapter ≤ 3 % ({}), prefill overhead ≤ 10 % ({}), swap ≤ 50 µs \
