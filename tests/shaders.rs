@@ -8,8 +8,8 @@ use qwen35_wgpu::model::Dtype;
 
 fn parse(shader: Shader) -> (naga::Module, naga::valid::ModuleInfo) {
     let src = shader.source();
-    let module = naga::front::wgsl::parse_str(src)
-        .unwrap_or_else(|e| panic!("{} does not parse:\n{}", shader.file_name(), e.emit_to_string(src)));
+    let module = naga::front::wgsl::parse_str(&src)
+        .unwrap_or_else(|e| panic!("{} does not parse:\n{}", shader.file_name(), e.emit_to_string(&src)));
     let info = Validator::new(ValidationFlags::all(), msl::supported_capabilities())
         .validate(&module)
         .unwrap_or_else(|e| panic!("{} does not validate: {e:?}", shader.file_name()));

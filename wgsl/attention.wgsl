@@ -103,7 +103,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         let d = li + i * WG;
         if (d < p.hd) {
             let gate = qg[gb + d];
-            out[ob + d] = acc[i] / l * (1.0 / (1.0 + exp(-gate)));
+            out[ob + d] = acc[i] / l * sigmoid(gate);
         }
     }
 }

@@ -42,10 +42,6 @@ var<workgroup> ps: array<f32, 64>;
 var<workgroup> ds: array<f32, 64>;
 var<workgroup> red: array<f32, 64>;
 
-fn sigmoid(x: f32) -> f32 {
-    return 1.0 / (1.0 + exp(-x));
-}
-
 fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
     red[li] = v;
     workgroupBarrier();

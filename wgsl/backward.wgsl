@@ -86,7 +86,7 @@ fn swiglu_bwd(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgr
     let g = src0[i];
     let u = src1[i];
     let da = dst0[i];
-    let s = 1.0 / (1.0 + exp(-g));
+    let s = sigmoid(g);
     dst0[i] = da * u * s * (1.0 + g * (1.0 - s));
     dst1[i] = da * g * s;
 }

@@ -52,7 +52,7 @@ fn conv_silu(@builtin(global_invocation_id) gid: vec3<u32>) {
         for (var j = 0u; j < p.k; j++) {
             acc = fma(conv_w[c * p.k + j], win[j], acc);
         }
-        y[t * p.c + c] = acc / (1.0 + exp(-acc));
+        y[t * p.c + c] = silu(acc);
         for (var j = 0u; j < km1; j++) {
             win[j] = win[j + 1u];
         }

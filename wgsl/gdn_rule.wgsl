@@ -28,13 +28,6 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-fn softplus(u: f32) -> f32 {
-    if (u > 20.0) {
-        return u;
-    }
-    return log(1.0 + exp(u));
-}
-
 // The state before the current token.
 fn prev(first: bool, idx: u32) -> f32 {
     if (first) {
@@ -69,7 +62,7 @@ fn delta_rule(@builtin(global_invocation_id) gid: vec3<u32>) {
         }
         let qn = inverseSqrt(qq + 1e-6) * q_scale;
         let kn = inverseSqrt(kk + 1e-6);
-        let beta = 1.0 / (1.0 + exp(-b[t * p.hv + h]));
+        let beta = sigmoid(b[t * p.hv + h]);
         let decay = exp(-a_scale * softplus(a[t * p.hv + h] + dt_bias));
         var mem = 0.0;
         for (var i = 0u; i < p.dk; i++) {

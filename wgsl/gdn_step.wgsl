@@ -59,14 +59,7 @@ fn conv_channel(ch: u32, write: bool) -> f32 {
     if (write && km1 > 0u) {
         conv_out[ch * km1 + km1 - 1u] = cur;
     }
-    return acc / (1.0 + exp(-acc));
-}
-
-fn softplus(u: f32) -> f32 {
-    if (u > 20.0) {
-        return u;
-    }
-    return log(1.0 + exp(u));
+    return silu(acc);
 }
 
 @compute @workgroup_size(128)
@@ -94,7 +87,7 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let kn = inverseSqrt(kk + 1e-6);
     let gates = p.c * p.k;
     let vd = p.hv * p.dv;
-    let beta = 1.0 / (1.0 + exp(-zba[vd + h]));
+    let beta = sigmoid(zba[vd + h]);
     let decay = exp(-exp(prm[gates + h]) * softplus(zba[vd + p.hv + h] + prm[gates + p.hv + h]));
     for (var j = li; j < p.dv; j += WG) {
         let sb = h * p.dk * p.dv + j;
@@ -120,6 +113,6 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
         let zv = zba[h * p.dv + j];
-        core[h * p.dv + j] = os[j] * scale * prm[nw + j] * (zv / (1.0 + exp(-zv)));
+        core[h * p.dv + j] = os[j] * scale * prm[nw + j] * silu(zv);
     }
 }

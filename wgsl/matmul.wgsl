@@ -7,13 +7,7 @@
 // `*_lora` entry points are the only ones that touch t and B: with no adapter the plain entry
 // points run, bit-identical to a model without LoRA.
 //
-// x: f32 activations [M, K] (row stride x_stride, starting x_offset).
-// w: one row-chunk of a weight in its checkpoint dtype, packed in u32 words, [N, K] row-major.
-// y: f32 [M, *] (row stride y_stride, starting y_offset; a chunk's first row lands at column
-//    y_offset % y_stride, so a weight split across bindings writes into one output).
-// t: f32 [M, lora_t_stride], this projection's rank columns start at lora_t_offset.
-// B: f32 [rows of the whole projection, lora_rank]; this chunk's rows start at lora_row_offset.
-// Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
+// Parameters, bindings and the weight decoder: linear.wgsl.
 //
 // Tiling: a workgroup of 16 x 16 invocations computes a TM x 64 tile of y (TM tokens, 64
 // outputs), TM / 16 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory at
@@ -26,31 +20,6 @@
 // compute loop reads whole vec4. The loads for step s + 1 are issued into
 // registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte aligned,
 // tiles are staged element by element.
-
-override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
-override ACCUMULATE: bool = false;
-
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    lora_rank: u32,
-    lora_t_offset: u32,
-    lora_t_stride: u32,
-    lora_row_offset: u32,
-    lora_scale: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> t: array<f32>;
-@group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
-@group(2) @binding(0) var<storage, read> lora_b: array<f32>;
 
 override TM: u32 = 128u; // tile rows (tokens): 128 or 64
 const TN: u32 = 64u;    // tile columns (outputs)
@@ -86,21 +55,6 @@ fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
             (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
         }
     }
-}
-
-fn x_at(e: u32) -> f32 {
-    return x[e >> 2u][e & 3u];
-}
-
-fn weight_at(e: u32) -> f32 {
-    if (W_DTYPE == 0u) {
-        return bitcast<f32>(w[e >> 2u][e & 3u]);
-    }
-    let word = w[e >> 3u][(e >> 1u) & 3u];
-    if (W_DTYPE == 1u) {
-        return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (e & 1u) == 1u));
-    }
-    return unpack2x16float(word)[e & 1u];
 }
 
 // Eight consecutive weights of a row from one vec4<u32> (16-bit) or two (f32), widened.
@@ -180,7 +134,7 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         let kg = k0 + kk;
         var xv = 0.0;
         if (kg < p.k) {
-            xv = x_at(p.x_offset + min(row0 + r, p.m - 1u) * p.x_stride + kg);
+            xv = x_elem(p.x_offset + min(row0 + r, p.m - 1u) * p.x_stride + kg);
         }
         put_x(kk, r, xv);
     }

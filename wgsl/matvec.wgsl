@@ -18,10 +18,8 @@
 // element-wise path with the same layout.
 //
 // x: f32 [K] from element x_offset. w: this weight chunk [N, K] in its checkpoint dtype, packed in
-// u32 words. y: f32, this chunk's row 0 lands at y_offset. t, B as in matmul.wgsl.
+// u32 words. y: f32, this chunk's row 0 lands at y_offset. t, B as in linear.wgsl.
 
-override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
-override ACCUMULATE: bool = false;
 override LANES: u32 = 32u;       // invocations along K per row group: 8, 16, 32 or 64
 // What the kernel fuses in (the dispatches this saves):
 // NORM: RMSNorm1p of x with weight aux[0..K] first: x * rsqrt(mean(x^2) + eps) * (1 + aux) (the
@@ -34,29 +32,8 @@ override GLU: bool = false;
 const WG: u32 = 64u;
 const TM: u32 = 8u;
 
-struct Params {
-    m: u32,
-    n: u32,
-    k: u32,
-    x_offset: u32,
-    x_stride: u32,
-    y_offset: u32,
-    y_stride: u32,
-    lora_rank: u32,
-    lora_t_offset: u32,
-    lora_t_stride: u32,
-    lora_row_offset: u32,
-    lora_scale: f32,
-    eps: f32,
-}
-
-@group(0) @binding(0) var<uniform> p: Params;
-@group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
-@group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> t: array<f32>;       // LoRA t (bound to x when unused)
+// Parameters, bindings 0-3 and the weight decoder: linear.wgsl (t is bound to x when unused).
 @group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM: its weight (x when unused)
-@group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
-@group(2) @binding(0) var<storage, read> lora_b: array<f32>;
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
@@ -75,7 +52,7 @@ fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
 // x[e] times the norm weight for NORM, before the norm scale (element e of the row, flat
 // element xe).
 fn x_at(xe: u32, e: u32) -> f32 {
-    let v = x[xe >> 2u][xe & 3u];
+    let v = x_elem(xe);
     if (NORM) {
         return v * (1.0 + aux[e >> 2u][e & 3u]);
     }
@@ -89,18 +66,6 @@ fn x_vec(x4: u32, q: u32) -> vec4<f32> {
         return v * (1.0 + aux[q]);
     }
     return v;
-}
-
-// Flat element e of the chunk (element-wise path).
-fn weight_at(e: u32) -> f32 {
-    if (W_DTYPE == 0u) {
-        return bitcast<f32>(w[e >> 2u][e & 3u]);
-    }
-    let word = w[e >> 3u][(e >> 1u) & 3u];
-    if (W_DTYPE == 1u) {
-        return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (e & 1u) == 1u));
-    }
-    return unpack2x16float(word)[e & 1u];
 }
 
 // Eight 16-bit weights of one vec4<u32>: even elements (low halves) and odd ones (high halves).
@@ -175,7 +140,7 @@ fn base_partials(s: Slot) -> Partials {
     }
     for (var e = s.lane; e < p.k; e += LANES) {
         if (NORM) {
-            let r = x[(p.x_offset + e) >> 2u][(p.x_offset + e) & 3u];
+            let r = x_elem(p.x_offset + e);
             sq = fma(r, r, sq);
         }
         let xv = x_at(p.x_offset + e, e);
@@ -240,7 +205,7 @@ fn store(s: Slot, li: u32, v: f32) {
     let idx = p.y_offset + s.row0 + li;
     if (GLU) {
         let g = y[idx];
-        y[idx] = g / (1.0 + exp(-g)) * v;
+        y[idx] = silu(g) * v;
     } else if (ACCUMULATE) {
         y[idx] = y[idx] + v;
     } else {

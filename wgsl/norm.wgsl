@@ -85,7 +85,7 @@ fn rms_norm_gated(
         let zb = p.x_offset + row * p.x_stride;
         for (var i = li; i < p.n; i += WG) {
             let z = x[zb + i];
-            y[yb + i] = y[yb + i] * scale * w[i] * (z / (1.0 + exp(-z)));
+            y[yb + i] = y[yb + i] * scale * w[i] * silu(z);
         }
     }
 }

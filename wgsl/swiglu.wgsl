@@ -16,6 +16,6 @@ fn swiglu(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups
     let i = gid.y * nwg.x * 64u + gid.x;
     if (i < p.n) {
         let x = g[i];
-        g[i] = x / (1.0 + exp(-x)) * u[i];
+        g[i] = silu(x) * u[i];
     }
 }

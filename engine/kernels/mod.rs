@@ -105,8 +105,19 @@ impl Shader {
         }
     }
 
-    /// The WGSL text, compiled into the library.
-    pub fn source(self) -> &'static str {
+    /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the linear
+    /// kernels `linear.wgsl` (their parameters, bindings and weight decoder), then the file.
+    pub fn source(self) -> String {
+        let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
+        if matches!(self, Shader::Matmul | Shader::Matvec) {
+            src.push_str(include_str!("../../wgsl/linear.wgsl"));
+        }
+        src.push_str(self.body());
+        src
+    }
+
+    /// The file's own text, compiled into the library.
+    fn body(self) -> &'static str {
         match self {
             Shader::Matmul => include_str!("../../wgsl/matmul.wgsl"),
             Shader::Matvec => include_str!("../../wgsl/matvec.wgsl"),
