@@ -8,7 +8,7 @@ use common::tolerance::{KERNEL_ATOL, KERNEL_RTOL};
 use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
-use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams};
+use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
 use qwen35_wgpu::kernels::matmul::{
     linear, linear_with, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, MATMUL_ROWS, MATVEC_LANES,
 };
@@ -366,7 +366,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                     hv: d.hv as u32,
                     dk: d.dk as u32,
                     dv: d.dv as u32,
-                    _pad: 0,
+                    eps: 0.0,
                 };
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnIo {
@@ -421,7 +421,8 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let mixed = rand(c, seed, 2.0);
                 let zba = rand(vd + 2 * d.hv, seed + 1, 3.0);
                 let (mb, zb, core) = (upload(&ctx, &mixed), upload(&ctx, &zba), upload(&ctx, &vec![0.0; vd]));
-                let params = GdnStepParams {
+                let params = GdnParams {
+                    t: 1,
                     c: c as u32,
                     k: k as u32,
                     hk: d.hk as u32,
@@ -429,7 +430,6 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                     dk: d.dk as u32,
                     dv: d.dv as u32,
                     eps: 1e-6,
-                    _pad: 0,
                 };
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnStepIo {

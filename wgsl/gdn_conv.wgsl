@@ -20,7 +20,7 @@ struct Params {
     hv: u32,
     dk: u32,
     dv: u32,
-    _pad: u32,
+    eps: f32,        // gdn_step.wgsl's gated norm (unused here)
 }
 
 const MAX_K: u32 = 8u;

@@ -16,7 +16,7 @@ struct Params {
     hv: u32,
     dk: u32,
     dv: u32,
-    _pad: u32,
+    eps: f32,        // gdn_step.wgsl's gated norm (unused here)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

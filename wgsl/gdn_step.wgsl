@@ -14,7 +14,8 @@
 // A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
 // key head's q/k conv history (the others read the same inputs and compute the same values).
 
-struct Params {
+struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
+    t: u32,           // 1 here
     c: u32,
     k: u32,
     hk: u32,
@@ -22,7 +23,6 @@ struct Params {
     dk: u32,
     dv: u32,
     eps: f32,
-    _pad: u32,
 }
 
 const WG: u32 = 128u;

@@ -211,23 +211,26 @@ impl<'a> Recorder<'a> {
         }
         let mut encoder =
             self.ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
-        let timed: Vec<(Kernel, u64)> = self
-            .ops
-            .iter()
-            .filter_map(|op| match op {
-                Op::Dispatch { kernel, weight_bytes, .. } => Some((*kernel, *weight_bytes)),
-                Op::Copy { .. } => None,
-            })
-            .take(MAX_TIMED)
-            .collect();
-        let queries = match &self.profile {
-            Some(_) if !timed.is_empty() => Some(self.ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
+        // Profiled recordings only: the dispatches to time and a query set for them.
+        let timed: Vec<(Kernel, u64)> = match &self.profile {
+            Some(_) => self
+                .ops
+                .iter()
+                .filter_map(|op| match op {
+                    Op::Dispatch { kernel, weight_bytes, .. } => Some((*kernel, *weight_bytes)),
+                    Op::Copy { .. } => None,
+                })
+                .take(MAX_TIMED)
+                .collect(),
+            None => Vec::new(),
+        };
+        let queries = (!timed.is_empty()).then(|| {
+            self.ctx.device.create_query_set(&wgpu::QuerySetDescriptor {
                 label: Some("profile"),
                 ty: wgpu::QueryType::Timestamp,
                 count: 2 * timed.len() as u32,
-            })),
-            _ => None,
-        };
+            })
+        });
         let mut i = 0;
         let mut n = 0u32;
         while i < self.ops.len() {

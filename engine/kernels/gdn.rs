@@ -5,7 +5,7 @@ use crate::error::GpuError;
 use crate::gpu::{GpuVector, Recorder};
 use crate::kernels::{Kernel, PipelineKey};
 
-/// Mirrors `Params` in `gdn_conv.wgsl` / `gdn_rule.wgsl`.
+/// Mirrors `Params` in `gdn_conv.wgsl`, `gdn_rule.wgsl` and `gdn_step.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GdnParams {
@@ -23,8 +23,8 @@ pub struct GdnParams {
     pub dk: u32,
     /// Value head dim.
     pub dv: u32,
-    /// Padding.
-    pub _pad: u32,
+    /// Epsilon of the gated RMSNorm (`gdn_step.wgsl`).
+    pub eps: f32,
 }
 
 /// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`).
@@ -76,28 +76,6 @@ pub fn gated_delta(
     )
 }
 
-/// Mirrors `Params` in `gdn_step.wgsl`.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
-pub struct GdnStepParams {
-    /// Conv channels C = 2·Kd + Vd.
-    pub c: u32,
-    /// Conv kernel width.
-    pub k: u32,
-    /// Key heads.
-    pub hk: u32,
-    /// Value heads.
-    pub hv: u32,
-    /// Key head dim.
-    pub dk: u32,
-    /// Value head dim.
-    pub dv: u32,
-    /// Epsilon of the gated RMSNorm.
-    pub eps: f32,
-    /// Padding.
-    pub _pad: u32,
-}
-
 /// Largest key and value head dims `gdn_step.wgsl` takes (`MAX_D`); larger ones use the
 /// separate conv, rule and norm dispatches.
 pub const GDN_STEP_MAX_D: usize = 256;
@@ -122,7 +100,7 @@ pub struct GdnStepIo<'a> {
 
 /// Record the conv, delta rule and gated norm of one token: one workgroup per value head.
 /// `prm` is `[conv taps | A_log | dt_bias | norm weight]`.
-pub fn gdn_step(rec: &mut Recorder, prm: &GpuVector, params: &GdnStepParams, io: &GdnStepIo) -> Result<(), GpuError> {
+pub fn gdn_step(rec: &mut Recorder, prm: &GpuVector, params: &GdnParams, io: &GdnStepIo) -> Result<(), GpuError> {
     rec.dispatch(
         PipelineKey::plain(Kernel::GdnDecode),
         params,

@@ -46,7 +46,7 @@ pub struct FusedNorm<'a> {
 }
 
 /// What a single-token linear layer fuses in, saving the dispatches that would do it.
-#[derive(Clone, Copy, Default)]
+#[derive(Clone, Copy)]
 pub struct Fuse<'a> {
     /// The block's RMSNorm1p of x, before the product.
     pub norm: Option<FusedNorm<'a>>,
@@ -78,7 +78,7 @@ pub fn matvec_overrides(variant: u32) -> (u32, u32) {
 /// Every matvec pipeline variant (for the naga translation test).
 pub fn matvec_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..3).map(move |p| matvec_variant(l, p))).collect())
+    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
 }
 
 /// The LoRA expand fused into a linear layer: `y += scale · t[:, offset..offset+r] · Bᵀ`.

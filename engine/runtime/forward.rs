@@ -11,7 +11,7 @@
 use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GdnStepParams, GDN_STEP_MAX_D};
+use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{linear_with, Fuse, FusedNorm, LinearIo, LoraExpand};
 use crate::kernels::misc::{argmax, embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -142,22 +142,22 @@ fn gdn_block(
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     project(rec, &w.in_proj_qkv, &lin(src.x, &sc.wide_a, t, cd), src, &s, Proj::InProjQkv)?;
     project(rec, &w.in_proj_z, &lin(src.x, &sc.mid_a, t, vd), src, &s, Proj::InProjZ)?;
+    let params = GdnParams {
+        t: t as u32,
+        c: cd as u32,
+        k: c.conv_kernel as u32,
+        hk: c.linear_key_heads as u32,
+        hv: hv as u32,
+        dk: c.linear_key_dim as u32,
+        dv: c.linear_value_dim as u32,
+        eps: c.rms_norm_eps,
+    };
     let fused = t == 1 && c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D;
     if fused {
         // One token: b and a land after z, and one dispatch does conv, rule and gated norm.
         let after_z = |y_offset| LinearIo { y_offset, ..lin(src.x, &sc.mid_a, 1, hv) };
         project(rec, &w.in_proj_b, &after_z(vd), src, &s, Proj::InProjB)?;
         project(rec, &w.in_proj_a, &after_z(vd + hv), src, &s, Proj::InProjA)?;
-        let params = GdnStepParams {
-            c: cd as u32,
-            k: c.conv_kernel as u32,
-            hk: c.linear_key_heads as u32,
-            hv: hv as u32,
-            dk: c.linear_key_dim as u32,
-            dv: c.linear_value_dim as u32,
-            eps: c.rms_norm_eps,
-            _pad: 0,
-        };
         let io = GdnStepIo {
             mixed: &sc.wide_a,
             zba: &sc.mid_a,
@@ -171,16 +171,6 @@ fn gdn_block(
     } else {
         project(rec, &w.in_proj_b, &lin(src.x, &sc.beta, t, hv), src, &s, Proj::InProjB)?;
         project(rec, &w.in_proj_a, &lin(src.x, &sc.decay, t, hv), src, &s, Proj::InProjA)?;
-        let params = GdnParams {
-            t: t as u32,
-            c: cd as u32,
-            k: c.conv_kernel as u32,
-            hk: c.linear_key_heads as u32,
-            hv: hv as u32,
-            dk: c.linear_key_dim as u32,
-            dv: c.linear_value_dim as u32,
-            _pad: 0,
-        };
         let io = GdnIo {
             mixed: &sc.wide_a,
             conv_y: &sc.wide_b,
