@@ -121,6 +121,18 @@ pub enum ModelError {
         /// The dtype in the file.
         found: String,
     },
+    /// Projections stored as one concatenated weight have different dtypes.
+    #[error("tensor {name}: dtype {found}, but {first} (stored with it) is {expected}")]
+    DtypeMismatch {
+        /// The tensor.
+        name: String,
+        /// The tensor it is concatenated after.
+        first: String,
+        /// That tensor's dtype.
+        expected: String,
+        /// This tensor's dtype.
+        found: String,
+    },
     /// A GPU error while uploading.
     #[error(transparent)]
     Gpu(#[from] GpuError),

@@ -10,7 +10,8 @@ use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, 
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
 use qwen35_wgpu::kernels::matmul::{
-    linear, linear_with, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, MATMUL_ROWS, MATVEC_LANES,
+    linear, linear_rows, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
+    MATMUL_ROWS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -116,7 +117,7 @@ fn linear_with_fused_lora_expand_matches_reference() {
             let bb = upload(&ctx, &b);
             let bg = ctx.weights_bind_group(&bb, "b");
             let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
-            let lora = LoraExpand { t: &tb, t_offset: offset, t_stride: stride, rank, scale: -0.75, b: &bg };
+            let lora = LoraExpand::single(&tb, (offset, stride), (rank, 0), -0.75, &bg);
             run(&ctx, |rec| linear(rec, &gw, &io, Some(&lora)));
             let mut want = cpu::linear(&x, &w, m, n, k);
             for i in 0..m {
@@ -129,6 +130,21 @@ fn linear_with_fused_lora_expand_matches_reference() {
             assert_close(&what, &read(&ctx, &yb, m * n), &want, KERNEL_ATOL, KERNEL_RTOL);
         }
     }
+}
+
+/// B for `segments` (ranks, rows) in one buffer as the adapter lays it out (each segment from a
+/// multiple of its rank), and each segment's first element.
+fn segment_b(segments: &[(usize, usize)], seed: u64) -> (Vec<f32>, Vec<usize>) {
+    let mut b = Vec::new();
+    let mut offsets = Vec::new();
+    for (j, &(rank, rows)) in segments.iter().enumerate() {
+        let off = if rank == 0 { b.len() } else { b.len().div_ceil(rank) * rank };
+        b.resize(off, 0.0);
+        b.extend(rand(rows * rank, seed + j as u64, 1.0));
+        offsets.push(off);
+    }
+    b.push(0.0);
+    (b, offsets)
 }
 
 #[test]
@@ -156,52 +172,89 @@ fn matvec_sweep_matches_reference() {
     assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "variants covered");
     for (si, &(n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
-            // (x offset, rows per chunk, LoRA rank, prologue: 0 none, 1 RMSNorm1p, 2 SwiGLU).
-            for (x_off, chunk_rows, rank, pro) in [
-                (4, n, 0, 0),
-                (3, n, 3, 0),
-                (4, 16, 5, 0),
-                (4, n, 16, 0),
-                (4, n, 0, 1),
-                (3, 16, 5, 1),
-                (4, n, 3, 2),
-                (3, n, 0, 2),
+            // (x offset, rows per chunk (0: one chunk), LoRA rank, fuse: 1 RMSNorm1p, 2 SwiGLU,
+            // first row of the view): the view's rows split in three LoRA segments (ranks r, 0
+            // and r + 2) when there are three rows; SwiGLU computes 2n rows ([gate; up]).
+            for (x_off, chunk_rows, rank, pro, view0) in [
+                (4, 0, 0, 0, 0),
+                (3, 0, 3, 0, 5),
+                (4, 16, 5, 0, 3),
+                (4, 0, 16, 0, 0),
+                (4, 0, 0, 1, 2),
+                (3, 16, 5, 1, 0),
+                (4, 0, 3, 2, 0),
+                (3, 0, 0, 2, 7),
+                (4, 0, 2, 3, 1),
             ] {
+                let glu = pro & 2 == 2;
+                let norm = pro & 1 == 1;
+                let rows = if glu { 2 * n } else { n };
+                let total = view0 + rows + 1;
                 let seed = 500 + si as u64 * 13 + dtype.size() as u64;
-                let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
-                let chunk = (chunk_rows.max(1) * k * dtype.size()) as u64;
-                let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, chunk).expect("weight");
+                let (bytes, w) = weight_bytes(&rand(total * k, seed, 1.0), dtype);
+                let chunk = (if chunk_rows == 0 { total } else { chunk_rows } * k * dtype.size()) as u64;
+                let gw = GpuWeight::upload(&ctx, "w", dtype, total, k, &bytes, chunk).expect("weight");
                 let x = rand(x_off + k, seed + 1, 1.0);
                 let y0 = rand(n + 2, seed + 2, 1.0);
-                let t = rand(rank + 2, seed + 3, 1.0);
-                let b = rand(n * rank.max(1), seed + 4, 1.0);
                 let norm_w = rand(k, seed + 5, 0.5);
+                // LoRA segments: (rank, rows), t columns after two unused ones, scales.
+                let segs: Vec<(usize, usize)> = if rows >= 3 {
+                    vec![(rank, rows / 3), (0, rows / 3), (rank + 2, rows - 2 * (rows / 3))]
+                } else {
+                    vec![(rank, rows)]
+                };
+                let scales = [0.5, 0.0, -0.25];
+                let t_offs: Vec<usize> =
+                    segs.iter().scan(2, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r))).collect();
+                let t = rand(2 + segs.iter().map(|s| s.0).sum::<usize>(), seed + 3, 1.0);
+                let (b, b_offs) = segment_b(&segs, seed + 4);
                 let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
                 let nb = upload(&ctx, &norm_w);
                 let bg = ctx.weights_bind_group(&bb, "b");
-                let lora = LoraExpand { t: &tb, t_offset: 2, t_stride: rank + 2, rank, scale: 0.5, b: &bg };
-                let (norm, glu) = (pro & 1 == 1, pro & 2 == 2);
+                let segments = segs
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &(r, rows))| LoraSegment {
+                        rows,
+                        rank: r,
+                        t_offset: t_offs[j],
+                        b_offset: b_offs[j],
+                        scale: scales[j],
+                    })
+                    .collect();
+                let lora = LoraExpand { t: &tb, t_stride: t.len(), b: &bg, segments };
                 let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
                 let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
-                run(&ctx, |rec| linear_with(rec, &gw, &io, (rank > 0).then_some(&lora), fuse));
+                let view = WeightRows { w: &gw, rows: view0..view0 + rows };
+                run(&ctx, |rec| linear_rows(rec, view, &io, (rank > 0).then_some(&lora), fuse));
                 let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };
-                let prod = cpu::linear(&xin, &w, 1, n, k);
+                let prod = cpu::linear(&xin, &w[view0 * k..(view0 + rows) * k], 1, rows, k);
+                let mut vals = prod.clone();
+                if rank > 0 {
+                    let mut start = 0;
+                    for (j, &(r, seg_rows)) in segs.iter().enumerate() {
+                        for (i, v) in vals[start..start + seg_rows].iter_mut().enumerate() {
+                            let b0 = b_offs[j] + i * r;
+                            let d: f32 = (0..r).map(|c| t[t_offs[j] + c] * b[b0 + c]).sum();
+                            *v += scales[j] * d;
+                        }
+                        start += seg_rows;
+                    }
+                }
                 let mut want = y0.clone();
                 for j in 0..n {
-                    let d: f32 = (0..rank).map(|r| t[2 + r] * b[j * rank + r]).sum();
-                    let v = prod[j] + 0.5 * d;
                     let slot = &mut want[2 + j];
                     *slot = if glu {
-                        cpu::silu(*slot) * v
+                        cpu::silu(vals[j]) * vals[n + j]
                     } else if accumulate {
-                        *slot + v
+                        *slot + vals[j]
                     } else {
-                        v
+                        vals[j]
                     };
                 }
                 let what = format!(
-                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} acc={accumulate} chunks={}",
+                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={}",
                     gw.chunks.len()
                 );
                 assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
@@ -242,7 +295,7 @@ fn matmul_sweep_matches_reference() {
                 let y0 = rand(m * (n + 1), seed + 2, 1.0);
                 let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
                 let bg = ctx.weights_bind_group(&bb, "b");
-                let lora = LoraExpand { t: &tb, t_offset: 2, t_stride: stride, rank, scale: -0.5, b: &bg };
+                let lora = LoraExpand::single(&tb, (2, stride), (rank, 0), -0.5, &bg);
                 let accumulate = rank % 2 == 1;
                 let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
                 run(&ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
@@ -420,7 +473,8 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let seed = 300 + step as u64 * 5 + di as u64;
                 let mixed = rand(c, seed, 2.0);
                 let zba = rand(vd + 2 * d.hv, seed + 1, 3.0);
-                let (mb, zb, core) = (upload(&ctx, &mixed), upload(&ctx, &zba), upload(&ctx, &vec![0.0; vd]));
+                let cat: Vec<f32> = mixed.iter().chain(&zba).copied().collect();
+                let (mb, core) = (upload(&ctx, &cat), upload(&ctx, &vec![0.0; vd]));
                 let params = GdnParams {
                     t: 1,
                     c: c as u32,
@@ -434,7 +488,6 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnStepIo {
                     mixed: &mb,
-                    zba: &zb,
                     conv_in: &conv[from],
                     conv_out: &conv[to],
                     state_in: &state[from],
@@ -488,7 +541,14 @@ fn attention_matches_reference_across_steps() {
             let qg = rand(t * hq * 2 * hd, seed, 2.0);
             let k = rand(t * hkv * hd, seed + 1, 2.0);
             let v = rand(t * hkv * hd, seed + 2, 2.0);
-            let (qgb, kb, vb) = (upload(&ctx, &qg), upload(&ctx, &k), upload(&ctx, &v));
+            // A single token reads q|gate, k and v from one buffer (the concatenated projection).
+            let cat: Vec<f32> = qg.iter().chain(&k).chain(&v).copied().collect();
+            let (qgb, kb, vb) = if t == 1 {
+                (upload(&ctx, &cat), upload(&ctx, &cat), upload(&ctx, &cat))
+            } else {
+                (upload(&ctx, &qg), upload(&ctx, &k), upload(&ctx, &v))
+            };
+            let (k_offset, v_offset) = if t == 1 { (qg.len(), qg.len() + k.len()) } else { (0, 0) };
             let (qb, out) = (upload(&ctx, &vec![0.0; t * hq * hd]), upload(&ctx, &vec![0.0; t * hq * hd]));
             let params = AttnParams {
                 t: t as u32,
@@ -500,7 +560,9 @@ fn attention_matches_reference_across_steps() {
                 s_max: s_max as u32,
                 eps: 1e-6,
                 scale: (hd as f32).powf(-0.5),
-                _pad: [0; 3],
+                k_offset: k_offset as u32,
+                v_offset: v_offset as u32,
+                _pad: 0,
             };
             let io =
                 AttnIo { qg: &qgb, kraw: &kb, vraw: &vb, q: &qb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };

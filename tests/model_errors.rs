@@ -129,6 +129,19 @@ fn missing_wrong_shape_and_wrong_dtype_tensors_are_named() {
     let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
     assert!(matches!(&e, ModelError::UnsupportedDtype { name, found } if name == victim && found == "I32"), "{e}");
 
+    // q|k|v are stored as one weight: a k_proj of another 16/32-bit dtype than q_proj is named.
+    let dir = damaged("mixed", |t| {
+        let e = t.iter_mut().find(|(n, ..)| n == victim).expect("victim");
+        e.1 = safetensors::Dtype::F16;
+        e.3.truncate(e.3.len() / 2);
+    });
+    let e = Model::load(ctx.clone(), &dir).err().expect("must fail");
+    assert!(
+        matches!(&e, ModelError::DtypeMismatch { name, first, expected, found }
+            if name == victim && first == "model.layers.1.self_attn.q_proj.weight" && expected == "F32" && found == "F16"),
+        "{e}"
+    );
+
     let dir = damaged("nohead", |t| t.retain(|(n, ..)| n != "lm_head.weight"));
     let e = Model::load(ctx.clone(), &dir).err().expect("untied model without lm_head must fail");
     assert!(matches!(&e, ModelError::MissingTensor { name, .. } if name == "lm_head.weight"), "{e}");

@@ -11,7 +11,7 @@ struct Params {
     n: u32,
     slot: u32,
     slots: u32,
-    _pad: u32,
+    offset: u32,     // adamw: first element of the tensor in param (B matrices share a buffer)
     lr: f32,
     beta1: f32,
     beta2: f32,
@@ -71,11 +71,11 @@ fn adamw(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups)
     if (p.max_norm > 0.0) {
         clip = min(1.0, p.max_norm / (sqrt(total) + 1e-6));
     }
-    let w = param[i];
+    let w = param[p.offset + i];
     let g = clip * grad[i] + p.anchor_l2 * (w - anchor[i]);
     let m = p.beta1 * m1[i] + (1.0 - p.beta1) * g;
     let v = p.beta2 * m2[i] + (1.0 - p.beta2) * g * g;
     m1[i] = m;
     m2[i] = v;
-    param[i] = w - p.lr * ((m / p.bc1) / (sqrt(v / p.bc2) + p.eps) + p.weight_decay * w);
+    param[p.offset + i] = w - p.lr * ((m / p.bc1) / (sqrt(v / p.bc2) + p.eps) + p.weight_decay * w);
 }

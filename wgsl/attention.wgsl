@@ -18,9 +18,9 @@ struct Params {
     s_max: u32,
     eps: f32,
     scale: f32,      // hd^-0.5
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    k_offset: u32,   // first element of the raw keys in kraw (prep_kv)
+    v_offset: u32,   // first element of the raw values in vraw (prep_kv)
+    _pad: u32,
 }
 
 const WG: u32 = 64u;

@@ -11,9 +11,9 @@ struct Params {
     s_max: u32,
     eps: f32,
     scale: f32,
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    k_offset: u32,   // first element of the raw keys in kraw (prep_kv)
+    v_offset: u32,   // first element of the raw values in vraw (prep_kv)
+    _pad: u32,
 }
 
 const WG: u32 = 64u;
@@ -76,8 +76,8 @@ fn prep_kv(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index
     let pos = p.pos0 + t;
     let cb = (h * p.s_max + pos) * p.hd;
     let sb = (t * p.hkv + h) * p.hd;
-    norm_rope(sb, cb, pos, li);
+    norm_rope(p.k_offset + sb, cb, pos, li);
     for (var d = li; d < p.hd; d += WG) {
-        vc[cb + d] = vraw[sb + d];
+        vc[cb + d] = vraw[p.v_offset + sb + d];
     }
 }

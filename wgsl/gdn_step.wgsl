@@ -5,8 +5,8 @@
 // convolves the head's channels once into workgroup memory, computes the q/k l2 norms once, then
 // each invocation updates state columns; the output norm is a workgroup sum.
 //
-// mixed:      [C]           in_proj_qkv output
-// zba:        [Vd + 2 Hv]   in_proj_z output, then in_proj_b's, then in_proj_a's
+// mixed:      [C + Vd + 2 Hv]  the concatenated input projections' output: in_proj_qkv's (C),
+//                           then in_proj_z's, in_proj_b's and in_proj_a's (zba below = from C)
 // conv_in:    [C, K-1]      conv history before the token; conv_out: after it (another buffer)
 // state_in:   [Hv, Dk, Dv]  recurrent state before the token; state_out: after it
 // core:       [Vd]          gated-normed output (the input of out_proj)
@@ -30,12 +30,11 @@ const MAX_D: u32 = 256u;   // largest Dk and Dv this kernel takes (the host chec
 
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> mixed: array<f32>;
-@group(0) @binding(2) var<storage, read> zba: array<f32>;
-@group(0) @binding(3) var<storage, read> conv_in: array<f32>;
-@group(0) @binding(4) var<storage, read_write> conv_out: array<f32>;
-@group(0) @binding(5) var<storage, read> state_in: array<f32>;
-@group(0) @binding(6) var<storage, read_write> state_out: array<f32>;
-@group(0) @binding(7) var<storage, read_write> core: array<f32>;
+@group(0) @binding(2) var<storage, read> conv_in: array<f32>;
+@group(0) @binding(3) var<storage, read_write> conv_out: array<f32>;
+@group(0) @binding(4) var<storage, read> state_in: array<f32>;
+@group(0) @binding(5) var<storage, read_write> state_out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> core: array<f32>;
 @group(1) @binding(0) var<storage, read> prm: array<f32>;
 
 var<workgroup> qs: array<f32, MAX_D>;
@@ -87,8 +86,8 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let kn = inverseSqrt(kk + 1e-6);
     let gates = p.c * p.k;
     let vd = p.hv * p.dv;
-    let beta = sigmoid(zba[vd + h]);
-    let decay = exp(-exp(prm[gates + h]) * softplus(zba[vd + p.hv + h] + prm[gates + p.hv + h]));
+    let beta = sigmoid(mixed[p.c + vd + h]);
+    let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
     for (var j = li; j < p.dv; j += WG) {
         let sb = h * p.dk * p.dv + j;
         var mem = 0.0;
@@ -112,7 +111,7 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let scale = inverseSqrt(ss / f32(p.dv) + p.eps);
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
-        let zv = zba[h * p.dv + j];
+        let zv = mixed[p.c + h * p.dv + j];
         core[h * p.dv + j] = os[j] * scale * prm[nw + j] * silu(zv);
     }
 }

@@ -5,8 +5,13 @@
 // w: one row-chunk of a weight in its checkpoint dtype, packed in u32 words, [N, K] row-major.
 // y: f32 [M, *] (row stride y_stride, starting y_offset; a chunk's first row lands at column
 //    y_offset % y_stride, so a weight split across bindings writes into one output).
-// t: f32 [M, lora_t_stride], this projection's rank columns start at lora_t_offset.
-// B: f32 [rows of the whole projection, lora_rank]; this chunk's rows start at lora_row_offset.
+// w_row0: the weight row (of the binding) where this dispatch's row 0 is (a dispatch computes a
+//    row range of a chunk: one projection of a concatenated weight).
+// LoRA: the dispatch's rows, numbered from lora_row0, fall in up to 4 segments of consecutive
+//    rows (the projections of a concatenated weight), segment j ending at seg_end[j]; each has
+//    its rank, its first column in t (f32 [M, lora_t_stride]), the element of B (f32, every
+//    segment's [rows, rank] in one buffer) of its row 0, and its scale. Rank 0: no adapter on
+//    those rows. matmul.wgsl takes segment 0 only (one projection per prefill dispatch).
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
@@ -20,12 +25,16 @@ struct Params {
     x_stride: u32,
     y_offset: u32,
     y_stride: u32,
-    lora_rank: u32,
-    lora_t_offset: u32,
+    w_row0: u32,
     lora_t_stride: u32,
-    lora_row_offset: u32,
-    lora_scale: f32,
+    lora_row0: u32,
     eps: f32,        // matvec NORM
+    _pad: u32,
+    seg_end: vec4<u32>,
+    seg_rank: vec4<u32>,
+    seg_t: vec4<u32>,
+    seg_b: vec4<u32>,
+    seg_scale: vec4<f32>,
 }
 
 @group(0) @binding(0) var<uniform> p: Params;

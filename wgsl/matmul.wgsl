@@ -96,7 +96,7 @@ fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     }
     let kw = k0 + (li / TN) * 8u;
     if (li < 2u * TN && kw < p.k) {
-        let wr = min(col0 + li % TN, p.n - 1u);
+        let wr = p.w_row0 + min(col0 + li % TN, p.n - 1u);
         if (W_DTYPE == 0u) {
             let we = (wr * p.k + kw) >> 2u;
             s.wa = w[we];
@@ -145,7 +145,7 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         let kg = k0 + kk;
         var wv = 0.0;
         if (kg < p.k) {
-            wv = weight_at(min(col0 + c, p.n - 1u) * p.k + kg);
+            wv = weight_at((p.w_row0 + min(col0 + c, p.n - 1u)) * p.k + kg);
         }
         put_w(kk, c, wv);
     }
@@ -173,19 +173,20 @@ fn base_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
     }
 }
 
-// The LoRA expand as extra K steps: x' = s * t[:, offset..offset + r], w' = B.
+// The LoRA expand (segment 0) as extra K steps: x' = s * t[:, offset..offset + r], w' = B.
 fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
     let row0 = wg.y * TM;
     let col0 = wg.x * TN;
-    for (var k0 = 0u; k0 < p.lora_rank; k0 += BK) {
+    let rank = p.seg_rank.x;
+    for (var k0 = 0u; k0 < rank; k0 += BK) {
         workgroupBarrier();
         for (var e = 0u; e < TM / 16u; e++) {
             let idx = li + e * 256u;
             let r = idx % TM;
             let j = k0 + idx / TM;
             var tv = 0.0;
-            if (j < p.lora_rank) {
-                tv = t[min(row0 + r, p.m - 1u) * p.lora_t_stride + p.lora_t_offset + j] * p.lora_scale;
+            if (j < rank) {
+                tv = t[min(row0 + r, p.m - 1u) * p.lora_t_stride + p.seg_t.x + j] * p.seg_scale.x;
             }
             put_x(idx / TM, r, tv);
         }
@@ -194,8 +195,8 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
             let c = idx % TN;
             let j = k0 + idx / TN;
             var bv = 0.0;
-            if (j < p.lora_rank) {
-                bv = lora_b[(p.lora_row_offset + min(col0 + c, p.n - 1u)) * p.lora_rank + j];
+            if (j < rank) {
+                bv = lora_b[p.seg_b.x + (p.lora_row0 + min(col0 + c, p.n - 1u)) * rank + j];
             }
             put_w(idx / TN, c, bv);
         }

@@ -11,7 +11,8 @@
 // (LANES 8: 64 rows, 16: 32, 32: 16, 64: 8), chosen per shape by the host. Rows past the end are
 // clamped to the last row (computed, never stored), so the loop has no bound tests. The partial
 // sums of a row are reduced through workgroup memory after one barrier; the invocation that
-// stores a row adds its LoRA expand s * t . B[row] (matvec_lora).
+// stores a row adds its LoRA expand s * t . B[row] (matvec_lora; each row finds its segment of a
+// concatenated weight, linear.wgsl).
 //
 // Rows are 16-byte aligned when K is a multiple of 8 (one vec4<u32> of 16-bit weights, two of
 // f32, per group of 8); other K (and an x offset that is not a multiple of 4) take an
@@ -25,7 +26,10 @@ override LANES: u32 = 32u;       // invocations along K per row group: 8, 16, 32
 // NORM: RMSNorm1p of x with weight aux[0..K] first: x * rsqrt(mean(x^2) + eps) * (1 + aux) (the
 //    block's input norm: the product runs on x * (1 + aux), each row group sums x^2 on the way,
 //    and the row's sum is scaled by rsqrt(mean + eps) after the reduction);
-// GLU: SwiGLU on the way out: y = silu(y) * result (up_proj writing into gate_proj's output).
+// GLU: SwiGLU on the way out, over a concatenated [gate; up] weight: the dispatch's rows are the
+//    n gate rows, then the n up rows; an invocation owns 4 gate rows and the same 4 up rows, and
+//    the storing invocation writes y[o] = silu(gate[o]) * up[o] (n outputs, half as many per
+//    workgroup).
 override NORM: bool = false;
 override GLU: bool = false;
 
@@ -39,14 +43,28 @@ var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 
 struct Slot {
-    row0: u32, // first row of the workgroup
+    row0: u32, // first output row of the workgroup
     group: u32, // row group of this invocation
     lane: u32, // position along K within the row group
 }
 
+// Output rows per invocation: TM, or 4 (gate, up) pairs with GLU.
+fn outputs() -> u32 {
+    return select(TM, TM / 2u, GLU);
+}
+
 fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
-    let rows = TM * (WG / LANES);
-    return Slot((wg.y * nwg.x + wg.x) * rows, li / LANES, li % LANES);
+    return Slot((wg.y * nwg.x + wg.x) * outputs() * (WG / LANES), li / LANES, li % LANES);
+}
+
+// The weight row (of the binding) of row slot i (0-7) of an invocation whose first output is
+// `first`: rows past the end clamped to the last; with GLU slots 4-7 are the up rows of slots 0-3.
+fn wrow(first: u32, i: u32) -> u32 {
+    if (GLU) {
+        let o = min(first + (i & 3u), p.n - 1u);
+        return p.w_row0 + select(o, p.n + o, i >= 4u);
+    }
+    return p.w_row0 + min(first + i, p.n - 1u);
 }
 
 // x[e] times the norm weight for NORM, before the norm scale (element e of the row, flat
@@ -104,20 +122,19 @@ fn base_partials(s: Slot) -> Partials {
     var lo = vec4<f32>(0.0);
     var hi = vec4<f32>(0.0);
     var sq = 0.0;
-    let first = s.row0 + s.group * TM;
-    let last = p.n - 1u;
+    let first = s.row0 + s.group * outputs();
     if ((p.k % 8u) == 0u && (p.x_offset & 3u) == 0u) {
         // 16-byte aligned rows of 8-weight groups (two vec4 per group for f32).
         let groups = p.k / 8u;
         let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
-        let r0 = min(first, last) * row_vecs;
-        let r1 = min(first + 1u, last) * row_vecs;
-        let r2 = min(first + 2u, last) * row_vecs;
-        let r3 = min(first + 3u, last) * row_vecs;
-        let r4 = min(first + 4u, last) * row_vecs;
-        let r5 = min(first + 5u, last) * row_vecs;
-        let r6 = min(first + 6u, last) * row_vecs;
-        let r7 = min(first + 7u, last) * row_vecs;
+        let r0 = wrow(first, 0u) * row_vecs;
+        let r1 = wrow(first, 1u) * row_vecs;
+        let r2 = wrow(first, 2u) * row_vecs;
+        let r3 = wrow(first, 3u) * row_vecs;
+        let r4 = wrow(first, 4u) * row_vecs;
+        let r5 = wrow(first, 5u) * row_vecs;
+        let r6 = wrow(first, 6u) * row_vecs;
+        let r7 = wrow(first, 7u) * row_vecs;
         let x4 = p.x_offset >> 2u;
         for (var j = s.lane; j < groups; j += LANES) {
             if (NORM) {
@@ -145,27 +162,46 @@ fn base_partials(s: Slot) -> Partials {
         }
         let xv = x_at(p.x_offset + e, e);
         let k = p.k;
-        lo = fma(vec4<f32>(weight_at(min(first, last) * k + e), weight_at(min(first + 1u, last) * k + e),
-            weight_at(min(first + 2u, last) * k + e), weight_at(min(first + 3u, last) * k + e)), vec4<f32>(xv), lo);
-        hi = fma(vec4<f32>(weight_at(min(first + 4u, last) * k + e), weight_at(min(first + 5u, last) * k + e),
-            weight_at(min(first + 6u, last) * k + e), weight_at(min(first + 7u, last) * k + e)), vec4<f32>(xv), hi);
+        lo = fma(vec4<f32>(weight_at(wrow(first, 0u) * k + e), weight_at(wrow(first, 1u) * k + e),
+            weight_at(wrow(first, 2u) * k + e), weight_at(wrow(first, 3u) * k + e)), vec4<f32>(xv), lo);
+        hi = fma(vec4<f32>(weight_at(wrow(first, 4u) * k + e), weight_at(wrow(first, 5u) * k + e),
+            weight_at(wrow(first, 6u) * k + e), weight_at(wrow(first, 7u) * k + e)), vec4<f32>(xv), hi);
     }
     return Partials(lo, hi, sq);
 }
 
-// s * t . B[row] for one output row (added by the invocation that stores the row).
+// s * t . B[row] for row `row` of the dispatch (added by the invocation that stores the row), with
+// the rank, t columns, B rows and scale of the segment the row falls in.
 fn lora_row(row: u32) -> f32 {
-    var acc = 0.0;
-    let b0 = (p.lora_row_offset + row) * p.lora_rank;
-    for (var j = 0u; j < p.lora_rank; j++) {
-        acc = fma(lora_b[b0 + j], t[p.lora_t_offset + j], acc);
+    let g = p.lora_row0 + row;
+    let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
+    var start = 0u;
+    if (j > 0u) {
+        start = p.seg_end[j - 1u];
     }
-    return acc * p.lora_scale;
+    let rank = p.seg_rank[j];
+    let b0 = p.seg_b[j] + (g - start) * rank;
+    let t0 = p.seg_t[j];
+    var acc = 0.0;
+    for (var c = 0u; c < rank; c++) {
+        acc = fma(lora_b[b0 + c], t[t0 + c], acc);
+    }
+    return acc * p.seg_scale[j];
 }
 
-// One barrier, then the invocation li < rows (of a row inside the chunk) sums row li's LANES
-// partials (scaled by the norm for NORM); the entry point adds the LoRA expand and stores.
-fn reduce(s: Slot, part: Partials, li: u32) -> f32 {
+// The LANES partials of row slot `at` (of the workgroup) summed.
+fn lane_sum(at: u32) -> f32 {
+    var sum = 0.0;
+    for (var l = 0u; l < LANES; l++) {
+        sum += red[at * LANES + l];
+    }
+    return sum;
+}
+
+// One barrier, then the invocation li < outputs (of an output inside the chunk) sums its row's
+// LANES partials (x; with GLU the gate row in x, the up row in y), scaled by the norm for NORM;
+// the entry point adds the LoRA expand and stores.
+fn reduce(s: Slot, part: Partials, li: u32) -> vec2<f32> {
     let at = s.group * TM * LANES + s.lane;
     red[at] = part.lo.x;
     red[at + LANES] = part.lo.y;
@@ -179,13 +215,15 @@ fn reduce(s: Slot, part: Partials, li: u32) -> f32 {
         ssq[s.group * LANES + s.lane] = part.ssq;
     }
     workgroupBarrier();
-    var sum = 0.0;
+    var sum = vec2<f32>(0.0);
     if (stores(s, li)) {
-        for (var l = 0u; l < LANES; l++) {
-            sum += red[li * LANES + l];
+        let g = li / outputs();
+        let q = li % outputs();
+        sum.x = lane_sum(g * TM + q);
+        if (GLU) {
+            sum.y = lane_sum(g * TM + TM / 2u + q);
         }
         if (NORM) {
-            let g = li / TM;
             var total = 0.0;
             for (var l = 0u; l < LANES; l++) {
                 total += ssq[g * LANES + l];
@@ -196,20 +234,19 @@ fn reduce(s: Slot, part: Partials, li: u32) -> f32 {
     return sum;
 }
 
-// Whether invocation li stores a row (row li of the workgroup, inside the chunk).
+// Whether invocation li stores an output (output li of the workgroup, inside the chunk).
 fn stores(s: Slot, li: u32) -> bool {
-    return li < TM * (WG / LANES) && s.row0 + li < p.n;
+    return li < outputs() * (WG / LANES) && s.row0 + li < p.n;
 }
 
-fn store(s: Slot, li: u32, v: f32) {
+fn store(s: Slot, li: u32, v: vec2<f32>) {
     let idx = p.y_offset + s.row0 + li;
     if (GLU) {
-        let g = y[idx];
-        y[idx] = silu(g) * v;
+        y[idx] = silu(v.x) * v.y;
     } else if (ACCUMULATE) {
-        y[idx] = y[idx] + v;
+        y[idx] = y[idx] + v.x;
     } else {
-        y[idx] = v;
+        y[idx] = v.x;
     }
 }
 
@@ -233,8 +270,13 @@ fn matvec_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    let v = reduce(s, base_partials(s), li);
+    var v = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
-        store(s, li, v + lora_row(s.row0 + li));
+        let o = s.row0 + li;
+        v.x += lora_row(o);
+        if (GLU) {
+            v.y += lora_row(p.n + o);
+        }
+        store(s, li, v);
     }
 }

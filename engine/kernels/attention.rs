@@ -26,8 +26,13 @@ pub struct AttnParams {
     pub eps: f32,
     /// Score scale hd^-0.5.
     pub scale: f32,
+    /// First element of the raw keys in `kraw` (a single token's keys follow q|gate in one
+    /// concatenated projection output).
+    pub k_offset: u32,
+    /// First element of the raw values in `vraw`.
+    pub v_offset: u32,
     /// Padding.
-    pub _pad: [u32; 3],
+    pub _pad: u32,
 }
 
 /// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`).

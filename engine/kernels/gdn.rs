@@ -82,10 +82,8 @@ pub const GDN_STEP_MAX_D: usize = 256;
 
 /// The buffers of one GDN layer's single-token step.
 pub struct GdnStepIo<'a> {
-    /// in_proj_qkv output `[C]`.
+    /// The concatenated input projections' output `[C + Vd + 2·Hv]`: in_proj_qkv, z, b, a.
     pub mixed: &'a wgpu::Buffer,
-    /// in_proj_z output `[Vd]`, then in_proj_b's and in_proj_a's `[Hv]` each.
-    pub zba: &'a wgpu::Buffer,
     /// Conv history before the token.
     pub conv_in: &'a wgpu::Buffer,
     /// Conv history after it (another buffer).
@@ -104,7 +102,7 @@ pub fn gdn_step(rec: &mut Recorder, prm: &GpuVector, params: &GdnParams, io: &Gd
     rec.dispatch(
         PipelineKey::plain(Kernel::GdnDecode),
         params,
-        &[io.mixed, io.zba, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core],
+        &[io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core],
         &[&prm.bind_group],
         [params.hv, 1, 1],
     )

@@ -259,8 +259,8 @@ pub struct AdamParams {
     pub slot: u32,
     /// Slots in use (all tensors of the adapter).
     pub slots: u32,
-    /// Padding.
-    pub _pad: u32,
+    /// First element of the tensor in its parameter buffer.
+    pub offset: u32,
     /// Learning rate.
     pub lr: f32,
     /// β1.

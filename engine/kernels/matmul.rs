@@ -1,5 +1,7 @@
 //! Every nn.Linear: `matmul.wgsl` (tiled, several tokens) or `matvec.wgsl` (one token).
 
+use std::ops::Range;
+
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
 use crate::kernels::{Kernel, PipelineKey};
@@ -22,18 +24,26 @@ pub struct MatmulParams {
     pub y_offset: u32,
     /// Row stride of y.
     pub y_stride: u32,
-    /// LoRA rank r (0 without an adapter).
-    pub lora_rank: u32,
-    /// First column of this projection's rank in t.
-    pub lora_t_offset: u32,
+    /// Weight row of the binding where the dispatch's row 0 is.
+    pub w_row0: u32,
     /// Row stride of t (the input group's total rank).
     pub lora_t_stride: u32,
-    /// Row of B where this weight chunk starts.
-    pub lora_row_offset: u32,
-    /// The adapter's effective scale (user scale × alpha / r).
-    pub lora_scale: f32,
+    /// The dispatch's row 0 among the rows the LoRA segments describe.
+    pub lora_row0: u32,
     /// Epsilon of the fused RMSNorm (matvec).
     pub eps: f32,
+    /// Padding (the segments are vec4).
+    pub _pad: u32,
+    /// End row of each LoRA segment (`u32::MAX` past the last).
+    pub seg_end: [u32; 4],
+    /// Rank of each segment (0: no adapter on its rows).
+    pub seg_rank: [u32; 4],
+    /// First column of each segment's rank in t.
+    pub seg_t: [u32; 4],
+    /// Element of B holding each segment's row 0.
+    pub seg_b: [u32; 4],
+    /// Effective scale of each segment (user scale × alpha / r).
+    pub seg_scale: [f32; 4],
 }
 
 /// The block norm a single-token linear layer applies to x first (`NORM` in `matvec.wgsl`).
@@ -50,8 +60,8 @@ pub struct FusedNorm<'a> {
 pub struct Fuse<'a> {
     /// The block's RMSNorm1p of x, before the product.
     pub norm: Option<FusedNorm<'a>>,
-    /// SwiGLU after the product (`GLU`): `y = silu(y) · result`, y holding gate_proj's output
-    /// (up_proj writing into it).
+    /// SwiGLU after the product (`GLU`) over a concatenated `[gate; up]` weight: the rows are
+    /// split in halves and `y = silu(gate) · up` (half as many outputs as rows).
     pub glu: bool,
 }
 
@@ -81,20 +91,95 @@ pub fn matvec_variants() -> &'static [u32] {
     ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
 }
 
-/// The LoRA expand fused into a linear layer: `y += scale · t[:, offset..offset+r] · Bᵀ`.
+/// One projection's LoRA expand inside a run of rows: `y += scale · t[:, t_offset..+rank] · Bᵀ`.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct LoraSegment {
+    /// Rows of the segment (the projection's output features).
+    pub rows: usize,
+    /// Rank r (0: the projection has no adapter).
+    pub rank: usize,
+    /// First column of its rank in t.
+    pub t_offset: usize,
+    /// Element of B holding its row 0 (`[rows, rank]` f32 from there).
+    pub b_offset: usize,
+    /// Effective scale.
+    pub scale: f32,
+}
+
+/// The most projections one dispatch's LoRA expand covers (the four GDN input projections).
+pub const MAX_SEGMENTS: usize = 4;
+
+/// The LoRA expand fused into a linear layer: the rows of the view the layer runs, in
+/// consecutive segments, one per projection.
 pub struct LoraExpand<'a> {
     /// Shrink output `[m, t_stride]` (`t = x · Aᵀ` for the whole input group).
     pub t: &'a wgpu::Buffer,
-    /// First column of this projection's rank in t.
-    pub t_offset: usize,
     /// Row stride of t.
     pub t_stride: usize,
-    /// Rank r.
-    pub rank: usize,
-    /// Effective scale.
-    pub scale: f32,
-    /// Group-2 bind group over B `[out, r]` (f32).
+    /// Group-2 bind group over B (f32, every segment's `[rows, rank]`).
     pub b: &'a wgpu::BindGroup,
+    /// The segments, in row order, covering the rows.
+    pub segments: Vec<LoraSegment>,
+}
+
+/// The uniform fields of up to four segments: ends, ranks, t columns, B elements, scales.
+type SegmentFields = ([u32; 4], [u32; 4], [u32; 4], [u32; 4], [f32; 4]);
+
+impl<'a> LoraExpand<'a> {
+    /// One projection: `y += scale · t[:, t_offset..t_offset + rank] · Bᵀ`, B `[rows, rank]` from
+    /// element `b_offset`.
+    pub fn single(
+        t: &'a wgpu::Buffer,
+        (t_offset, t_stride): (usize, usize),
+        (rank, b_offset): (usize, usize),
+        scale: f32,
+        b: &'a wgpu::BindGroup,
+    ) -> Self {
+        let seg = LoraSegment { rows: usize::MAX, rank, t_offset, b_offset, scale };
+        Self { t, t_stride, b, segments: vec![seg] }
+    }
+
+    fn fields(&self) -> Result<SegmentFields, GpuError> {
+        if self.segments.len() > MAX_SEGMENTS {
+            return Err(GpuError::Validation {
+                during: "recording a linear layer".into(),
+                message: format!("{} LoRA segments, at most {MAX_SEGMENTS}", self.segments.len()),
+            });
+        }
+        let mut f = ([u32::MAX; 4], [0; 4], [0; 4], [0; 4], [0.0; 4]);
+        let mut end = 0usize;
+        for (j, s) in self.segments.iter().enumerate() {
+            end = end.saturating_add(s.rows);
+            f.0[j] = u32::try_from(end).unwrap_or(u32::MAX);
+            f.1[j] = s.rank as u32;
+            f.2[j] = s.t_offset as u32;
+            f.3[j] = s.b_offset as u32;
+            f.4[j] = s.scale;
+        }
+        Ok(f)
+    }
+}
+
+/// Rows `rows` of a weight: what one linear layer computes (a whole projection, or one
+/// projection of a concatenated weight).
+#[derive(Clone)]
+pub struct WeightRows<'a> {
+    /// The weight.
+    pub w: &'a GpuWeight,
+    /// Its rows.
+    pub rows: Range<usize>,
+}
+
+impl<'a> WeightRows<'a> {
+    /// Every row of `w`.
+    pub fn all(w: &'a GpuWeight) -> Self {
+        Self { w, rows: 0..w.rows }
+    }
+
+    /// Whether the rows lie in one binding (what the SwiGLU pairing needs).
+    pub fn in_one_chunk(&self) -> bool {
+        self.w.chunks.iter().any(|c| c.row_start <= self.rows.start && self.rows.end <= c.row_start + c.rows)
+    }
 }
 
 /// Where a linear layer reads and writes.
@@ -149,7 +234,7 @@ pub fn matmul_rows(m: usize) -> u32 {
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
 /// pipelines run (no LoRA code at all).
 pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
-    linear_with(rec, w, io, lora, Fuse::NONE)
+    linear_rows(rec, WeightRows::all(w), io, lora, Fuse::NONE)
 }
 
 /// [`linear`] with a fused norm or SwiGLU; those exist for single-token steps only.
@@ -160,10 +245,30 @@ pub fn linear_with(
     lora: Option<&LoraExpand>,
     fuse: Fuse,
 ) -> Result<(), GpuError> {
+    linear_rows(rec, WeightRows::all(w), io, lora, fuse)
+}
+
+/// [`linear_with`] over the rows `view.rows` of a weight, one dispatch per chunk they touch; y's
+/// column 0 is the view's first row. With SwiGLU the rows are `[gate; up]` in one chunk and y gets
+/// half as many columns.
+pub fn linear_rows(
+    rec: &mut Recorder,
+    view: WeightRows,
+    io: &LinearIo,
+    lora: Option<&LoraExpand>,
+    fuse: Fuse,
+) -> Result<(), GpuError> {
+    let rows = view.rows.clone();
     let bad = if fuse.code() != 0 && io.m != 1 {
         Some(format!("a fused norm or SwiGLU needs one token, got {}", io.m))
     } else if fuse.glu && io.accumulate {
         Some("SwiGLU cannot also accumulate".to_string())
+    } else if fuse.glu && (!rows.len().is_multiple_of(2) || !view.in_one_chunk()) {
+        Some(format!("SwiGLU pairs the halves of rows {rows:?} in one binding"))
+    } else if rows.end > view.w.rows || rows.start > rows.end {
+        Some(format!("rows {rows:?} of a weight with {} rows", view.w.rows))
+    } else if lora.is_some_and(|l| io.m != 1 && l.segments.len() != 1) {
+        Some("a multi-token linear layer takes one LoRA segment".to_string())
     } else {
         None
     };
@@ -178,32 +283,51 @@ pub fn linear_with(
         (false, true) => Kernel::MatmulLora,
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let w = view.w;
+    let (seg_end, seg_rank, seg_t, seg_b, seg_scale) = match lora {
+        Some(l) => l.fields()?,
+        None => ([u32::MAX; 4], [0; 4], [0; 4], [0; 4], [0.0; 4]),
+    };
     for chunk in &w.chunks {
+        let lo = rows.start.max(chunk.row_start);
+        let hi = rows.end.min(chunk.row_start + chunk.rows);
+        if lo >= hi {
+            continue;
+        }
+        // Rows computed, and outputs stored (half of them with SwiGLU).
+        let n_rows = hi - lo;
+        let n_out = if fuse.glu { n_rows / 2 } else { n_rows };
         let variant = if io.m == 1 {
-            matvec_variant(matvec_lanes(chunk.rows, rec.ctx().min_workgroups()), fuse.code())
+            matvec_variant(matvec_lanes(n_rows, rec.ctx().min_workgroups()), fuse.code())
         } else {
             matmul_rows(io.m)
         };
         let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant };
+        let row0 = lo - rows.start;
         let params = MatmulParams {
             m: io.m as u32,
-            n: chunk.rows as u32,
+            n: n_out as u32,
             k: w.cols as u32,
             x_offset: io.x_offset as u32,
             x_stride: w.cols as u32,
-            y_offset: (io.y_offset + chunk.row_start) as u32,
+            y_offset: (io.y_offset + row0) as u32,
             y_stride: io.y_stride as u32,
-            lora_rank: lora.map_or(0, |l| l.rank as u32),
-            lora_t_offset: lora.map_or(0, |l| l.t_offset as u32),
+            w_row0: (lo - chunk.row_start) as u32,
             lora_t_stride: lora.map_or(0, |l| l.t_stride as u32),
-            lora_row_offset: chunk.row_start as u32,
-            lora_scale: lora.map_or(0.0, |l| l.scale),
+            lora_row0: row0 as u32,
             eps,
+            _pad: 0,
+            seg_end,
+            seg_rank,
+            seg_t,
+            seg_b,
+            seg_scale,
         };
         let groups = if io.m == 1 {
-            grid_1d((chunk.rows as u32).div_ceil(8 * 64 / matvec_overrides(variant).0), max)
+            let per_group = if fuse.glu { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
+            grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
-            [(chunk.rows as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
+            [(n_out as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
         };
         match (lora, io.m == 1) {
             (None, false) => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
@@ -214,7 +338,7 @@ pub fn linear_with(
                 rec.dispatch(key, &params, &[io.x, io.y, l.t, aux], &[&chunk.bind_group, l.b], groups)?
             }
         }
-        rec.weight_bytes(chunk.buffer.size());
+        rec.weight_bytes((n_rows * w.cols * w.dtype.size()) as u64);
     }
     Ok(())
 }

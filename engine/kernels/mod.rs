@@ -300,7 +300,7 @@ impl Kernel {
             Kernel::Matvec | Kernel::MatvecLora => &[R, W, R, R],
             Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
-            Kernel::GdnDecode => &[R, R, R, W, R, W, W],
+            Kernel::GdnDecode => &[R, R, W, R, W, W],
             Kernel::MatmulLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],

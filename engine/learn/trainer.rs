@@ -12,7 +12,7 @@ use crate::kernels::learn::{
     adamw, attention_bwd, ce_grad, lora_grad, matmul_dx, norm_rope_bwd, rms_norm_bwd, sum_squares, swiglu_bwd,
     AdamParams, AdamTensor, AttnBwdIo, AttnBwdParams, DxIo, DxWeight, NormRopeBwdParams, View,
 };
-use crate::kernels::matmul::{linear, LinearIo, LoraExpand};
+use crate::kernels::matmul::{linear, linear_rows, Fuse, LinearIo, LoraExpand, WeightRows};
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, NormIo};
 use crate::learn::{check_learnable, validate_events, LearnOptions, LearnReport, ModuleGrad, Signal, TokenEvent};
@@ -24,7 +24,10 @@ use crate::runtime::Session;
 
 /// One trainable tensor (a group's concatenated A, or one projection's B) and its state.
 struct Tensor {
+    /// The buffer holding the parameter, from element `offset` (the B matrices of an input
+    /// group share one buffer).
     param: wgpu::Buffer,
+    offset: usize,
     grad: wgpu::Buffer,
     m: wgpu::Buffer,
     v: wgpu::Buffer,
@@ -100,11 +103,12 @@ impl Trainer {
         let mut a_of = [None; 4];
         let mut b_of = Vec::new();
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("anchors") });
-        let mut add = |name: String, param: &wgpu::Buffer, n: usize| -> Result<usize, LearnError> {
+        let mut add = |name: String, param: &wgpu::Buffer, offset: usize, n: usize| -> Result<usize, LearnError> {
             let bytes = (n * 4) as u64;
             let f = |what: &str| ctx.storage_buffer(&format!("{name} {what}"), bytes, true);
-            let t = Tensor { param: param.clone(), grad: f("grad")?, m: f("m")?, v: f("v")?, anchor: f("anchor")?, n };
-            enc.copy_buffer_to_buffer(param, 0, &t.anchor, 0, bytes);
+            let (grad, m, v, anchor) = (f("grad")?, f("m")?, f("v")?, f("anchor")?);
+            let t = Tensor { param: param.clone(), offset, grad, m, v, anchor, n };
+            enc.copy_buffer_to_buffer(param, (offset * 4) as u64, &t.anchor, 0, bytes);
             tensors.push(t);
             Ok(tensors.len() - 1)
         };
@@ -117,10 +121,9 @@ impl Trainer {
                     why: "a LoRA A larger than one storage binding".into(),
                 });
             };
-            a_of[slot(group)] = Some(add(format!("{group:?} A"), &chunk.buffer, g.rank_total * g.a.cols)?);
+            a_of[slot(group)] = Some(add(format!("{group:?} A"), &chunk.buffer, 0, g.rank_total * g.a.cols)?);
             for m in &g.members {
-                let out = m.proj.dims(c).1;
-                b_of.push((m.proj, add(format!("{} B", m.proj.path()), &m.b, out * m.rank)?));
+                b_of.push((m.proj, add(format!("{} B", m.proj.path()), &g.b, m.b_offset, m.out * m.rank)?));
             }
         }
         ctx.submit(enc.finish(), 0);
@@ -282,17 +285,19 @@ impl Trainer {
         let expand = |proj: Proj| -> Option<LoraExpand<'_>> {
             let g = mlp_in?;
             let m = g.member(proj)?;
-            Some(LoraExpand {
-                t: &b.t,
-                t_offset: m.t_offset,
-                t_stride: g.rank_total,
-                rank: m.rank,
-                scale: m.scaling * scale,
-                b: &m.bind_group,
-            })
+            Some(LoraExpand::single(
+                &b.t,
+                (m.t_offset, g.rank_total),
+                (m.rank, m.b_offset),
+                m.scaling * scale,
+                &g.b_bind,
+            ))
         };
-        linear(&mut rec, &layer.mlp.gate_proj, &lin(r, &b.n2, 0, &b.g, i), expand(Proj::GateProj).as_ref())?;
-        linear(&mut rec, &layer.mlp.up_proj, &lin(r, &b.n2, 0, &b.u, i), expand(Proj::UpProj).as_ref())?;
+        let gate_up = &layer.mlp.gate_up;
+        let (gate, up) = (WeightRows { w: gate_up, rows: 0..i }, WeightRows { w: gate_up, rows: i..2 * i });
+        let (gate_io, up_io) = (lin(r, &b.n2, 0, &b.g, i), lin(r, &b.n2, 0, &b.u, i));
+        linear_rows(&mut rec, gate, &gate_io, expand(Proj::GateProj).as_ref(), Fuse::NONE)?;
+        linear_rows(&mut rec, up, &up_io, expand(Proj::UpProj).as_ref(), Fuse::NONE)?;
         rec.copy(&b.g, 0, &b.a, 0, (r * i * 4) as u64);
         swiglu(&mut rec, &b.a, &b.u, r * i)?;
         // down_proj: da = dh · W (into du), its LoRA gradients, and da += s · (dh·B) · A.
@@ -313,9 +318,9 @@ impl Trainer {
         let qkv_group = adapter.group(*li, InputGroup::MixerIn);
         let need_mixer = o_group.is_some() || qkv_group.is_some();
         if need_mixer {
-            matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.gate_proj), 0..i, &dx(r, &b.a, i, &b.dn2, h))?;
+            matmul_dx(&mut rec, &DxWeight::chunks(gate_up), 0..i, &dx(r, &b.a, i, &b.dn2, h))?;
             let up = DxIo { accumulate: true, ..dx(r, &b.du, i, &b.dn2, h) };
-            matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.up_proj), 0..i, &up)?;
+            matmul_dx(&mut rec, &DxWeight::chunks(gate_up), i..2 * i, &up)?;
         }
         // gate/up LoRA gradients (t = n2·Aᵀ again: the down shrink reused the buffer).
         if let Some(g) = mlp_in {
@@ -440,22 +445,23 @@ impl Trainer {
         scale: f32,
     ) -> Result<Vec<ModuleGrad>, LearnError> {
         self.accumulate(session, events, scale)?;
-        self.read(|t| &t.grad)
+        self.read(|t| (&t.grad, 0))
     }
 
     /// The adapter's current weights per module.
     pub(crate) fn weights(&self) -> Result<Vec<ModuleGrad>, LearnError> {
-        self.read(|t| &t.param)
+        self.read(|t| (&t.param, t.offset))
     }
 
-    fn read(&self, pick: impl Fn(&Tensor) -> &wgpu::Buffer) -> Result<Vec<ModuleGrad>, LearnError> {
+    fn read(&self, pick: impl Fn(&Tensor) -> (&wgpu::Buffer, usize)) -> Result<Vec<ModuleGrad>, LearnError> {
         let ctx = &self.model.ctx;
         let mut out = Vec::new();
         for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
             let (Some(g), Some(ai)) = (self.adapter.group(self.layer, group), self.a_of[slot(group)]) else {
                 continue;
             };
-            let a = read_f32(ctx, pick(&self.tensors[ai]), 0, self.tensors[ai].n)?;
+            let (buf, offset) = pick(&self.tensors[ai]);
+            let a = read_f32(ctx, buf, offset, self.tensors[ai].n)?;
             for m in &g.members {
                 let Some((_, bi)) = self.b_of.iter().find(|(p, _)| *p == m.proj) else { continue };
                 let cols = g.a.cols;
@@ -463,7 +469,10 @@ impl Trainer {
                     layer: self.layer,
                     proj: m.proj,
                     a: a[m.t_offset * cols..(m.t_offset + m.rank) * cols].to_vec(),
-                    b: read_f32(ctx, pick(&self.tensors[*bi]), 0, self.tensors[*bi].n)?,
+                    b: {
+                        let (buf, offset) = pick(&self.tensors[*bi]);
+                        read_f32(ctx, buf, offset, self.tensors[*bi].n)?
+                    },
                 });
             }
         }
@@ -492,6 +501,7 @@ impl Trainer {
                 n: x.n as u32,
                 slot: k as u32,
                 slots: self.tensors.len() as u32,
+                offset: x.offset as u32,
                 lr: opts.lr,
                 beta1: opts.beta1,
                 beta2: opts.beta2,
@@ -555,7 +565,9 @@ fn module_grads(
     let t_view = View { buf: &b.t, offset: t_row0 * g.rank_total + m.t_offset, stride: g.rank_total };
     let gb = View { buf: &tb.grad, offset: 0, stride: m.rank };
     lora_grad(rec, dy_view, t_view, gb, out, m.rank, rows, s, !first)?;
-    let bw = DxWeight { bind_group: &m.bind_group, dtype: Dtype::F32, row_start: 0, rows: out, k: m.rank };
+    // B is rows b_offset / r .. + out of the group's B buffer seen as a [_, r] matrix.
+    let b0 = m.b_offset / m.rank;
+    let bw = DxWeight { bind_group: &g.b_bind, dtype: Dtype::F32, row_start: 0, rows: b0 + out, k: m.rank };
     let io = DxIo {
         dy: dy.0,
         dy_offset: 0,
@@ -567,7 +579,7 @@ fn module_grads(
         scale: 1.0,
         accumulate: false,
     };
-    matmul_dx(rec, &[bw], 0..out, &io)?;
+    matmul_dx(rec, &[bw], b0..b0 + out, &io)?;
     let ga = View { buf: &ta.grad, offset: m.t_offset * g.a.cols, stride: g.a.cols };
     let ur = View { buf: &b.ur, offset: 0, stride: m.rank };
     lora_grad(rec, ur, x, ga, m.rank, g.a.cols, rows, s, !first)

@@ -3,8 +3,9 @@
 //!
 //! Per (layer, input group) the A matrices of the projections that read the same input are
 //! concatenated into one `[Σr, in]` f32 matrix, so one shrink dispatch computes `t = x·Aᵀ` for
-//! all of them; each projection's B `[out, r]` (f32) has its own group-2 bind group, used by the
-//! fused expand in the base matmul.
+//! all of them; their B matrices (`[out, r]` f32 each) lie in one buffer with one group-2 bind
+//! group, so the fused expand of a concatenated weight (q|k|v, the GDN input projections,
+//! gate|up) covers every projection in one dispatch.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -25,10 +26,11 @@ pub struct LoraMember {
     pub rank: usize,
     /// alpha / r (or alpha / √r), before the user's scale.
     pub scaling: f32,
-    /// B `[out, r]` f32.
-    pub b: wgpu::Buffer,
-    /// Group-2 bind group over `b`.
-    pub bind_group: wgpu::BindGroup,
+    /// Output features (rows of B).
+    pub out: usize,
+    /// Element of the group's B buffer where this B `[out, r]` starts (a multiple of r, so B is
+    /// also rows `b_offset / r ..` of a `[_, r]` matrix).
+    pub b_offset: usize,
 }
 
 /// The projections of one layer that share an input.
@@ -39,6 +41,10 @@ pub struct LoraGroup {
     pub rank_total: usize,
     /// The projections, in [`Proj::ALL`] order.
     pub members: Vec<LoraMember>,
+    /// Every member's B, f32.
+    pub b: wgpu::Buffer,
+    /// Group-2 bind group over `b`.
+    pub b_bind: wgpu::BindGroup,
 }
 
 impl LoraGroup {
@@ -111,23 +117,28 @@ impl LoraAdapter {
                 )?;
                 bytes += a.bytes();
                 let mut members = Vec::with_capacity(deltas.len());
+                let mut b_cat: Vec<f32> = Vec::new();
                 let mut t_offset = 0;
                 for d in deltas {
-                    let label = format!("lora {} layers.{layer}.{} B", parsed.name, d.proj.path());
-                    let b = ctx.upload(&label, bytemuck::cast_slice(&d.b))?;
-                    bytes += b.size();
-                    let bind_group = ctx.weights_bind_group(&b, &label);
+                    let b_offset = b_cat.len().div_ceil(d.rank) * d.rank;
+                    b_cat.resize(b_offset, 0.0);
+                    b_cat.extend_from_slice(&d.b);
+                    let out = d.b.len() / d.rank;
                     members.push(LoraMember {
                         proj: d.proj,
                         t_offset,
                         rank: d.rank,
                         scaling: d.scaling,
-                        b,
-                        bind_group,
+                        out,
+                        b_offset,
                     });
                     t_offset += d.rank;
                 }
-                slots[group as usize] = Some(LoraGroup { a, rank_total, members });
+                let label = format!("lora {} layers.{layer} {group:?} B", parsed.name);
+                let b = ctx.upload(&label, bytemuck::cast_slice(&b_cat))?;
+                bytes += b.size();
+                let b_bind = ctx.weights_bind_group(&b, &label);
+                slots[group as usize] = Some(LoraGroup { a, rank_total, members, b, b_bind });
             }
         }
         let mut ranks: Vec<usize> = parsed.deltas.iter().map(|d| d.rank).collect();

@@ -6,7 +6,10 @@
 //! * tied embeddings: no `lm_head.weight` means lm_head reuses `embed_tokens.weight`;
 //! * `conv1d.weight` `[C, 1, K]` is read as `[C, K]`;
 //! * `A_log` and `dt_bias` are packed into one `[2, Hv]` f32 vector;
-//! * matrices keep their dtype; small vectors are widened to f32 (exact).
+//! * matrices keep their dtype; small vectors are widened to f32 (exact);
+//! * projections that read the same input are stored as one weight, rows concatenated in a fixed
+//!   order (`q|k|v`, `in_proj_qkv|z|b|a`, `gate|up`): a decode step runs each in one dispatch,
+//!   a prefill step runs the row range of each projection.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -31,12 +34,9 @@ impl Default for LoadOptions {
 
 /// Weights of a gated attention layer.
 pub struct AttnWeights {
-    /// `q_proj.weight` `[2·Hq·hd, H]` (query and gate interleaved per head).
-    pub q_proj: GpuWeight,
-    /// `k_proj.weight` `[Hkv·hd, H]`.
-    pub k_proj: GpuWeight,
-    /// `v_proj.weight` `[Hkv·hd, H]`.
-    pub v_proj: GpuWeight,
+    /// `q_proj.weight` `[2·Hq·hd, H]` (query and gate interleaved per head), `k_proj.weight`
+    /// `[Hkv·hd, H]` and `v_proj.weight` `[Hkv·hd, H]`, rows concatenated.
+    pub qkv: GpuWeight,
     /// `o_proj.weight` `[H, Hq·hd]`.
     pub o_proj: GpuWeight,
     /// `q_norm.weight` `[hd]`.
@@ -47,14 +47,9 @@ pub struct AttnWeights {
 
 /// Weights of a Gated DeltaNet layer.
 pub struct GdnWeights {
-    /// `in_proj_qkv.weight` `[C, H]`.
-    pub in_proj_qkv: GpuWeight,
-    /// `in_proj_z.weight` `[Vd, H]`.
-    pub in_proj_z: GpuWeight,
-    /// `in_proj_b.weight` `[Hv, H]`.
-    pub in_proj_b: GpuWeight,
-    /// `in_proj_a.weight` `[Hv, H]`.
-    pub in_proj_a: GpuWeight,
+    /// `in_proj_qkv.weight` `[C, H]`, `in_proj_z.weight` `[Vd, H]`, `in_proj_b.weight` `[Hv, H]`
+    /// and `in_proj_a.weight` `[Hv, H]`, rows concatenated.
+    pub in_proj: GpuWeight,
     /// `out_proj.weight` `[H, Vd]`.
     pub out_proj: GpuWeight,
     /// `conv1d.weight` as `[C, K]` f32.
@@ -78,10 +73,8 @@ pub enum Mixer {
 
 /// SwiGLU MLP weights.
 pub struct Mlp {
-    /// `gate_proj.weight` `[I, H]`.
-    pub gate_proj: GpuWeight,
-    /// `up_proj.weight` `[I, H]`.
-    pub up_proj: GpuWeight,
+    /// `gate_proj.weight` `[I, H]` and `up_proj.weight` `[I, H]`, rows concatenated.
+    pub gate_up: GpuWeight,
     /// `down_proj.weight` `[H, I]`.
     pub down_proj: GpuWeight,
 }
@@ -151,6 +144,46 @@ impl Loader<'_> {
         Ok(GpuWeight::upload(self.ctx, full, dtype, rows, cols, &bytes, self.opts.max_chunk_bytes)?)
     }
 
+    /// Several `[rows, cols]` matrices of one dtype as one weight, rows concatenated in order.
+    fn concat(&self, parts: &[(String, usize)], cols: usize) -> Result<GpuWeight, ModelError> {
+        let mut bytes = Vec::new();
+        let mut first: Option<(String, Dtype, String)> = None;
+        for (name, rows) in parts {
+            let full = self.full(name);
+            let entry = self
+                .ckpt
+                .get(&full)
+                .ok_or_else(|| ModelError::MissingTensor { name: full.clone(), candidates: vec![full.clone()] })?;
+            if entry.shape != [*rows, cols] {
+                return Err(ModelError::ShapeMismatch {
+                    name: full,
+                    expected: vec![*rows, cols],
+                    found: entry.shape.clone(),
+                });
+            }
+            let dtype = Dtype::from_safetensors(&entry.dtype)
+                .ok_or_else(|| ModelError::UnsupportedDtype { name: full.clone(), found: entry.dtype.clone() })?;
+            match &first {
+                Some((name0, d0, s0)) if *d0 != dtype => {
+                    return Err(ModelError::DtypeMismatch {
+                        name: full,
+                        first: name0.clone(),
+                        expected: s0.clone(),
+                        found: entry.dtype.clone(),
+                    })
+                }
+                Some(_) => {}
+                None => first = Some((full.clone(), dtype, entry.dtype.clone())),
+            }
+            bytes.extend_from_slice(&self.ckpt.read(entry)?);
+        }
+        let Some((name0, dtype, _)) = first else {
+            return Err(ModelError::MissingTensor { name: "(no projection)".into(), candidates: Vec::new() });
+        };
+        let rows = parts.iter().map(|(_, r)| r).sum();
+        Ok(GpuWeight::upload(self.ctx, &name0, dtype, rows, cols, &bytes, self.opts.max_chunk_bytes)?)
+    }
+
     fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         self.ckpt.read_f32(&self.full(name), shape)
     }
@@ -198,10 +231,13 @@ impl Model {
             let mixer = match ty {
                 LayerType::Full => {
                     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+                    let qkv = [
+                        (format!("{p}self_attn.q_proj.weight"), 2 * hq * hd),
+                        (format!("{p}self_attn.k_proj.weight"), hkv * hd),
+                        (format!("{p}self_attn.v_proj.weight"), hkv * hd),
+                    ];
                     Mixer::Attention(AttnWeights {
-                        q_proj: l.matrix(&format!("{p}self_attn.q_proj.weight"), 2 * hq * hd, h)?,
-                        k_proj: l.matrix(&format!("{p}self_attn.k_proj.weight"), hkv * hd, h)?,
-                        v_proj: l.matrix(&format!("{p}self_attn.v_proj.weight"), hkv * hd, h)?,
+                        qkv: l.concat(&qkv, h)?,
                         o_proj: l.matrix(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
                         q_norm: l.vector(&format!("{p}self_attn.q_norm.weight"), hd)?,
                         k_norm: l.vector(&format!("{p}self_attn.k_norm.weight"), hd)?,
@@ -215,11 +251,14 @@ impl Model {
                     gate.extend(l.values(&format!("{a}dt_bias"), &[hv])?);
                     let norm = l.values(&format!("{a}norm.weight"), &[c.linear_value_dim])?;
                     let step: Vec<f32> = conv.iter().chain(&gate).chain(&norm).copied().collect();
+                    let in_proj = [
+                        (format!("{a}in_proj_qkv.weight"), cd),
+                        (format!("{a}in_proj_z.weight"), vd),
+                        (format!("{a}in_proj_b.weight"), hv),
+                        (format!("{a}in_proj_a.weight"), hv),
+                    ];
                     Mixer::Gdn(GdnWeights {
-                        in_proj_qkv: l.matrix(&format!("{a}in_proj_qkv.weight"), cd, h)?,
-                        in_proj_z: l.matrix(&format!("{a}in_proj_z.weight"), vd, h)?,
-                        in_proj_b: l.matrix(&format!("{a}in_proj_b.weight"), hv, h)?,
-                        in_proj_a: l.matrix(&format!("{a}in_proj_a.weight"), hv, h)?,
+                        in_proj: l.concat(&in_proj, h)?,
                         out_proj: l.matrix(&format!("{a}out_proj.weight"), h, vd)?,
                         conv_w: GpuVector::upload(&ctx, &format!("{a}conv1d"), &conv)?,
                         gate_p: GpuVector::upload(&ctx, &format!("{a}gates"), &gate)?,
@@ -233,8 +272,13 @@ impl Model {
                 post_norm: l.vector(&format!("{p}post_attention_layernorm.weight"), h)?,
                 mixer,
                 mlp: Mlp {
-                    gate_proj: l.matrix(&format!("{p}mlp.gate_proj.weight"), c.intermediate_size, h)?,
-                    up_proj: l.matrix(&format!("{p}mlp.up_proj.weight"), c.intermediate_size, h)?,
+                    gate_up: l.concat(
+                        &[
+                            (format!("{p}mlp.gate_proj.weight"), c.intermediate_size),
+                            (format!("{p}mlp.up_proj.weight"), c.intermediate_size),
+                        ],
+                        h,
+                    )?,
                     down_proj: l.matrix(&format!("{p}mlp.down_proj.weight"), h, c.intermediate_size)?,
                 },
             });
@@ -252,16 +296,10 @@ impl Model {
     pub fn decode_weight_bytes(&self) -> u64 {
         let mut total = self.output().bytes();
         for l in &self.layers {
-            total += l.mlp.gate_proj.bytes() + l.mlp.up_proj.bytes() + l.mlp.down_proj.bytes();
+            total += l.mlp.gate_up.bytes() + l.mlp.down_proj.bytes();
             total += match &l.mixer {
-                Mixer::Attention(a) => a.q_proj.bytes() + a.k_proj.bytes() + a.v_proj.bytes() + a.o_proj.bytes(),
-                Mixer::Gdn(g) => {
-                    g.in_proj_qkv.bytes()
-                        + g.in_proj_z.bytes()
-                        + g.in_proj_b.bytes()
-                        + g.in_proj_a.bytes()
-                        + g.out_proj.bytes()
-                }
+                Mixer::Attention(a) => a.qkv.bytes() + a.o_proj.bytes(),
+                Mixer::Gdn(g) => g.in_proj.bytes() + g.out_proj.bytes(),
             };
         }
         total

@@ -35,8 +35,7 @@ pub struct Scratch {
     pub wide_a: wgpu::Buffer,
     /// `[rows, max(C, Hq·hd)]`: GDN conv output, or rotated queries.
     pub wide_b: wgpu::Buffer,
-    /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys; for a single token, `[Vd + 2·Hv]`:
-    /// z, then the GDN beta and decay logits.
+    /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys.
     pub mid_a: wgpu::Buffer,
     /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output.
     pub mid_b: wgpu::Buffer,
@@ -50,6 +49,9 @@ pub struct Scratch {
     pub mlp_g: wgpu::Buffer,
     /// `[rows, I]` MLP up.
     pub mlp_u: wgpu::Buffer,
+    /// `[max(C + Vd + 2·Hv, 2·Hq·hd + 2·Hkv·hd)]`: a single token's concatenated mixer input
+    /// projections (GDN qkv|z|b|a, or attention q|k|v).
+    pub mixer_in: wgpu::Buffer,
 }
 
 impl Scratch {
@@ -64,17 +66,18 @@ impl Scratch {
             xnorm: f("xnorm", c.hidden_size)?,
             wide_a: f("wide_a", c.conv_dim().max(q_out))?,
             wide_b: f("wide_b", c.conv_dim().max(attn))?,
-            mid_a: ctx.storage_buffer(
-                "mid_a",
-                ((rows * c.value_dim().max(kv)).max(c.value_dim() + 2 * c.linear_value_heads) * 4) as u64,
-                true,
-            )?,
+            mid_a: f("mid_a", c.value_dim().max(kv))?,
             mid_b: f("mid_b", c.value_dim().max(kv).max(attn))?,
             mid_c: f("mid_c", kv)?,
             beta: f("beta", c.linear_value_heads)?,
             decay: f("decay", c.linear_value_heads)?,
             mlp_g: f("mlp_g", c.intermediate_size)?,
             mlp_u: f("mlp_u", c.intermediate_size)?,
+            mixer_in: ctx.storage_buffer(
+                "mixer_in",
+                ((c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads).max(q_out + 2 * kv) * 4) as u64,
+                true,
+            )?,
         })
     }
 }

@@ -2,17 +2,24 @@
 //!
 //! Scratch use per block (see `cache.rs` for the buffers):
 //! * GDN: xnorm → in_proj_qkv → wide_a → conv → wide_b → delta rule (+ beta, decay) → mid_b,
-//!   gated norm with z (mid_a) → out_proj added into hidden; one token: z, b, a → mid_a, then
-//!   one dispatch (conv, rule, gated norm) → mid_b;
+//!   gated norm with z (mid_a) → out_proj added into hidden; one token: the four input
+//!   projections in one dispatch → mixer_in, then one dispatch (conv, rule, gated norm) → mid_b;
 //! * attention: xnorm → q_proj → wide_a, k_proj → mid_a, v_proj → mid_c → norm/RoPE → wide_b and
-//!   the KV cache → attention → mid_b → o_proj added into hidden;
-//! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden.
+//!   the KV cache → attention → mid_b → o_proj added into hidden; one token (not captured for
+//!   learning): q|k|v in one dispatch → mixer_in;
+//! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden; one token: gate|up
+//!   with SwiGLU in one dispatch → mlp_g.
+//!
+//! The projections that read one input are one weight (rows concatenated, `weights.rs`); a
+//! multi-token step runs each projection's row range into its own buffer.
 
 use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GDN_STEP_MAX_D};
-use crate::kernels::matmul::{linear_with, Fuse, FusedNorm, LinearIo, LoraExpand};
+use crate::kernels::matmul::{
+    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
+};
 use crate::kernels::misc::{argmax, embed, swiglu};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
@@ -81,16 +88,47 @@ impl<'a> Src<'a> {
 }
 
 impl<'a> Shrunk<'a> {
-    fn expand(&self, proj: Proj) -> Option<LoraExpand<'a>> {
-        let m = self.group.member(proj)?;
-        Some(LoraExpand {
+    /// The expand over the rows of `projs` (consecutive projections of one weight), if any of
+    /// them is adapted.
+    fn expand(&self, projs: &[Proj], c: &TextConfig) -> Option<LoraExpand<'a>> {
+        let segments: Vec<LoraSegment> = projs
+            .iter()
+            .map(|&p| {
+                let rows = p.dims(c).1;
+                self.group.member(p).map_or(LoraSegment { rows, ..Default::default() }, |m| LoraSegment {
+                    rows,
+                    rank: m.rank,
+                    t_offset: m.t_offset,
+                    b_offset: m.b_offset,
+                    scale: m.scaling * self.lora.scale,
+                })
+            })
+            .collect();
+        segments.iter().any(|s| s.rank > 0).then_some(LoraExpand {
             t: self.lora.t,
-            t_offset: m.t_offset,
             t_stride: self.group.rank_total,
-            rank: m.rank,
-            scale: m.scaling * self.lora.scale,
-            b: &m.bind_group,
+            b: &self.group.b_bind,
+            segments,
         })
+    }
+}
+
+/// The row order of the concatenated weights (`weights.rs`).
+const GDN_IN: [Proj; 4] = [Proj::InProjQkv, Proj::InProjZ, Proj::InProjB, Proj::InProjA];
+const ATTN_IN: [Proj; 3] = [Proj::QProj, Proj::KProj, Proj::VProj];
+const MLP_IN: [Proj; 2] = [Proj::GateProj, Proj::UpProj];
+
+/// Projections `parts` of the concatenated weight `w` whose row order is `order`.
+struct Parts<'a> {
+    w: &'a GpuWeight,
+    order: &'a [Proj],
+    parts: std::ops::Range<usize>,
+}
+
+impl Parts<'_> {
+    fn rows(&self, c: &TextConfig) -> WeightRows<'_> {
+        let end = |i: usize| self.order[..i].iter().map(|p| p.dims(c).1).sum::<usize>();
+        WeightRows { w: self.w, rows: end(self.parts.start)..end(self.parts.end) }
     }
 }
 
@@ -108,17 +146,18 @@ fn shrink<'a>(
     }
 }
 
-/// `linear` with the projection's LoRA expand when its group was shrunk; `io.x` is `src.x`.
+/// `linear` over some projections of a concatenated weight, with their LoRA expand when their
+/// group was shrunk; `io.x` is `src.x`.
 fn project(
     rec: &mut Recorder,
-    w: &GpuWeight,
+    c: &TextConfig,
+    w: Parts,
     io: &LinearIo,
     src: Src,
     shrunk: &Option<Shrunk>,
-    proj: Proj,
 ) -> Result<(), GpuError> {
-    let expand = shrunk.as_ref().and_then(|s| s.expand(proj));
-    linear_with(rec, w, io, expand.as_ref(), src.fuse)
+    let expand = shrunk.as_ref().and_then(|s| s.expand(&w.order[w.parts.clone()], c));
+    linear_rows(rec, w.rows(c), io, expand.as_ref(), src.fuse)
 }
 
 /// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
@@ -140,8 +179,7 @@ fn gdn_block(
 ) -> Result<(), GpuError> {
     let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
-    project(rec, &w.in_proj_qkv, &lin(src.x, &sc.wide_a, t, cd), src, &s, Proj::InProjQkv)?;
-    project(rec, &w.in_proj_z, &lin(src.x, &sc.mid_a, t, vd), src, &s, Proj::InProjZ)?;
+    let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     let params = GdnParams {
         t: t as u32,
         c: cd as u32,
@@ -154,13 +192,11 @@ fn gdn_block(
     };
     let fused = t == 1 && c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D;
     if fused {
-        // One token: b and a land after z, and one dispatch does conv, rule and gated norm.
-        let after_z = |y_offset| LinearIo { y_offset, ..lin(src.x, &sc.mid_a, 1, hv) };
-        project(rec, &w.in_proj_b, &after_z(vd), src, &s, Proj::InProjB)?;
-        project(rec, &w.in_proj_a, &after_z(vd + hv), src, &s, Proj::InProjA)?;
+        // One token: one dispatch for the four projections, one for conv, rule and gated norm.
+        let all = Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..4 };
+        project(rec, c, all, &lin(src.x, &sc.mixer_in, 1, cd + vd + 2 * hv), src, &s)?;
         let io = GdnStepIo {
-            mixed: &sc.wide_a,
-            zba: &sc.mid_a,
+            mixed: &sc.mixer_in,
             conv_in: conv[0],
             conv_out: conv[1],
             state_in: state[0],
@@ -169,8 +205,10 @@ fn gdn_block(
         };
         gdn_step(rec, &w.step_params, &params, &io)?;
     } else {
-        project(rec, &w.in_proj_b, &lin(src.x, &sc.beta, t, hv), src, &s, Proj::InProjB)?;
-        project(rec, &w.in_proj_a, &lin(src.x, &sc.decay, t, hv), src, &s, Proj::InProjA)?;
+        project(rec, c, part(0), &lin(src.x, &sc.wide_a, t, cd), src, &s)?;
+        project(rec, c, part(1), &lin(src.x, &sc.mid_a, t, vd), src, &s)?;
+        project(rec, c, part(2), &lin(src.x, &sc.beta, t, hv), src, &s)?;
+        project(rec, c, part(3), &lin(src.x, &sc.decay, t, hv), src, &s)?;
         let io = GdnIo {
             mixed: &sc.wide_a,
             conv_y: &sc.wide_b,
@@ -197,7 +235,7 @@ fn gdn_block(
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, h) };
     let mid = Src::plain(&sc.mid_b);
     let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
-    project(rec, &w.out_proj, &out, mid, &s, Proj::OutProj)
+    project(rec, c, Parts { w: &w.out_proj, order: &[Proj::OutProj], parts: 0..1 }, &out, mid, &s)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -212,13 +250,22 @@ fn attention_block(
     s_max: usize,
     src: Src,
     lora: Option<LayerLora>,
-    t: usize,
+    (t, one): (usize, bool),
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
+    let (q_out, kv) = (2 * hq * hd, hkv * hd);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
-    project(rec, &w.q_proj, &lin(src.x, &sc.wide_a, t, 2 * hq * hd), src, &s, Proj::QProj)?;
-    project(rec, &w.k_proj, &lin(src.x, &sc.mid_a, t, hkv * hd), src, &s, Proj::KProj)?;
-    project(rec, &w.v_proj, &lin(src.x, &sc.mid_c, t, hkv * hd), src, &s, Proj::VProj)?;
+    let part = |parts| Parts { w: &w.qkv, order: &ATTN_IN, parts };
+    let (qg, kraw, vraw, k_offset, v_offset) = if one {
+        // One token: q|gate, k and v in one dispatch, read in place.
+        project(rec, c, part(0..3), &lin(src.x, &sc.mixer_in, 1, q_out + 2 * kv), src, &s)?;
+        (&sc.mixer_in, &sc.mixer_in, &sc.mixer_in, q_out, q_out + kv)
+    } else {
+        project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
+        project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
+        project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, t, kv), src, &s)?;
+        (&sc.wide_a, &sc.mid_a, &sc.mid_c, 0, 0)
+    };
     let params = AttnParams {
         t: t as u32,
         pos0: pos0 as u32,
@@ -229,27 +276,20 @@ fn attention_block(
         s_max: s_max as u32,
         eps: c.rms_norm_eps,
         scale: (hd as f32).powf(-0.5),
-        _pad: [0; 3],
+        k_offset: k_offset as u32,
+        v_offset: v_offset as u32,
+        _pad: 0,
     };
-    let io = AttnIo {
-        qg: &sc.wide_a,
-        kraw: &sc.mid_a,
-        vraw: &sc.mid_c,
-        q: &sc.wide_b,
-        k_cache: cache.0,
-        v_cache: cache.1,
-        rope,
-        out: &sc.mid_b,
-    };
+    let io = AttnIo { qg, kraw, vraw, q: &sc.wide_b, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
     let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
-    project(rec, &w.o_proj, &out, mid, &s, Proj::OProj)
+    project(rec, c, Parts { w: &w.o_proj, order: &[Proj::OProj], parts: 0..1 }, &out, mid, &s)
 }
 
-/// The MLP. When its input norm is fused (single-token steps), up_proj also applies SwiGLU as it
-/// stores.
+/// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
+/// the weight is in one binding).
 fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -260,21 +300,20 @@ fn mlp_block(
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
-    let fold = src.fuse.norm.is_some();
     let s = shrink(rec, lora, InputGroup::MlpIn, src, t)?;
-    project(rec, &w.gate_proj, &lin(src.x, &sc.mlp_g, t, i), src, &s, Proj::GateProj)?;
-    if fold {
-        // up_proj writes silu(gate) · up into gate's output as it stores.
+    let part = |parts| Parts { w: &w.gate_up, order: &MLP_IN, parts };
+    if t == 1 && part(0..2).rows(c).in_one_chunk() {
         let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
-        project(rec, &w.up_proj, &lin(src.x, &sc.mlp_g, t, i), glu, &s, Proj::UpProj)?;
+        project(rec, c, part(0..2), &lin(src.x, &sc.mlp_g, t, i), glu, &s)?;
     } else {
-        project(rec, &w.up_proj, &lin(src.x, &sc.mlp_u, t, i), src, &s, Proj::UpProj)?;
+        project(rec, c, part(0..1), &lin(src.x, &sc.mlp_g, t, i), src, &s)?;
+        project(rec, c, part(1..2), &lin(src.x, &sc.mlp_u, t, i), src, &s)?;
         swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
     }
     let act = Src::plain(&sc.mlp_g);
     let out = LinearIo { accumulate: true, ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size) };
     let s = shrink(rec, lora, InputGroup::MlpOut, act, t)?;
-    project(rec, &w.down_proj, &out, act, &s, Proj::DownProj)
+    project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, act, &s)
 }
 
 fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
@@ -403,7 +442,21 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 }
                 (Mixer::Attention(w), LayerState::Attention { k, v }) => {
                     let cache = (k, v);
-                    attention_block(&mut rec, c, sc, w, cache, &s.rope, s.pos, s.opts.max_context, mixer_src, lora, t)?
+                    let one = t == 1 && !matches!(capture, Capture::Learn { .. });
+                    let rope = &s.rope;
+                    attention_block(
+                        &mut rec,
+                        c,
+                        sc,
+                        w,
+                        cache,
+                        rope,
+                        s.pos,
+                        s.opts.max_context,
+                        mixer_src,
+                        lora,
+                        (t, one),
+                    )?
                 }
                 _ => {
                     return Err(RunError::Gpu(GpuError::Validation {
