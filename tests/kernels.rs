@@ -13,7 +13,9 @@ use qwen35_wgpu::kernels::matmul::{
     linear, linear_rows, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
     MATMUL_ROWS, MATVEC_LANES,
 };
-use qwen35_wgpu::kernels::misc::{argmax, argmax_scratch_bytes, embed, swiglu};
+use qwen35_wgpu::kernels::misc::{
+    argmax, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
+};
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
 use qwen35_wgpu::{reference as cpu, GpuError};
@@ -356,6 +358,54 @@ fn gpu_argmax_matches_the_cpu_rule() {
         run(&ctx, |rec| argmax(rec, &lb, &parts, &ids, n));
         let got = read(&ctx, &ids, 1)[0].to_bits();
         assert_eq!(got, qwen35_wgpu::runtime::argmax(logits), "case {ci} (n {n})");
+    }
+}
+
+#[test]
+fn gpu_top_k_matches_a_sort_in_the_samplers_order() {
+    let Some(ctx) = ctx() else { return };
+    let nan = f32::NAN;
+    for (ci, n) in [7usize, 256, 4097, 70_000, 248_320].into_iter().enumerate() {
+        let mut v = rand(n, 950 + ci as u64, 4.0);
+        // Ties (across blocks too), both zeros, infinities and NaNs of either sign.
+        for &j in &[n / 3, n / 2, n - 1] {
+            v[j] = 3.5;
+        }
+        v[0] = -0.0;
+        v[n / 4] = 0.0;
+        v[n / 5] = nan;
+        v[n / 6] = -nan;
+        v[n / 7] = f32::INFINITY;
+        v[n - 2] = f32::NEG_INFINITY;
+        // History: a few ids, among them the largest logit and one of the ties.
+        let mut hist: Vec<u32> = vec![(n / 7) as u32, (n / 2) as u32, 1, (n - 3) as u32];
+        hist.sort_unstable();
+        hist.dedup();
+        let most = topk_max(n).min(n - hist.len());
+        for k in [1usize, 9, most].into_iter().filter(|&k| k <= most) {
+            for masked in [false, true] {
+                let h: &[u32] = if masked { &hist } else { &[] };
+                let lb = upload(&ctx, &v);
+                let parts = ctx.storage_buffer("parts", topk_scratch_bytes(n), true).expect("parts");
+                let out = upload(&ctx, &vec![0.0; 2 * k]);
+                let hb = ctx.upload("hist", bytemuck::cast_slice(&hist)).expect("hist");
+                let hv = upload(&ctx, &vec![0.0; hist.len()]);
+                let io = TopkIo { logits: &lb, parts: &parts, out: &out, hist_ids: &hb, hist_out: &hv };
+                run(&ctx, |rec| topk(rec, &io, n, k, h.len()));
+                let words: Vec<u32> = read(&ctx, &out, 2 * k).iter().map(|w| w.to_bits()).collect();
+                let got: Vec<(u32, u32)> = words.chunks(2).map(|p| (p[1], topk_value(p[0]).to_bits())).collect();
+                let mut want: Vec<(u32, f32)> =
+                    v.iter().enumerate().map(|(i, &l)| (i as u32, l)).filter(|(i, _)| !h.contains(i)).collect();
+                want.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                let want: Vec<(u32, u32)> = want[..k].iter().map(|&(i, l)| (i, l.to_bits())).collect();
+                assert_eq!(got, want, "top-{k} of {n} logits, history masked: {masked}");
+                if masked {
+                    let values: Vec<u32> = read(&ctx, &hv, h.len()).iter().map(|x| x.to_bits()).collect();
+                    let orig: Vec<u32> = h.iter().map(|&i| v[i as usize].to_bits()).collect();
+                    assert_eq!(values, orig, "history logits of {n}");
+                }
+            }
+        }
     }
 }
 

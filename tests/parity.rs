@@ -232,3 +232,61 @@ fn greedy_decode_is_one_submit_and_four_bytes_per_token() {
     assert_eq!(used.submits, 6, "one submit for the prompt, one per further token");
     assert_eq!(used.read_back, 6 * 4, "only the chosen ids come back");
 }
+
+/// Sampling the way `generate` did before the GPU candidate pass: the whole row read back, the
+/// choice made on the CPU.
+fn sample_by_hand(model: &Arc<Model>, prompt: &[u32], params: &GenerateParams) -> Vec<u32> {
+    let mut s = session(model);
+    let mut sampler = qwen35_wgpu::runtime::Sampler::from_params(params).expect("params");
+    let mut history = prompt.to_vec();
+    let mut logits = s.feed(prompt).expect("prompt");
+    let mut out = Vec::new();
+    while out.len() < params.max_tokens {
+        let next = sampler.sample_after(logits.last(), &history);
+        history.push(next);
+        out.push(next);
+        logits = s.feed(&[next]).expect("step");
+    }
+    out
+}
+
+#[test]
+fn top_k_sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
+    if gpu().is_none() {
+        return;
+    }
+    // A context of its own, to count what comes back.
+    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    for name in ["gva_tied_f32", "vlm_bf16_sharded"] {
+        let model = Arc::new(Model::load(ctx.clone(), &fixture_model(name)).expect("model"));
+        let prompt = Reference::load(name).ids("prompt1.ids");
+        let vocab = model.config.vocab_size;
+        for (i, (temperature, top_k, top_p, repetition_penalty)) in
+            [(0.8, 5, 1.0, 1.0), (1.5, 40, 0.9, 1.3), (0.6, 1, 1.0, 1.0), (1.0, 20, 0.7, 0.9)].into_iter().enumerate()
+        {
+            let params = GenerateParams {
+                max_tokens: 10,
+                temperature,
+                top_k,
+                top_p,
+                repetition_penalty,
+                seed: 17 + i as u64,
+                stop_at_eos: false,
+                ..Default::default()
+            };
+            let before = ctx.counters();
+            let out = session(&model).generate(&prompt, &params, |_| true).expect("generate");
+            let used = ctx.counters() - before;
+            assert_eq!(out, sample_by_hand(&model, &prompt, &params), "{name} {params:?}");
+            // k + 8 pairs per token, and the history's logits with a penalty: never a whole row.
+            let pairs = (2 * (top_k + 8) * 4 * out.len()) as u64;
+            if repetition_penalty == 1.0 {
+                assert_eq!(used.read_back, pairs, "{name} {params:?}: only the candidates come back");
+            } else {
+                let most = pairs + (4 * (prompt.len() + out.len()) * out.len()) as u64;
+                assert!(used.read_back <= most, "{name} {params:?}: {} bytes read back", used.read_back);
+            }
+            assert!(used.read_back < (vocab * 4 * out.len()) as u64);
+        }
+    }
+}

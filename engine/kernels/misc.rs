@@ -1,4 +1,4 @@
-//! `embed.wgsl`, `swiglu.wgsl`, `stream.wgsl` and `argmax.wgsl`.
+//! `embed.wgsl`, `swiglu.wgsl`, `stream.wgsl`, `argmax.wgsl` and `topk.wgsl`.
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
@@ -94,4 +94,91 @@ pub fn argmax(
     let params = ArgmaxParams { n: n as u32, block: ARGMAX_BLOCK as u32, parts: blocks, _pad: 0 };
     rec.dispatch(PipelineKey::plain(Kernel::ArgmaxBlocks), &params, &[logits, parts], &[], [blocks, 1, 1])?;
     rec.dispatch(PipelineKey::plain(Kernel::ArgmaxFinal), &params, &[parts, ids], &[], [1, 1, 1])
+}
+
+/// Mirrors `Params` in `topk.wgsl`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
+pub struct TopkParams {
+    /// Logits.
+    pub n: u32,
+    /// Logits per workgroup of the first pass.
+    pub block: u32,
+    /// Pairs the final pass merges.
+    pub parts: u32,
+    /// Candidates kept.
+    pub k: u32,
+    /// History ids masked.
+    pub hist: u32,
+    /// Padding.
+    pub _pad: [u32; 3],
+}
+
+/// Logits per workgroup of the first top-k pass (256 invocations × 16).
+pub const TOPK_BLOCK: usize = 4096;
+
+/// Pairs the final top-k pass holds (256 invocations × 32).
+const TOPK_MERGE: usize = 256 * 32;
+
+/// The most candidates [`topk`] returns for `n` logits: 128, fewer when the blocks' pairs would not
+/// fit the final pass.
+pub fn topk_max(n: usize) -> usize {
+    (TOPK_MERGE / n.div_ceil(TOPK_BLOCK).max(1)).min(128)
+}
+
+/// Bytes of the pair buffer [`topk`] needs for `n` logits.
+pub fn topk_scratch_bytes(n: usize) -> u64 {
+    (n.div_ceil(TOPK_BLOCK) * topk_max(n) * 8) as u64
+}
+
+/// The buffers of a top-k pass.
+pub struct TopkIo<'a> {
+    /// The logits row (history entries are overwritten by the mask).
+    pub logits: &'a wgpu::Buffer,
+    /// Scratch of [`topk_scratch_bytes`].
+    pub parts: &'a wgpu::Buffer,
+    /// Out: `k` (key, id) pairs, best first.
+    pub out: &'a wgpu::Buffer,
+    /// The unique history ids (`hist` of them).
+    pub hist_ids: &'a wgpu::Buffer,
+    /// Out: their logits, in the same order.
+    pub hist_out: &'a wgpu::Buffer,
+}
+
+/// Record the `k` (≤ [`topk_max`]) best of `n` logits after masking `hist` history ids: pairs
+/// (key, id) in `Sampler::sample`'s order, key = the f32 bits mapped to a total order
+/// ([`topk_value`] maps back).
+pub fn topk(rec: &mut Recorder, io: &TopkIo, n: usize, k: usize, hist: usize) -> Result<(), GpuError> {
+    if k == 0 || k > topk_max(n) {
+        return Err(GpuError::Validation {
+            during: "recording a top-k pass".into(),
+            message: format!("k = {k}, expected 1..={}", topk_max(n)),
+        });
+    }
+    let blocks = n.div_ceil(TOPK_BLOCK);
+    let params = TopkParams {
+        n: n as u32,
+        block: TOPK_BLOCK as u32,
+        parts: (blocks * k) as u32,
+        k: k as u32,
+        hist: hist as u32,
+        _pad: [0; 3],
+    };
+    if hist > 0 {
+        let groups = [hist.div_ceil(256) as u32, 1, 1];
+        rec.dispatch(
+            PipelineKey::plain(Kernel::TopkMask),
+            &params,
+            &[io.logits, io.hist_out, io.hist_ids],
+            &[],
+            groups,
+        )?;
+    }
+    rec.dispatch(PipelineKey::plain(Kernel::TopkBlocks), &params, &[io.logits, io.parts], &[], [blocks as u32, 1, 1])?;
+    rec.dispatch(PipelineKey::plain(Kernel::TopkFinal), &params, &[io.parts, io.out], &[], [1, 1, 1])
+}
+
+/// The logit a top-k key stands for (bit-exact).
+pub fn topk_value(key: u32) -> f32 {
+    f32::from_bits(if key & 0x8000_0000 != 0 { key & 0x7fff_ffff } else { !key })
 }

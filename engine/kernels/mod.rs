@@ -54,11 +54,13 @@ pub enum Shader {
     Argmax,
     /// `gdn_step.wgsl`
     GdnStep,
+    /// `topk.wgsl`
+    Topk,
 }
 
 impl Shader {
     /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 19] = [
+    pub const ALL: [Shader; 20] = [
         Shader::Matmul,
         Shader::Matvec,
         Shader::Norm,
@@ -78,6 +80,7 @@ impl Shader {
         Shader::NormRopeBwd,
         Shader::Argmax,
         Shader::GdnStep,
+        Shader::Topk,
     ];
 
     /// The file name under `wgsl/`.
@@ -102,6 +105,7 @@ impl Shader {
             Shader::NormRopeBwd => "norm_rope_bwd.wgsl",
             Shader::Argmax => "argmax.wgsl",
             Shader::GdnStep => "gdn_step.wgsl",
+            Shader::Topk => "topk.wgsl",
         }
     }
 
@@ -138,6 +142,7 @@ impl Shader {
             Shader::NormRopeBwd => include_str!("../../wgsl/norm_rope_bwd.wgsl"),
             Shader::Argmax => include_str!("../../wgsl/argmax.wgsl"),
             Shader::GdnStep => include_str!("../../wgsl/gdn_step.wgsl"),
+            Shader::Topk => include_str!("../../wgsl/topk.wgsl"),
         }
     }
 }
@@ -199,11 +204,17 @@ pub enum Kernel {
     ArgmaxFinal,
     /// GDN conv + delta rule + gated norm for one token.
     GdnDecode,
+    /// Sampling candidates: the history's logits copied out and masked.
+    TopkMask,
+    /// Sampling candidates: the k best of each block of logits.
+    TopkBlocks,
+    /// Sampling candidates: the k best of the blocks' candidates.
+    TopkFinal,
 }
 
 impl Kernel {
     /// Every entry point, for the naga translation tests.
-    pub const ALL: [Kernel; 27] = [
+    pub const ALL: [Kernel; 30] = [
         Kernel::Matmul,
         Kernel::Matvec,
         Kernel::MatmulLora,
@@ -231,6 +242,9 @@ impl Kernel {
         Kernel::ArgmaxBlocks,
         Kernel::ArgmaxFinal,
         Kernel::GdnDecode,
+        Kernel::TopkMask,
+        Kernel::TopkBlocks,
+        Kernel::TopkFinal,
     ];
 }
 
@@ -257,6 +271,7 @@ impl Kernel {
             Kernel::NormRopeBwd => Shader::NormRopeBwd,
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => Shader::Argmax,
             Kernel::GdnDecode => Shader::GdnStep,
+            Kernel::TopkMask | Kernel::TopkBlocks | Kernel::TopkFinal => Shader::Topk,
         }
     }
 
@@ -290,6 +305,9 @@ impl Kernel {
             Kernel::ArgmaxBlocks => "argmax_blocks",
             Kernel::ArgmaxFinal => "argmax_final",
             Kernel::GdnDecode => "gdn_decode",
+            Kernel::TopkMask => "topk_mask",
+            Kernel::TopkBlocks => "topk_blocks",
+            Kernel::TopkFinal => "topk_final",
         }
     }
 
@@ -301,6 +319,8 @@ impl Kernel {
             Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
             Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
             Kernel::GdnDecode => &[R, R, W, R, W, W],
+            Kernel::TopkMask => &[W, W, R],
+            Kernel::TopkBlocks | Kernel::TopkFinal => &[W, W],
             Kernel::MatmulLora => &[R, W, R],
             Kernel::PrepQ => &[R, R, W],
             Kernel::PrepKv => &[R, R, W, R, W],

@@ -20,7 +20,7 @@ use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GD
 use crate::kernels::matmul::{
     linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
 };
-use crate::kernels::misc::{argmax, embed, swiglu};
+use crate::kernels::misc::{argmax, embed, swiglu, topk, TopkIo};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
@@ -383,6 +383,15 @@ pub(crate) enum Rows {
         /// The staging slot (of two) the id is copied into.
         slot: usize,
     },
+    /// The last position's sampling candidates, found on the GPU: the `k` best logits outside
+    /// the `hist` history ids the session uploaded, and the history's own logits, copied into the
+    /// session's candidate staging; nothing is read back here.
+    Sample {
+        /// Candidates.
+        k: usize,
+        /// Distinct history ids.
+        hist: usize,
+    },
 }
 
 /// Record and submit one step of `input` (at most `max_batch` tokens) at the session's position.
@@ -408,7 +417,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     } else {
         None
     };
-    let last = matches!(rows, Rows::Last | Rows::Choose { .. });
+    let last = matches!(rows, Rows::Last | Rows::Choose { .. } | Rows::Sample { .. });
     let (r0, n) = if last { (t - 1, 1) } else { (0, t) };
     let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
     // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
@@ -492,8 +501,24 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
             argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
             rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 4);
         }
+        if let Rows::Sample { k, hist } = rows {
+            let b = &s.sample;
+            let io = TopkIo {
+                logits: &s.logits,
+                parts: &b.parts,
+                out: &b.out,
+                hist_ids: &b.hist_ids,
+                hist_out: &b.hist_out,
+            };
+            topk(&mut rec, &io, c.vocab_size, k, hist)?;
+            let pairs = (k * 8) as u64;
+            rec.copy(&b.out, 0, b.staging.buffer(), 0, pairs);
+            if hist > 0 {
+                rec.copy(&b.hist_out, 0, b.staging.buffer(), pairs, (hist * 4) as u64);
+            }
+        }
         let index = rec.submit()?;
-        if let Rows::Choose { .. } = rows {
+        if let Rows::Choose { .. } | Rows::Sample { .. } = rows {
             let logits = Logits { rows: 0, vocab: c.vocab_size, data: Vec::new() };
             return Ok(StepOutput { logits, hidden: None, index });
         }

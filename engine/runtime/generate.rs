@@ -8,9 +8,17 @@
 //! last token) is never committed: its GDN states went to the other buffer of each pair and the
 //! position did not advance, so the session holds exactly the tokens returned. When the callback
 //! changes the session (an adapter switch), the run-ahead step is discarded and recomputed.
-//! Sampling and the repetition penalty read the logits back and choose on the CPU.
+//! Top-k sampling (with or without top-p and the repetition penalty) finds its candidates on the
+//! GPU: the step ends with a top-k pass over the logits (the history's logits copied out and
+//! masked first) and only the candidates come back, k + 8 (id, logit) pairs and one logit per
+//! distinct history id; the host draws from them exactly as it would from the whole row, and
+//! reads the row only when the candidates cannot decide (`Sampler::sample_candidates`). Sampling
+//! without top-k reads the logits back and chooses on the CPU.
+
+use std::collections::BTreeSet;
 
 use crate::error::RunError;
+use crate::kernels::misc::topk_max;
 use crate::runtime::forward::{self, Capture, Input, Rows};
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::Session;
@@ -81,6 +89,10 @@ impl Session {
         if sampler.is_plain_greedy() {
             return self.generate_greedy(prompt, params, on_token);
         }
+        let vocab = self.model.config.vocab_size;
+        if let Some(k) = sampler.gpu_candidates(vocab, topk_max(vocab)) {
+            return self.generate_sampled(prompt, params, sampler, k, on_token);
+        }
         let mut history = prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
@@ -92,6 +104,60 @@ impl Session {
                 return Ok(out);
             }
             logits = self.feed(&[next])?;
+        }
+    }
+
+    /// Top-k sampling from `k` candidates found on the GPU.
+    fn generate_sampled<E: From<RunError>>(
+        &mut self,
+        prompt: &[u32],
+        params: &GenerateParams,
+        mut sampler: Sampler,
+        k: usize,
+        mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
+    ) -> Result<Vec<u32>, E> {
+        self.check(prompt)?;
+        let eos = self.model.eos_token_ids.clone();
+        let vocab = self.model.config.vocab_size;
+        let batch = self.opts.max_batch;
+        let head = (prompt.len() - 1) / batch * batch;
+        for chunk in prompt[..head].chunks(batch) {
+            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.commit(chunk.len());
+        }
+        let mut history: Vec<u32> = prompt.to_vec();
+        let mut distinct: BTreeSet<u32> =
+            if sampler.penalizes() { prompt.iter().copied().collect() } else { BTreeSet::new() };
+        let mut input = prompt[head..].to_vec();
+        let mut out = Vec::new();
+        loop {
+            self.check(&input)?;
+            let hist: Vec<u32> = distinct.iter().copied().collect();
+            let index = self.submit_sample(Input::Ids(&input), k, &hist)?;
+            self.commit(input.len());
+            let (cands, values) = self.read_sample(index, k, hist.len())?;
+            let hist_logits: Vec<(u32, f32)> = hist.iter().copied().zip(values).collect();
+            let next = match sampler.sample_candidates(&cands, &hist_logits, vocab) {
+                Some(id) => id,
+                None => {
+                    // The mask overwrote the history's logits: put them back, then use the row.
+                    let mut row = self.read_logits(1)?;
+                    for &(id, v) in &hist_logits {
+                        row[id as usize] = v;
+                    }
+                    sampler.sample_after(&row, &history)
+                }
+            };
+            history.push(next);
+            if sampler.penalizes() {
+                distinct.insert(next);
+            }
+            out.push(next);
+            let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
+            if !on_token(next, self)? || stop {
+                return Ok(out);
+            }
+            input = vec![next];
         }
     }
 

@@ -4,6 +4,13 @@
 use crate::error::RunError;
 use crate::runtime::GenerateParams;
 
+/// Candidates beyond top-k a GPU pass returns: room for values that the division by the
+/// temperature makes equal at the k-th place (ties are then broken by id, not by the raw logit).
+const TIE_MARGIN: usize = 8;
+
+/// (id, logit) pairs, best first.
+pub(crate) type Candidates = Vec<(u32, f32)>;
+
 /// A small deterministic PRNG (SplitMix64) so that a seed reproduces a generation.
 #[derive(Clone, Debug)]
 pub(crate) struct SplitMix64(pub(crate) u64);
@@ -61,18 +68,70 @@ impl Sampler {
     }
 
     /// Pick a token after applying the repetition penalty to the ids in `history`
-    /// (transformers' rule: positive logits are divided by the penalty, negative multiplied).
+    /// (transformers' rule: positive logits are divided by the penalty, negative multiplied, once
+    /// per distinct id however often it occurs).
     pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         if self.repetition_penalty == 1.0 {
             return self.sample(logits);
         }
         let mut l = logits.to_vec();
-        for &id in history {
+        let distinct: std::collections::BTreeSet<u32> = history.iter().copied().collect();
+        for id in distinct {
             if let Some(v) = l.get_mut(id as usize) {
-                *v = if *v > 0.0 { *v / self.repetition_penalty } else { *v * self.repetition_penalty };
+                *v = self.penalized(*v);
             }
         }
         self.sample(&l)
+    }
+
+    fn penalized(&self, v: f32) -> f32 {
+        if v > 0.0 {
+            v / self.repetition_penalty
+        } else {
+            v * self.repetition_penalty
+        }
+    }
+
+    /// Whether the sampler reads the history (a repetition penalty other than 1).
+    pub(crate) fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0
+    }
+
+    /// How many candidates a GPU pass must hand [`Sampler::sample_candidates`] for a choice over
+    /// `vocab` logits (at most `max`), when this sampler can choose from candidates at all: top-k
+    /// sampling, with `TIE_MARGIN` more than k.
+    pub(crate) fn gpu_candidates(&self, vocab: usize, max: usize) -> Option<usize> {
+        let k = self.top_k + TIE_MARGIN;
+        (self.temperature > 0.0 && self.top_k > 0 && k <= max && k <= vocab).then_some(k)
+    }
+
+    /// The choice [`Sampler::sample_after`] makes, from the GPU's candidates: `cands` are the
+    /// best (id, logit) pairs of the tokens outside the history in `sample`'s order, `history`
+    /// the distinct history ids with their logits. `None` (nothing drawn) when the candidates
+    /// cannot prove the top k: a history id or an id past the vocabulary among them, or the last
+    /// candidate tying the k-th after the division by the temperature (then the caller samples
+    /// from the whole row).
+    pub(crate) fn sample_candidates(
+        &mut self,
+        cands: &[(u32, f32)],
+        history: &[(u32, f32)],
+        vocab: usize,
+    ) -> Option<u32> {
+        let in_history = |id: u32| history.iter().any(|&(h, _)| h == id);
+        let last = cands.last()?;
+        if cands.iter().any(|&(id, _)| id as usize >= vocab || in_history(id)) {
+            return None;
+        }
+        let t = self.temperature;
+        let mut all: Vec<(u32, f32)> = cands.iter().map(|&(id, l)| (id, l / t)).collect();
+        all.extend(history.iter().map(|&(id, l)| (id, self.penalized(l) / t)));
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let kth = all.get(self.top_k.max(1) - 1)?.1;
+        // Every token outside the candidates scales to at most the last one's value.
+        if (last.1 / t).total_cmp(&kth) != std::cmp::Ordering::Less {
+            return None;
+        }
+        Some(self.choose(all))
     }
 
     /// Whether this is greedy decoding with no repetition penalty (the choice the GPU makes).
@@ -90,8 +149,12 @@ impl Sampler {
         if self.temperature == 0.0 {
             return argmax(logits);
         }
-        let mut cand: Vec<(u32, f32)> =
-            logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
+        let cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
+        self.choose(cand)
+    }
+
+    /// Sort (id, scaled logit) candidates, keep top-k, then top-p, and draw.
+    fn choose(&mut self, mut cand: Vec<(u32, f32)>) -> u32 {
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.top_k > 0 {
             cand.truncate(self.top_k.max(1));
@@ -175,6 +238,65 @@ mod tests {
         assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[0]), 1);
         assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[]), 0);
         assert_eq!(s.sample_after(&[-1.0, -1.5], &[0]), 1);
+        // Once per distinct id: 3 / 2 = 1.5 still beats 1.0 (twice it would be 0.75).
+        assert_eq!(s.sample_after(&[3.0, 1.0], &[0, 0]), 0);
+    }
+
+    /// What the GPU pass hands over: the `k` best (id, logit) outside `history` by raw logit, and
+    /// the distinct history ids with their logits.
+    fn gpu_view(logits: &[f32], history: &[u32], k: usize) -> (Candidates, Candidates) {
+        let distinct: std::collections::BTreeSet<u32> = history.iter().copied().collect();
+        let mut cands: Vec<(u32, f32)> =
+            logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).filter(|(i, _)| !distinct.contains(i)).collect();
+        cands.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        cands.truncate(k);
+        (cands, distinct.iter().map(|&i| (i, logits[i as usize])).collect())
+    }
+
+    #[test]
+    fn candidates_choose_what_the_whole_row_chooses() {
+        let mut state = SplitMix64(11);
+        for case in 0..60 {
+            let vocab = 40 + case * 7;
+            let logits: Vec<f32> = (0..vocab).map(|_| (state.next_f64() as f32 - 0.5) * 12.0).collect();
+            let history: Vec<u32> = (0..case % 9).map(|i| ((i * 37 + case) % vocab) as u32).collect();
+            let p = GenerateParams {
+                temperature: [0.3, 0.7, 1.0, 1.9][case % 4],
+                top_k: [1, 2, 5, 20, 33][case % 5],
+                top_p: [1.0, 0.9, 0.5][case % 3],
+                repetition_penalty: [1.0, 1.3, 0.8][case % 3],
+                seed: case as u64,
+                ..Default::default()
+            };
+            let (mut full, mut gpu) = (Sampler::from_params(&p).expect("p"), Sampler::from_params(&p).expect("p"));
+            let k = gpu.gpu_candidates(vocab, 128).expect("top-k sampling takes candidates");
+            let (cands, hist) = gpu_view(&logits, &history, k);
+            for draw in 0..5 {
+                let want = full.sample_after(&logits, &history);
+                let got = gpu.sample_candidates(&cands, &hist, vocab);
+                assert_eq!(got, Some(want), "case {case} draw {draw}");
+            }
+        }
+    }
+
+    #[test]
+    fn candidates_that_cannot_prove_the_top_k_draw_nothing() {
+        let p = GenerateParams { temperature: 1.0, top_k: 2, ..Default::default() };
+        let mut s = Sampler::from_params(&p).expect("p");
+        let k = s.gpu_candidates(64, 128).expect("k");
+        // Every logit equal: the last candidate ties the second, an id outside could rank above it.
+        let (cands, hist) = gpu_view(&[1.0; 64], &[], k);
+        assert_eq!(s.sample_candidates(&cands, &hist, 64), None);
+        // A history id among the candidates (the pass did not mask it), or an id past the vocabulary.
+        let logits: Vec<f32> = (0..64).map(|i| i as f32).collect();
+        let (cands, _) = gpu_view(&logits, &[], k);
+        assert_eq!(s.sample_candidates(&cands, &[(63, 63.0)], 64), None);
+        assert_eq!(s.sample_candidates(&cands, &[], 60), None);
+        assert!(s.sample_candidates(&cands, &[], 64).is_some());
+        // Greedy and sampling without top-k take no candidates.
+        assert_eq!(Sampler::greedy().gpu_candidates(64, 128), None);
+        assert_eq!(Sampler::new(1.0, 0, 0.9, 0).expect("p").gpu_candidates(64, 128), None);
+        assert_eq!(Sampler::new(1.0, 121, 1.0, 0).expect("p").gpu_candidates(1000, 128), None);
     }
 
     #[test]

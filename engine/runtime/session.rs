@@ -3,13 +3,14 @@
 
 use std::sync::Arc;
 
-use crate::error::{AdapterError, RunError};
+use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Staging};
-use crate::kernels::misc::argmax_scratch_bytes;
+use crate::kernels::misc::{argmax_scratch_bytes, topk_max, topk_scratch_bytes, topk_value};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::cache::{layer_states, rope_table, LayerState, Scratch};
 use crate::runtime::forward::{self, Capture, Input, Rows};
+use crate::runtime::sampler::Candidates;
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -58,6 +59,34 @@ pub struct ActiveAdapter {
     pub scale: f32,
 }
 
+/// The buffers of a sampled step's candidate pass (`topk.wgsl`), reused for every token.
+pub(crate) struct SampleBuffers {
+    /// The blocks' pairs.
+    pub(crate) parts: wgpu::Buffer,
+    /// The best pairs (key, id).
+    pub(crate) out: wgpu::Buffer,
+    /// The distinct history ids (repetition penalty).
+    pub(crate) hist_ids: wgpu::Buffer,
+    /// Their logits.
+    pub(crate) hist_out: wgpu::Buffer,
+    /// The pairs, then the history logits, as read back.
+    pub(crate) staging: Staging,
+}
+
+impl SampleBuffers {
+    fn new(ctx: &GpuContext, vocab: usize, max_context: usize) -> Result<Self, GpuError> {
+        let hist = (max_context.min(vocab) * 4) as u64;
+        let pairs = (topk_max(vocab) * 8) as u64;
+        Ok(Self {
+            parts: ctx.storage_buffer("top-k pairs", topk_scratch_bytes(vocab), true)?,
+            out: ctx.storage_buffer("top-k candidates", pairs, true)?,
+            hist_ids: ctx.storage_buffer("history ids", hist, true)?,
+            hist_out: ctx.storage_buffer("history logits", hist, true)?,
+            staging: Staging::new(ctx, "candidates readback", pairs + hist),
+        })
+    }
+}
+
 /// One sequence's state on a model.
 pub struct Session {
     pub(crate) model: Arc<Model>,
@@ -84,6 +113,8 @@ pub struct Session {
     pub(crate) chosen: [Staging; 2],
     /// Reused for one row of logits.
     pub(crate) logits_staging: Staging,
+    /// What sampled steps choose from (the GPU's top-k candidates).
+    pub(crate) sample: SampleBuffers,
     /// GPU timings of every dispatch while profiling.
     pub(crate) profile: Option<Profile>,
     /// Whether single-token steps fold the block norms and SwiGLU into the projections.
@@ -121,6 +152,7 @@ impl Session {
         let parts = ctx.storage_buffer("argmax candidates", argmax_scratch_bytes(c.vocab_size), true)?;
         let chosen = [Staging::new(&ctx, "chosen id 0", 4), Staging::new(&ctx, "chosen id 1", 4)];
         let logits_staging = Staging::new(&ctx, "logits readback", row_bytes);
+        let sample = SampleBuffers::new(&ctx, c.vocab_size, opts.max_context)?;
         let mut s = Self {
             model,
             opts,
@@ -139,6 +171,7 @@ impl Session {
             parts,
             chosen,
             logits_staging,
+            sample,
             profile: None,
             fused: !ctx.is_cpu(),
         };
@@ -345,6 +378,35 @@ impl Session {
     /// copied into staging slot `slot`; the step is not committed and nothing is waited for.
     pub(crate) fn submit_choice(&mut self, input: Input, slot: usize) -> Result<wgpu::SubmissionIndex, RunError> {
         Ok(forward::step(self, input, Rows::Choose { slot }, Capture::None)?.index)
+    }
+
+    /// Submit a step of `input` whose last position's logits go through the top-`k` candidate
+    /// pass, with the logits of the distinct `history` ids copied out and masked; not committed.
+    pub(crate) fn submit_sample(
+        &mut self,
+        input: Input,
+        k: usize,
+        history: &[u32],
+    ) -> Result<wgpu::SubmissionIndex, RunError> {
+        if !history.is_empty() {
+            self.ctx().write(&self.sample.hist_ids, 0, bytemuck::cast_slice(history));
+        }
+        Ok(forward::step(self, input, Rows::Sample { k, hist: history.len() }, Capture::None)?.index)
+    }
+
+    /// The candidates (id, logit), best first, and the history's logits a sample step left, once
+    /// submission `index` has completed.
+    pub(crate) fn read_sample(
+        &self,
+        index: wgpu::SubmissionIndex,
+        k: usize,
+        hist: usize,
+    ) -> Result<(Candidates, Vec<f32>), RunError> {
+        let bytes = self.sample.staging.read(self.ctx(), index, ((2 * k + hist) * 4) as u64)?;
+        let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+        let cands = words[..2 * k].chunks_exact(2).map(|p| (p[1], topk_value(p[0]))).collect();
+        let hist = words[2 * k..].iter().map(|&w| f32::from_bits(w)).collect();
+        Ok((cands, hist))
     }
 
     /// The id a choice step copied into `slot`, once submission `index` has completed.
