@@ -248,6 +248,15 @@ pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
         engine["dispatches_per_token_unfused"],
         a["dispatches_per_token_unfused"],
     ));
+    let sampled = &engine["sampled"];
+    if sampled.is_object() {
+        md.push_str(&format!(
+            "Sampled decode ({}; candidates found on the GPU): {:.3} tok/s, {} bytes read back per token.\n\n",
+            sampled["params"].as_str().unwrap_or("?"),
+            med(&sampled["decode_tok_s"]),
+            sampled["readback_bytes_per_token"],
+        ));
+    }
     md.push_str(&format!(
         "Targets: decode overhead with adapter ≤ 3 % ({}), prefill overhead ≤ 10 % ({}), swap ≤ 50 µs \
          with 0 bytes uploaded ({}), decode ≥ 70 % of the streaming-read floor ({}).\n\n",
