@@ -58,55 +58,61 @@ pub enum Shader {
     Topk,
 }
 
+/// A shader file: its name under `wgsl/` and its text, compiled into the library.
+pub struct ShaderDesc {
+    /// The shader.
+    pub shader: Shader,
+    /// The file name under `wgsl/`.
+    pub file: &'static str,
+    /// The file's own text.
+    pub body: &'static str,
+}
+
+/// Every shader file, in [`Shader`] order.
+pub const SHADERS: [ShaderDesc; 20] = [
+    ShaderDesc { shader: Shader::Matmul, file: "matmul.wgsl", body: include_str!("../../wgsl/matmul.wgsl") },
+    ShaderDesc { shader: Shader::Matvec, file: "matvec.wgsl", body: include_str!("../../wgsl/matvec.wgsl") },
+    ShaderDesc { shader: Shader::Norm, file: "norm.wgsl", body: include_str!("../../wgsl/norm.wgsl") },
+    ShaderDesc {
+        shader: Shader::AttentionPrep,
+        file: "attention_prep.wgsl",
+        body: include_str!("../../wgsl/attention_prep.wgsl"),
+    },
+    ShaderDesc { shader: Shader::Attention, file: "attention.wgsl", body: include_str!("../../wgsl/attention.wgsl") },
+    ShaderDesc { shader: Shader::GdnConv, file: "gdn_conv.wgsl", body: include_str!("../../wgsl/gdn_conv.wgsl") },
+    ShaderDesc { shader: Shader::GdnRule, file: "gdn_rule.wgsl", body: include_str!("../../wgsl/gdn_rule.wgsl") },
+    ShaderDesc { shader: Shader::Embed, file: "embed.wgsl", body: include_str!("../../wgsl/embed.wgsl") },
+    ShaderDesc { shader: Shader::Swiglu, file: "swiglu.wgsl", body: include_str!("../../wgsl/swiglu.wgsl") },
+    ShaderDesc { shader: Shader::Stream, file: "stream.wgsl", body: include_str!("../../wgsl/stream.wgsl") },
+    ShaderDesc { shader: Shader::CeGrad, file: "ce_grad.wgsl", body: include_str!("../../wgsl/ce_grad.wgsl") },
+    ShaderDesc { shader: Shader::MatmulDx, file: "matmul_dx.wgsl", body: include_str!("../../wgsl/matmul_dx.wgsl") },
+    ShaderDesc { shader: Shader::LoraGrad, file: "lora_grad.wgsl", body: include_str!("../../wgsl/lora_grad.wgsl") },
+    ShaderDesc { shader: Shader::Backward, file: "backward.wgsl", body: include_str!("../../wgsl/backward.wgsl") },
+    ShaderDesc { shader: Shader::Adamw, file: "adamw.wgsl", body: include_str!("../../wgsl/adamw.wgsl") },
+    ShaderDesc {
+        shader: Shader::AttentionBwd,
+        file: "attention_bwd.wgsl",
+        body: include_str!("../../wgsl/attention_bwd.wgsl"),
+    },
+    ShaderDesc {
+        shader: Shader::NormRopeBwd,
+        file: "norm_rope_bwd.wgsl",
+        body: include_str!("../../wgsl/norm_rope_bwd.wgsl"),
+    },
+    ShaderDesc { shader: Shader::Argmax, file: "argmax.wgsl", body: include_str!("../../wgsl/argmax.wgsl") },
+    ShaderDesc { shader: Shader::GdnStep, file: "gdn_step.wgsl", body: include_str!("../../wgsl/gdn_step.wgsl") },
+    ShaderDesc { shader: Shader::Topk, file: "topk.wgsl", body: include_str!("../../wgsl/topk.wgsl") },
+];
+
 impl Shader {
-    /// Every shader, for the naga translation tests.
-    pub const ALL: [Shader; 20] = [
-        Shader::Matmul,
-        Shader::Matvec,
-        Shader::Norm,
-        Shader::AttentionPrep,
-        Shader::Attention,
-        Shader::GdnConv,
-        Shader::GdnRule,
-        Shader::Embed,
-        Shader::Swiglu,
-        Shader::Stream,
-        Shader::CeGrad,
-        Shader::MatmulDx,
-        Shader::LoraGrad,
-        Shader::Backward,
-        Shader::Adamw,
-        Shader::AttentionBwd,
-        Shader::NormRopeBwd,
-        Shader::Argmax,
-        Shader::GdnStep,
-        Shader::Topk,
-    ];
+    /// Every shader (the table's order).
+    pub fn all() -> impl Iterator<Item = Shader> {
+        SHADERS.iter().map(|d| d.shader)
+    }
 
     /// The file name under `wgsl/`.
     pub fn file_name(self) -> &'static str {
-        match self {
-            Shader::Matmul => "matmul.wgsl",
-            Shader::Matvec => "matvec.wgsl",
-            Shader::Norm => "norm.wgsl",
-            Shader::AttentionPrep => "attention_prep.wgsl",
-            Shader::Attention => "attention.wgsl",
-            Shader::GdnConv => "gdn_conv.wgsl",
-            Shader::GdnRule => "gdn_rule.wgsl",
-            Shader::Embed => "embed.wgsl",
-            Shader::Swiglu => "swiglu.wgsl",
-            Shader::Stream => "stream.wgsl",
-            Shader::CeGrad => "ce_grad.wgsl",
-            Shader::MatmulDx => "matmul_dx.wgsl",
-            Shader::LoraGrad => "lora_grad.wgsl",
-            Shader::Backward => "backward.wgsl",
-            Shader::Adamw => "adamw.wgsl",
-            Shader::AttentionBwd => "attention_bwd.wgsl",
-            Shader::NormRopeBwd => "norm_rope_bwd.wgsl",
-            Shader::Argmax => "argmax.wgsl",
-            Shader::GdnStep => "gdn_step.wgsl",
-            Shader::Topk => "topk.wgsl",
-        }
+        SHADERS[self as usize].file
     }
 
     /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the linear
@@ -116,34 +122,8 @@ impl Shader {
         if matches!(self, Shader::Matmul | Shader::Matvec) {
             src.push_str(include_str!("../../wgsl/linear.wgsl"));
         }
-        src.push_str(self.body());
+        src.push_str(SHADERS[self as usize].body);
         src
-    }
-
-    /// The file's own text, compiled into the library.
-    fn body(self) -> &'static str {
-        match self {
-            Shader::Matmul => include_str!("../../wgsl/matmul.wgsl"),
-            Shader::Matvec => include_str!("../../wgsl/matvec.wgsl"),
-            Shader::Norm => include_str!("../../wgsl/norm.wgsl"),
-            Shader::AttentionPrep => include_str!("../../wgsl/attention_prep.wgsl"),
-            Shader::Attention => include_str!("../../wgsl/attention.wgsl"),
-            Shader::GdnConv => include_str!("../../wgsl/gdn_conv.wgsl"),
-            Shader::GdnRule => include_str!("../../wgsl/gdn_rule.wgsl"),
-            Shader::Embed => include_str!("../../wgsl/embed.wgsl"),
-            Shader::Swiglu => include_str!("../../wgsl/swiglu.wgsl"),
-            Shader::Stream => include_str!("../../wgsl/stream.wgsl"),
-            Shader::CeGrad => include_str!("../../wgsl/ce_grad.wgsl"),
-            Shader::MatmulDx => include_str!("../../wgsl/matmul_dx.wgsl"),
-            Shader::LoraGrad => include_str!("../../wgsl/lora_grad.wgsl"),
-            Shader::Backward => include_str!("../../wgsl/backward.wgsl"),
-            Shader::Adamw => include_str!("../../wgsl/adamw.wgsl"),
-            Shader::AttentionBwd => include_str!("../../wgsl/attention_bwd.wgsl"),
-            Shader::NormRopeBwd => include_str!("../../wgsl/norm_rope_bwd.wgsl"),
-            Shader::Argmax => include_str!("../../wgsl/argmax.wgsl"),
-            Shader::GdnStep => include_str!("../../wgsl/gdn_step.wgsl"),
-            Shader::Topk => include_str!("../../wgsl/topk.wgsl"),
-        }
     }
 }
 
@@ -212,175 +192,409 @@ pub enum Kernel {
     TopkFinal,
 }
 
-impl Kernel {
-    /// Every entry point, for the naga translation tests.
-    pub const ALL: [Kernel; 30] = [
-        Kernel::Matmul,
-        Kernel::Matvec,
-        Kernel::MatmulLora,
-        Kernel::MatvecLora,
-        Kernel::RmsNorm,
-        Kernel::RmsNormGated,
-        Kernel::PrepQ,
-        Kernel::PrepKv,
-        Kernel::Attend,
-        Kernel::ConvSilu,
-        Kernel::DeltaRule,
-        Kernel::Embed,
-        Kernel::Swiglu,
-        Kernel::StreamRead,
-        Kernel::CeGrad,
-        Kernel::MatmulDx,
-        Kernel::LoraGrad,
-        Kernel::RmsNormBwd,
-        Kernel::SwigluBwd,
-        Kernel::SumSquares,
-        Kernel::AdamW,
-        Kernel::AttnBwdQ,
-        Kernel::AttnBwdKv,
-        Kernel::NormRopeBwd,
-        Kernel::ArgmaxBlocks,
-        Kernel::ArgmaxFinal,
-        Kernel::GdnDecode,
-        Kernel::TopkMask,
-        Kernel::TopkBlocks,
-        Kernel::TopkFinal,
-    ];
+/// Everything the engine knows about one entry point: the one place a kernel is described.
+pub struct KernelDesc {
+    /// The entry point.
+    pub kernel: Kernel,
+    /// The shader file holding it.
+    pub shader: Shader,
+    /// Its name in the file.
+    pub entry: &'static str,
+    /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
+    pub io: IoSpec,
+    /// Whether it binds a group-1 weight buffer.
+    pub weights: bool,
+    /// Whether it binds a group-2 adapter slot (LoRA B).
+    pub lora: bool,
+    /// Whether the shader has the `ACCUMULATE` override.
+    pub accumulate: bool,
+    /// Whether the shader has the `W_DTYPE` override.
+    pub dtype: bool,
+    /// The shape variants it is compiled in (`PipelineKey::variant`).
+    pub variants: fn() -> &'static [u32],
 }
 
+fn no_variants() -> &'static [u32] {
+    &[0]
+}
+
+fn matmul_rows_variants() -> &'static [u32] {
+    &crate::kernels::matmul::MATMUL_ROWS
+}
+
+/// Every entry point, in [`Kernel`] order.
+pub const KERNELS: [KernelDesc; 30] = [
+    KernelDesc {
+        kernel: Kernel::Matmul,
+        shader: Shader::Matmul,
+        entry: "matmul",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: matmul_rows_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Matvec,
+        shader: Shader::Matvec,
+        entry: "matvec",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: crate::kernels::matmul::matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatmulLora,
+        shader: Shader::Matmul,
+        entry: "matmul_lora",
+        io: &[R, W, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: matmul_rows_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatvecLora,
+        shader: Shader::Matvec,
+        entry: "matvec_lora",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: crate::kernels::matmul::matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNorm,
+        shader: Shader::Norm,
+        entry: "rms_norm",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNormGated,
+        shader: Shader::Norm,
+        entry: "rms_norm_gated",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::PrepQ,
+        shader: Shader::AttentionPrep,
+        entry: "prep_q",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::PrepKv,
+        shader: Shader::AttentionPrep,
+        entry: "prep_kv",
+        io: &[R, R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Attend,
+        shader: Shader::Attention,
+        entry: "attend",
+        io: &[R, R, R, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ConvSilu,
+        shader: Shader::GdnConv,
+        entry: "conv_silu",
+        io: &[R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::DeltaRule,
+        shader: Shader::GdnRule,
+        entry: "delta_rule",
+        io: &[R, R, R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Embed,
+        shader: Shader::Embed,
+        entry: "embed",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: true,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Swiglu,
+        shader: Shader::Swiglu,
+        entry: "swiglu",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::StreamRead,
+        shader: Shader::Stream,
+        entry: "stream_read",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::CeGrad,
+        shader: Shader::CeGrad,
+        entry: "ce_grad",
+        io: &[W, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatmulDx,
+        shader: Shader::MatmulDx,
+        entry: "matmul_dx",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::LoraGrad,
+        shader: Shader::LoraGrad,
+        entry: "lora_grad",
+        io: &[R, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNormBwd,
+        shader: Shader::Backward,
+        entry: "rms_norm_bwd",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::SwigluBwd,
+        shader: Shader::Backward,
+        entry: "swiglu_bwd",
+        io: &[R, R, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::SumSquares,
+        shader: Shader::Adamw,
+        entry: "sum_squares",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AdamW,
+        shader: Shader::Adamw,
+        entry: "adamw",
+        io: &[R, W, W, W, W, R],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttnBwdQ,
+        shader: Shader::AttentionBwd,
+        entry: "attn_bwd_q",
+        io: &[R, R, R, R, R, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttnBwdKv,
+        shader: Shader::AttentionBwd,
+        entry: "attn_bwd_kv",
+        io: &[R, R, R, R, R, W, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::NormRopeBwd,
+        shader: Shader::NormRopeBwd,
+        entry: "norm_rope_bwd",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ArgmaxBlocks,
+        shader: Shader::Argmax,
+        entry: "argmax_blocks",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ArgmaxFinal,
+        shader: Shader::Argmax,
+        entry: "argmax_final",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::GdnDecode,
+        shader: Shader::GdnStep,
+        entry: "gdn_decode",
+        io: &[R, R, W, R, W, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkMask,
+        shader: Shader::Topk,
+        entry: "topk_mask",
+        io: &[W, W, R],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkBlocks,
+        shader: Shader::Topk,
+        entry: "topk_blocks",
+        io: &[W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkFinal,
+        shader: Shader::Topk,
+        entry: "topk_final",
+        io: &[W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+];
+
 impl Kernel {
+    /// Its description.
+    pub fn desc(self) -> &'static KernelDesc {
+        &KERNELS[self as usize]
+    }
+
+    /// Every entry point (the table's order).
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        KERNELS.iter().map(|d| d.kernel)
+    }
+
     /// The shader file holding the entry point.
     pub fn shader(self) -> Shader {
-        match self {
-            Kernel::Matmul | Kernel::MatmulLora => Shader::Matmul,
-            Kernel::Matvec | Kernel::MatvecLora => Shader::Matvec,
-            Kernel::RmsNorm | Kernel::RmsNormGated => Shader::Norm,
-            Kernel::PrepQ | Kernel::PrepKv => Shader::AttentionPrep,
-            Kernel::Attend => Shader::Attention,
-            Kernel::ConvSilu => Shader::GdnConv,
-            Kernel::DeltaRule => Shader::GdnRule,
-            Kernel::Embed => Shader::Embed,
-            Kernel::Swiglu => Shader::Swiglu,
-            Kernel::StreamRead => Shader::Stream,
-            Kernel::CeGrad => Shader::CeGrad,
-            Kernel::MatmulDx => Shader::MatmulDx,
-            Kernel::LoraGrad => Shader::LoraGrad,
-            Kernel::RmsNormBwd | Kernel::SwigluBwd => Shader::Backward,
-            Kernel::SumSquares | Kernel::AdamW => Shader::Adamw,
-            Kernel::AttnBwdQ | Kernel::AttnBwdKv => Shader::AttentionBwd,
-            Kernel::NormRopeBwd => Shader::NormRopeBwd,
-            Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => Shader::Argmax,
-            Kernel::GdnDecode => Shader::GdnStep,
-            Kernel::TopkMask | Kernel::TopkBlocks | Kernel::TopkFinal => Shader::Topk,
-        }
+        self.desc().shader
     }
 
     /// The entry point's name.
     pub fn entry(self) -> &'static str {
-        match self {
-            Kernel::Matmul => "matmul",
-            Kernel::Matvec => "matvec",
-            Kernel::MatmulLora => "matmul_lora",
-            Kernel::MatvecLora => "matvec_lora",
-            Kernel::RmsNorm => "rms_norm",
-            Kernel::RmsNormGated => "rms_norm_gated",
-            Kernel::PrepQ => "prep_q",
-            Kernel::PrepKv => "prep_kv",
-            Kernel::Attend => "attend",
-            Kernel::ConvSilu => "conv_silu",
-            Kernel::DeltaRule => "delta_rule",
-            Kernel::Embed => "embed",
-            Kernel::Swiglu => "swiglu",
-            Kernel::StreamRead => "stream_read",
-            Kernel::CeGrad => "ce_grad",
-            Kernel::MatmulDx => "matmul_dx",
-            Kernel::LoraGrad => "lora_grad",
-            Kernel::RmsNormBwd => "rms_norm_bwd",
-            Kernel::SwigluBwd => "swiglu_bwd",
-            Kernel::SumSquares => "sum_squares",
-            Kernel::AdamW => "adamw",
-            Kernel::AttnBwdQ => "attn_bwd_q",
-            Kernel::AttnBwdKv => "attn_bwd_kv",
-            Kernel::NormRopeBwd => "norm_rope_bwd",
-            Kernel::ArgmaxBlocks => "argmax_blocks",
-            Kernel::ArgmaxFinal => "argmax_final",
-            Kernel::GdnDecode => "gdn_decode",
-            Kernel::TopkMask => "topk_mask",
-            Kernel::TopkBlocks => "topk_blocks",
-            Kernel::TopkFinal => "topk_final",
-        }
+        self.desc().entry
     }
 
     /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
     pub fn io(self) -> IoSpec {
-        match self {
-            Kernel::Matmul | Kernel::RmsNorm | Kernel::RmsNormGated => &[R, W],
-            Kernel::Matvec | Kernel::MatvecLora => &[R, W, R, R],
-            Kernel::Embed | Kernel::Swiglu | Kernel::StreamRead => &[R, W],
-            Kernel::ArgmaxBlocks | Kernel::ArgmaxFinal => &[R, W],
-            Kernel::GdnDecode => &[R, R, W, R, W, W],
-            Kernel::TopkMask => &[W, W, R],
-            Kernel::TopkBlocks | Kernel::TopkFinal => &[W, W],
-            Kernel::MatmulLora => &[R, W, R],
-            Kernel::PrepQ => &[R, R, W],
-            Kernel::PrepKv => &[R, R, W, R, W],
-            Kernel::Attend => &[R, R, R, R, W],
-            Kernel::ConvSilu => &[R, W, R, W],
-            Kernel::DeltaRule => &[R, R, R, W, R, W],
-            Kernel::CeGrad => &[W, R, W],
-            Kernel::MatmulDx | Kernel::SumSquares => &[R, W],
-            Kernel::LoraGrad | Kernel::RmsNormBwd => &[R, R, W],
-            Kernel::SwigluBwd => &[R, R, W, W],
-            Kernel::AdamW => &[R, W, W, W, W, R],
-            Kernel::AttnBwdQ => &[R, R, R, R, R, W, W],
-            Kernel::AttnBwdKv => &[R, R, R, R, R, W, W, W],
-            Kernel::NormRopeBwd => &[R, R, W],
-        }
+        self.desc().io
     }
 
     /// Whether the kernel binds a group-1 weight buffer.
     pub fn has_weights(self) -> bool {
-        matches!(
-            self,
-            Kernel::Matmul
-                | Kernel::Matvec
-                | Kernel::MatmulLora
-                | Kernel::MatvecLora
-                | Kernel::RmsNorm
-                | Kernel::RmsNormGated
-                | Kernel::PrepQ
-                | Kernel::PrepKv
-                | Kernel::ConvSilu
-                | Kernel::DeltaRule
-                | Kernel::GdnDecode
-                | Kernel::Embed
-                | Kernel::MatmulDx
-                | Kernel::RmsNormBwd
-                | Kernel::NormRopeBwd
-        )
+        self.desc().weights
     }
 
     /// Whether the kernel binds a group-2 adapter slot (LoRA B).
     pub fn has_lora(self) -> bool {
-        matches!(self, Kernel::MatmulLora | Kernel::MatvecLora)
-    }
-
-    /// Whether the shader has the `ACCUMULATE` override.
-    fn has_accumulate(self) -> bool {
-        matches!(self, Kernel::Matmul | Kernel::Matvec | Kernel::MatmulLora | Kernel::MatvecLora | Kernel::MatmulDx)
+        self.desc().lora
     }
 
     /// The shape variants a kernel is compiled in (`PipelineKey::variant`).
     pub fn variants(self) -> &'static [u32] {
-        match self {
-            Kernel::Matvec | Kernel::MatvecLora => crate::kernels::matmul::matvec_variants(),
-            Kernel::Matmul | Kernel::MatmulLora => &crate::kernels::matmul::MATMUL_ROWS,
-            _ => &[0],
-        }
-    }
-
-    fn has_dtype(self) -> bool {
-        self.has_accumulate() || self == Kernel::Embed
+        (self.desc().variants)()
     }
 }
 
@@ -408,10 +622,10 @@ impl PipelineKey {
     /// The override constants this key sets.
     pub fn constants(&self) -> Vec<(&'static str, f64)> {
         let mut c = Vec::new();
-        if self.kernel.has_dtype() {
+        if self.kernel.desc().dtype {
             c.push(("W_DTYPE", self.dtype.shader_code() as f64));
         }
-        if self.kernel.has_accumulate() {
+        if self.kernel.desc().accumulate {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
         match self.kernel {
