@@ -268,7 +268,8 @@ fn matvec_sweep_matches_reference() {
 #[test]
 fn matmul_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
-    // (m, n, k): tokens below, at and above the 128-row tile, outputs around the 64-column tile,
+    // (m, n, k): tokens below, at and above each tile height (16, 32, 64, 128), outputs around
+    // the 64-column tile,
     // k a multiple of 8 that is not one of BK (vector staging with a partial last step), odd k
     // (element staging); x offsets 4 (aligned) and 1 (element staging).
     let shapes = [
@@ -280,6 +281,10 @@ fn matmul_sweep_matches_reference() {
         (129, 130, 1032),
         (200, 16, 13),
         (3, 70, 64),
+        (16, 70, 24),
+        (17, 65, 40),
+        (32, 64, 13),
+        (33, 7, 1032),
     ];
     let rows: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| matmul_rows(m)).collect();
     assert_eq!(rows.into_iter().collect::<Vec<_>>(), MATMUL_ROWS.to_vec(), "tile variants covered");

@@ -11,8 +11,9 @@
 //
 // Tiling: a workgroup of 16 x 16 invocations computes a TM x 64 tile of y (TM tokens, 64
 // outputs), TM / 16 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory at
-// most). TM is 128 (8 x 4 per invocation, 12 workgroup loads per 32 FMAs) or 64 for short
-// prompts (4 x 4), chosen by the host so few rows are computed only to be thrown away. Each
+// most). TM is 128 (8 x 4 per invocation, 12 workgroup loads per 32 FMAs), or 64, 32 or 16 for
+// short prompts (4, 2 or 1 x 4), chosen by the host so few rows are computed only to be thrown
+// away. Each
 // step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8 consecutive
 // k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one vec4<u32> = 8 16-bit
 // weights, or two of f32, for the first 128) and widens them once; neighbouring invocations take
@@ -21,7 +22,7 @@
 // registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte aligned,
 // tiles are staged element by element.
 
-override TM: u32 = 128u; // tile rows (tokens): 128 or 64
+override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
 const TN: u32 = 64u;    // tile columns (outputs)
 const BK: u32 = 16u;
 
@@ -39,6 +40,18 @@ fn put_w(kk: u32, c: u32, v: f32) {
 // acc += xs^T ws over one staged K step: rows lid.y * TM / 16 .. + TM / 16, columns
 // lid.x * 4 .. + 4.
 fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
+    if (TM < 64u) {
+        // One or two tile rows per invocation, read as single values.
+        let per = TM / 16u;
+        for (var kk = 0u; kk < BK; kk++) {
+            let b = ws[kk * (TN / 4u) + lid.x];
+            for (var i = 0u; i < per; i++) {
+                let r = lid.y * per + i;
+                (*acc)[i] = fma(vec4<f32>(xs[kk * (TM / 4u) + (r >> 2u)][r & 3u]), b, (*acc)[i]);
+            }
+        }
+        return;
+    }
     let quads = TM / 64u; // vec4 of tile rows per invocation: 2 or 1
     for (var kk = 0u; kk < BK; kk++) {
         let a = xs[kk * (TM / 4u) + quads * lid.y];

@@ -219,15 +219,17 @@ pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
 }
 
 /// The `TM` variants of `matmul.wgsl`: tokens per tile.
-pub const MATMUL_ROWS: [u32; 2] = [64, 128];
+pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
 
 /// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a
-/// tile would be rows computed only to be dropped.
+/// tile would be rows computed only to be dropped; up to 64 tokens, the smallest tile that holds
+/// them all (every weight is read once, and at most half the tile is padding).
 pub fn matmul_rows(m: usize) -> u32 {
-    if m <= 64 {
-        64
-    } else {
-        128
+    match m {
+        0..=16 => 16,
+        17..=32 => 32,
+        33..=64 => 64,
+        _ => 128,
     }
 }
 
