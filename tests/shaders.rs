@@ -142,3 +142,24 @@ fn a_broken_shader_is_rejected() {
     };
     assert!(rejected);
 }
+
+/// The value of the `u32` constant `name` declared in `shader`.
+fn shader_const(shader: Shader, name: &str) -> u32 {
+    let (module, _) = parse(shader);
+    let (_, c) = module
+        .constants
+        .iter()
+        .find(|(_, c)| c.name.as_deref() == Some(name))
+        .unwrap_or_else(|| panic!("{} declares no {name}", shader.file_name()));
+    match module.global_expressions[c.init] {
+        naga::Expression::Literal(naga::Literal::U32(v)) => v,
+        ref e => panic!("{name} in {} is not a u32 literal: {e:?}", shader.file_name()),
+    }
+}
+
+#[test]
+fn the_config_limits_are_the_shaders_limits() {
+    let attention = shader_const(Shader::Attention, "WG") * shader_const(Shader::Attention, "MAX_DIMS");
+    assert_eq!(attention as usize, qwen35_wgpu::kernels::attention::MAX_HEAD_DIM);
+    assert_eq!(shader_const(Shader::GdnConv, "MAX_K") as usize, qwen35_wgpu::kernels::gdn::MAX_CONV_K);
+}

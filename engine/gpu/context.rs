@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::GpuError;
-use crate::kernels::{PipelineKey, Shader};
+use crate::gpu::{PipelineKey, Shader};
 
 /// How a storage binding of group 0 is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

@@ -1,12 +1,19 @@
-//! The GPU layer: device selection, shared bind-group layouts, the pipeline cache, weight
-//! buffers and readback.
+//! The GPU layer: device selection, shared bind-group layouts, the shader and entry-point tables
+//! with the pipeline cache, weight buffers and readback.
 
 mod context;
+mod dtype;
 mod readback;
 mod recorder;
+mod registry;
 mod tensor;
 
 pub use context::{Access, Counters, GpuContext, IoSpec};
+pub use dtype::Dtype;
 pub use readback::{read_f32, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};
+pub use registry::{
+    matvec_overrides, matvec_variant, matvec_variants, Kernel, KernelDesc, PipelineKey, Shader, ShaderDesc, KERNELS,
+    MATMUL_ROWS, MATVEC_LANES, SHADERS,
+};
 pub use tensor::{GpuVector, GpuWeight, WeightChunk};

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use crate::error::GpuError;
 use crate::gpu::context::PARAMS_SLOT;
 use crate::gpu::{GpuContext, Staging};
-use crate::kernels::{Kernel, PipelineKey};
+use crate::gpu::{Kernel, PipelineKey};
 
 /// Most dispatches timed in one profiled submit (a query set holds at most 4096 timestamps).
 const MAX_TIMED: usize = 2048;

@@ -2,8 +2,8 @@
 //! widened in the shader); a matrix larger than one storage binding is split by rows.
 
 use crate::error::GpuError;
+use crate::gpu::Dtype;
 use crate::gpu::GpuContext;
-use crate::model::Dtype;
 
 /// One row range of a weight matrix, in its own buffer and bind group.
 pub struct WeightChunk {

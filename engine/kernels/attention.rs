@@ -35,8 +35,9 @@ pub struct AttnParams {
     pub _pad: u32,
 }
 
-/// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`).
-pub const MAX_HEAD_DIM: usize = 512;
+/// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`); the
+/// config check rejects larger ones.
+pub use crate::model::config::MAX_HEAD_DIM;
 
 /// The buffers of one attention layer's step.
 pub struct AttnIo<'a> {

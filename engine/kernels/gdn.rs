@@ -27,8 +27,8 @@ pub struct GdnParams {
     pub eps: f32,
 }
 
-/// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`).
-pub const MAX_CONV_K: usize = 8;
+/// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`); the config check rejects wider ones.
+pub use crate::model::config::MAX_CONV_K;
 
 /// The buffers of one GDN layer's step.
 pub struct GdnIo<'a> {

@@ -4,7 +4,8 @@ use std::ops::Range;
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
-use crate::kernels::{Kernel, PipelineKey};
+pub use crate::gpu::{matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_LANES};
+use crate::gpu::{Kernel, PipelineKey};
 
 /// Mirrors `Params` in `matmul.wgsl`.
 #[repr(C)]
@@ -73,22 +74,6 @@ impl Fuse<'_> {
     pub fn code(&self) -> u32 {
         u32::from(self.norm.is_some()) | u32::from(self.glu) << 1
     }
-}
-
-/// The `variant` of a matvec pipeline: `LANES` and `FUSE`.
-pub fn matvec_variant(lanes: u32, fuse: u32) -> u32 {
-    lanes | fuse << 8
-}
-
-/// `LANES` and `FUSE` of a matvec pipeline variant.
-pub fn matvec_overrides(variant: u32) -> (u32, u32) {
-    (variant & 0xff, variant >> 8)
-}
-
-/// Every matvec pipeline variant (for the naga translation test).
-pub fn matvec_variants() -> &'static [u32] {
-    static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
 }
 
 /// One projection's LoRA expand inside a run of rows: `y += scale · t[:, t_offset..+rank] · Bᵀ`.
@@ -200,10 +185,6 @@ pub struct LinearIo<'a> {
     pub accumulate: bool,
 }
 
-/// The `LANES` variants of `matvec.wgsl`: invocations along K per row group (rows per workgroup
-/// = 8 · 64 / LANES).
-pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
-
 /// Invocations along K for a chunk of `n` rows: the most rows per workgroup (64, 32, 16, then 8)
 /// that still gives the device `min_groups` workgroups. More rows per workgroup read x once for
 /// more rows, stream 128 contiguous bytes per row and step (8 lanes × 16 bytes) and leave fewer
@@ -217,9 +198,6 @@ pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
     }
     64
 }
-
-/// The `TM` variants of `matmul.wgsl`: tokens per tile.
-pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
 
 /// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a
 /// tile would be rows computed only to be dropped; up to 64 tokens, the smallest tile that holds

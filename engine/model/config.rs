@@ -6,8 +6,13 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ModelError;
-use crate::kernels::attention::MAX_HEAD_DIM;
-use crate::kernels::gdn::MAX_CONV_K;
+
+/// Largest head_dim the engine runs: `WG × MAX_DIMS` of `attention.wgsl` (the shader's limit,
+/// stated here so the config check needs nothing from the kernels).
+pub const MAX_HEAD_DIM: usize = 512;
+
+/// Largest GDN conv kernel width the engine runs: `MAX_K` of `gdn_conv.wgsl`.
+pub const MAX_CONV_K: usize = 8;
 
 /// The token mixer of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

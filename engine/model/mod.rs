@@ -2,10 +2,9 @@
 
 mod checkpoint;
 pub(crate) mod config;
-mod dtype;
 mod weights;
 
+pub use crate::gpu::Dtype;
 pub use checkpoint::{Checkpoint, TensorEntry};
 pub use config::{LayerType, TextConfig};
-pub use dtype::Dtype;
 pub use weights::{AttnWeights, GdnWeights, Layer, LoadOptions, Mixer, Mlp, Model};

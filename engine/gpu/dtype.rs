@@ -1,4 +1,4 @@
-//! Element types of checkpoint tensors.
+//! Element types of weight buffers: the checkpoint dtypes, kept as they are on the GPU.
 
 /// A tensor dtype the engine loads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

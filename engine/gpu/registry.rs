@@ -1,0 +1,659 @@
+//! The shaders and their entry points: one table each ([`SHADERS`], [`KERNELS`]) with what a
+//! pipeline needs (file, entry point, bindings, overrides, variants), and the typed key of the
+//! pipeline cache. `kernels/` records dispatches of these entry points.
+
+use crate::gpu::{Access, Dtype, IoSpec};
+
+use Access::{Read as R, ReadWrite as W};
+
+/// A WGSL source file under `wgsl/`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Shader {
+    /// `matmul.wgsl`
+    Matmul,
+    /// `matvec.wgsl`
+    Matvec,
+    /// `norm.wgsl`
+    Norm,
+    /// `attention_prep.wgsl`
+    AttentionPrep,
+    /// `attention.wgsl`
+    Attention,
+    /// `gdn_conv.wgsl`
+    GdnConv,
+    /// `gdn_rule.wgsl`
+    GdnRule,
+    /// `embed.wgsl`
+    Embed,
+    /// `swiglu.wgsl`
+    Swiglu,
+    /// `stream.wgsl`
+    Stream,
+    /// `ce_grad.wgsl`
+    CeGrad,
+    /// `matmul_dx.wgsl`
+    MatmulDx,
+    /// `lora_grad.wgsl`
+    LoraGrad,
+    /// `backward.wgsl`
+    Backward,
+    /// `adamw.wgsl`
+    Adamw,
+    /// `attention_bwd.wgsl`
+    AttentionBwd,
+    /// `norm_rope_bwd.wgsl`
+    NormRopeBwd,
+    /// `argmax.wgsl`
+    Argmax,
+    /// `gdn_step.wgsl`
+    GdnStep,
+    /// `topk.wgsl`
+    Topk,
+}
+
+/// A shader file: its name under `wgsl/` and its text, compiled into the library.
+pub struct ShaderDesc {
+    /// The shader.
+    pub shader: Shader,
+    /// The file name under `wgsl/`.
+    pub file: &'static str,
+    /// The file's own text.
+    pub body: &'static str,
+}
+
+/// Every shader file, in [`Shader`] order.
+pub const SHADERS: [ShaderDesc; 20] = [
+    ShaderDesc { shader: Shader::Matmul, file: "matmul.wgsl", body: include_str!("../../wgsl/matmul.wgsl") },
+    ShaderDesc { shader: Shader::Matvec, file: "matvec.wgsl", body: include_str!("../../wgsl/matvec.wgsl") },
+    ShaderDesc { shader: Shader::Norm, file: "norm.wgsl", body: include_str!("../../wgsl/norm.wgsl") },
+    ShaderDesc {
+        shader: Shader::AttentionPrep,
+        file: "attention_prep.wgsl",
+        body: include_str!("../../wgsl/attention_prep.wgsl"),
+    },
+    ShaderDesc { shader: Shader::Attention, file: "attention.wgsl", body: include_str!("../../wgsl/attention.wgsl") },
+    ShaderDesc { shader: Shader::GdnConv, file: "gdn_conv.wgsl", body: include_str!("../../wgsl/gdn_conv.wgsl") },
+    ShaderDesc { shader: Shader::GdnRule, file: "gdn_rule.wgsl", body: include_str!("../../wgsl/gdn_rule.wgsl") },
+    ShaderDesc { shader: Shader::Embed, file: "embed.wgsl", body: include_str!("../../wgsl/embed.wgsl") },
+    ShaderDesc { shader: Shader::Swiglu, file: "swiglu.wgsl", body: include_str!("../../wgsl/swiglu.wgsl") },
+    ShaderDesc { shader: Shader::Stream, file: "stream.wgsl", body: include_str!("../../wgsl/stream.wgsl") },
+    ShaderDesc { shader: Shader::CeGrad, file: "ce_grad.wgsl", body: include_str!("../../wgsl/ce_grad.wgsl") },
+    ShaderDesc { shader: Shader::MatmulDx, file: "matmul_dx.wgsl", body: include_str!("../../wgsl/matmul_dx.wgsl") },
+    ShaderDesc { shader: Shader::LoraGrad, file: "lora_grad.wgsl", body: include_str!("../../wgsl/lora_grad.wgsl") },
+    ShaderDesc { shader: Shader::Backward, file: "backward.wgsl", body: include_str!("../../wgsl/backward.wgsl") },
+    ShaderDesc { shader: Shader::Adamw, file: "adamw.wgsl", body: include_str!("../../wgsl/adamw.wgsl") },
+    ShaderDesc {
+        shader: Shader::AttentionBwd,
+        file: "attention_bwd.wgsl",
+        body: include_str!("../../wgsl/attention_bwd.wgsl"),
+    },
+    ShaderDesc {
+        shader: Shader::NormRopeBwd,
+        file: "norm_rope_bwd.wgsl",
+        body: include_str!("../../wgsl/norm_rope_bwd.wgsl"),
+    },
+    ShaderDesc { shader: Shader::Argmax, file: "argmax.wgsl", body: include_str!("../../wgsl/argmax.wgsl") },
+    ShaderDesc { shader: Shader::GdnStep, file: "gdn_step.wgsl", body: include_str!("../../wgsl/gdn_step.wgsl") },
+    ShaderDesc { shader: Shader::Topk, file: "topk.wgsl", body: include_str!("../../wgsl/topk.wgsl") },
+];
+
+impl Shader {
+    /// Every shader (the table's order).
+    pub fn all() -> impl Iterator<Item = Shader> {
+        SHADERS.iter().map(|d| d.shader)
+    }
+
+    /// The file name under `wgsl/`.
+    pub fn file_name(self) -> &'static str {
+        SHADERS[self as usize].file
+    }
+
+    /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the linear
+    /// kernels `linear.wgsl` (their parameters, bindings and weight decoder), then the file.
+    pub fn source(self) -> String {
+        let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
+        if matches!(self, Shader::Matmul | Shader::Matvec) {
+            src.push_str(include_str!("../../wgsl/linear.wgsl"));
+        }
+        src.push_str(SHADERS[self as usize].body);
+        src
+    }
+}
+
+/// A compute entry point.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// Tiled matrix-matrix product (prefill).
+    Matmul,
+    /// Matrix-vector product (one token).
+    Matvec,
+    /// `Matmul` with the LoRA expand fused in.
+    MatmulLora,
+    /// `Matvec` with the LoRA expand fused in.
+    MatvecLora,
+    /// RMSNorm with `(1 + w)`.
+    RmsNorm,
+    /// Gated RMSNorm of the GDN output, in place.
+    RmsNormGated,
+    /// q norm + RoPE.
+    PrepQ,
+    /// k norm + RoPE, K/V cache write.
+    PrepKv,
+    /// Causal GQA attention with the sigmoid output gate.
+    Attend,
+    /// GDN causal depthwise conv + SiLU.
+    ConvSilu,
+    /// GDN gated delta rule.
+    DeltaRule,
+    /// Embedding gather.
+    Embed,
+    /// SwiGLU product.
+    Swiglu,
+    /// Streaming read (bandwidth yardstick).
+    StreamRead,
+    /// Softmax cross-entropy and its logit gradient, in place.
+    CeGrad,
+    /// `dx = dy · W` (the input gradient of a linear layer).
+    MatmulDx,
+    /// A LoRA weight gradient: a sum of outer products over tokens.
+    LoraGrad,
+    /// Backward of RMSNorm1p.
+    RmsNormBwd,
+    /// Backward of SwiGLU.
+    SwigluBwd,
+    /// Squared norm of a gradient (for clipping).
+    SumSquares,
+    /// The AdamW update with clipping and the anchor pull.
+    AdamW,
+    /// Attention backward for the queries and the output gate.
+    AttnBwdQ,
+    /// Attention backward for the keys and values.
+    AttnBwdKv,
+    /// Backward of the per-head q/k norm and RoPE.
+    NormRopeBwd,
+    /// Greedy choice, first pass: one candidate per block of logits.
+    ArgmaxBlocks,
+    /// Greedy choice, second pass: the chosen id into the next step's input.
+    ArgmaxFinal,
+    /// GDN conv + delta rule + gated norm for one token.
+    GdnDecode,
+    /// Sampling candidates: the history's logits copied out and masked.
+    TopkMask,
+    /// Sampling candidates: the k best of each block of logits.
+    TopkBlocks,
+    /// Sampling candidates: the k best of the blocks' candidates.
+    TopkFinal,
+}
+
+/// Everything the engine knows about one entry point: the one place a kernel is described.
+pub struct KernelDesc {
+    /// The entry point.
+    pub kernel: Kernel,
+    /// The shader file holding it.
+    pub shader: Shader,
+    /// Its name in the file.
+    pub entry: &'static str,
+    /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
+    pub io: IoSpec,
+    /// Whether it binds a group-1 weight buffer.
+    pub weights: bool,
+    /// Whether it binds a group-2 adapter slot (LoRA B).
+    pub lora: bool,
+    /// Whether the shader has the `ACCUMULATE` override.
+    pub accumulate: bool,
+    /// Whether the shader has the `W_DTYPE` override.
+    pub dtype: bool,
+    /// The shape variants it is compiled in (`PipelineKey::variant`).
+    pub variants: fn() -> &'static [u32],
+}
+
+fn no_variants() -> &'static [u32] {
+    &[0]
+}
+
+fn matmul_rows_variants() -> &'static [u32] {
+    &MATMUL_ROWS
+}
+
+/// Every entry point, in [`Kernel`] order.
+pub const KERNELS: [KernelDesc; 30] = [
+    KernelDesc {
+        kernel: Kernel::Matmul,
+        shader: Shader::Matmul,
+        entry: "matmul",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: matmul_rows_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Matvec,
+        shader: Shader::Matvec,
+        entry: "matvec",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatmulLora,
+        shader: Shader::Matmul,
+        entry: "matmul_lora",
+        io: &[R, W, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: matmul_rows_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatvecLora,
+        shader: Shader::Matvec,
+        entry: "matvec_lora",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNorm,
+        shader: Shader::Norm,
+        entry: "rms_norm",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNormGated,
+        shader: Shader::Norm,
+        entry: "rms_norm_gated",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::PrepQ,
+        shader: Shader::AttentionPrep,
+        entry: "prep_q",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::PrepKv,
+        shader: Shader::AttentionPrep,
+        entry: "prep_kv",
+        io: &[R, R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Attend,
+        shader: Shader::Attention,
+        entry: "attend",
+        io: &[R, R, R, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ConvSilu,
+        shader: Shader::GdnConv,
+        entry: "conv_silu",
+        io: &[R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::DeltaRule,
+        shader: Shader::GdnRule,
+        entry: "delta_rule",
+        io: &[R, R, R, W, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Embed,
+        shader: Shader::Embed,
+        entry: "embed",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: true,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::Swiglu,
+        shader: Shader::Swiglu,
+        entry: "swiglu",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::StreamRead,
+        shader: Shader::Stream,
+        entry: "stream_read",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::CeGrad,
+        shader: Shader::CeGrad,
+        entry: "ce_grad",
+        io: &[W, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatmulDx,
+        shader: Shader::MatmulDx,
+        entry: "matmul_dx",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::LoraGrad,
+        shader: Shader::LoraGrad,
+        entry: "lora_grad",
+        io: &[R, R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNormBwd,
+        shader: Shader::Backward,
+        entry: "rms_norm_bwd",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::SwigluBwd,
+        shader: Shader::Backward,
+        entry: "swiglu_bwd",
+        io: &[R, R, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::SumSquares,
+        shader: Shader::Adamw,
+        entry: "sum_squares",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AdamW,
+        shader: Shader::Adamw,
+        entry: "adamw",
+        io: &[R, W, W, W, W, R],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttnBwdQ,
+        shader: Shader::AttentionBwd,
+        entry: "attn_bwd_q",
+        io: &[R, R, R, R, R, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttnBwdKv,
+        shader: Shader::AttentionBwd,
+        entry: "attn_bwd_kv",
+        io: &[R, R, R, R, R, W, W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::NormRopeBwd,
+        shader: Shader::NormRopeBwd,
+        entry: "norm_rope_bwd",
+        io: &[R, R, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ArgmaxBlocks,
+        shader: Shader::Argmax,
+        entry: "argmax_blocks",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::ArgmaxFinal,
+        shader: Shader::Argmax,
+        entry: "argmax_final",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::GdnDecode,
+        shader: Shader::GdnStep,
+        entry: "gdn_decode",
+        io: &[R, R, W, R, W, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkMask,
+        shader: Shader::Topk,
+        entry: "topk_mask",
+        io: &[W, W, R],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkBlocks,
+        shader: Shader::Topk,
+        entry: "topk_blocks",
+        io: &[W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::TopkFinal,
+        shader: Shader::Topk,
+        entry: "topk_final",
+        io: &[W, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+];
+
+impl Kernel {
+    /// Its description.
+    pub fn desc(self) -> &'static KernelDesc {
+        &KERNELS[self as usize]
+    }
+
+    /// Every entry point (the table's order).
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        KERNELS.iter().map(|d| d.kernel)
+    }
+
+    /// The shader file holding the entry point.
+    pub fn shader(self) -> Shader {
+        self.desc().shader
+    }
+
+    /// The entry point's name.
+    pub fn entry(self) -> &'static str {
+        self.desc().entry
+    }
+
+    /// Group-0 storage bindings (binding 1 onwards), matching the WGSL declarations.
+    pub fn io(self) -> IoSpec {
+        self.desc().io
+    }
+
+    /// Whether the kernel binds a group-1 weight buffer.
+    pub fn has_weights(self) -> bool {
+        self.desc().weights
+    }
+
+    /// Whether the kernel binds a group-2 adapter slot (LoRA B).
+    pub fn has_lora(self) -> bool {
+        self.desc().lora
+    }
+
+    /// The shape variants a kernel is compiled in (`PipelineKey::variant`).
+    pub fn variants(self) -> &'static [u32] {
+        (self.desc().variants)()
+    }
+}
+
+/// Typed key of the pipeline cache: the entry point plus its override constants.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PipelineKey {
+    /// The entry point.
+    pub kernel: Kernel,
+    /// Weight dtype (`W_DTYPE`), for kernels that read checkpoint-dtype weights.
+    pub dtype: Dtype,
+    /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
+    pub accumulate: bool,
+    /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group;
+    /// matvec also `FUSE`, see `matmul::matvec_variant`; matmul: `TM`, the tokens per
+    /// tile); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
+    pub variant: u32,
+}
+
+impl PipelineKey {
+    /// A kernel without overrides.
+    pub fn plain(kernel: Kernel) -> Self {
+        Self { kernel, dtype: Dtype::F32, accumulate: false, variant: 0 }
+    }
+
+    /// The override constants this key sets.
+    pub fn constants(&self) -> Vec<(&'static str, f64)> {
+        let mut c = Vec::new();
+        if self.kernel.desc().dtype {
+            c.push(("W_DTYPE", self.dtype.shader_code() as f64));
+        }
+        if self.kernel.desc().accumulate {
+            c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
+        }
+        match self.kernel {
+            Kernel::Matvec | Kernel::MatvecLora => {
+                let (lanes, fuse) = matvec_overrides(self.variant);
+                c.push(("LANES", lanes as f64));
+                c.push(("NORM", (fuse & 1) as f64));
+                c.push(("GLU", (fuse >> 1 & 1) as f64));
+            }
+            Kernel::Matmul | Kernel::MatmulLora => c.push(("TM", self.variant as f64)),
+            _ => {}
+        }
+        c
+    }
+}
+
+/// The `LANES` variants of `matvec.wgsl`: invocations along K per row group (rows per workgroup
+/// = 8 · 64 / LANES).
+pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
+
+/// The `TM` variants of `matmul.wgsl`: tokens per tile.
+pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
+
+/// The `variant` of a matvec pipeline: `LANES` and `FUSE`.
+pub fn matvec_variant(lanes: u32, fuse: u32) -> u32 {
+    lanes | fuse << 8
+}
+
+/// `LANES` and `FUSE` of a matvec pipeline variant.
+pub fn matvec_overrides(variant: u32) -> (u32, u32) {
+    (variant & 0xff, variant >> 8)
+}
+
+/// Every matvec pipeline variant (for the naga translation test).
+pub fn matvec_variants() -> &'static [u32] {
+    static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
+}
