@@ -10,8 +10,8 @@ use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, 
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
 use qwen35_wgpu::kernels::matmul::{
-    linear, linear_rows, matmul_rows, matvec_lanes, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
-    MATMUL_ROWS, MATVEC_LANES,
+    batch_tokens, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse, FusedNorm, LinearIo,
+    LoraExpand, LoraSegment, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
@@ -291,36 +291,77 @@ fn matmul_sweep_matches_reference() {
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 24, 5), (4, n, 20)] {
-                let seed = 700 + si as u64 * 17 + dtype.size() as u64;
-                let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
-                let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, (chunk_rows * k * dtype.size()) as u64)
-                    .expect("weight");
-                let x = rand(x_off + m * k, seed + 1, 1.0);
-                let stride = rank + 2;
-                let t = rand(m * stride, seed + 3, 1.0);
-                let b = rand(n * rank.max(1), seed + 4, 1.0);
-                let y0 = rand(m * (n + 1), seed + 2, 1.0);
-                let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
-                let bg = ctx.weights_bind_group(&bb, "b");
-                let lora = LoraExpand::single(&tb, (2, stride), (rank, 0), -0.5, &bg);
-                let accumulate = rank % 2 == 1;
-                let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
-                run(&ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
-                let prod = cpu::linear(&x[x_off..], &w, m, n, k);
-                let mut want = y0.clone();
-                for i in 0..m {
-                    for j in 0..n {
-                        let d: f32 = (0..rank).map(|r| t[i * stride + 2 + r] * b[j * rank + r]).sum();
-                        let v = prod[i * n + j] - 0.5 * d;
-                        let slot = &mut want[1 + i * (n + 1) + j];
-                        *slot = if accumulate { *slot + v } else { v };
-                    }
-                }
-                let what = format!(
-                    "matmul m{m} n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
-                    gw.chunks.len()
-                );
-                assert_close(&what, &read(&ctx, &yb, m * (n + 1)), &want, KERNEL_ATOL, KERNEL_RTOL);
+                check_linear(&ctx, (m, n, k), dtype, (x_off, chunk_rows, rank), 700 + si as u64 * 17);
+            }
+        }
+    }
+}
+
+/// A linear layer of `m` tokens `[n, k]` in `dtype` (x from element `x_off`, the weight in chunks
+/// of `chunk_rows` rows, a rank-`rank` LoRA expand, accumulating for odd ranks) vs the reference.
+fn check_linear(
+    ctx: &GpuContext,
+    (m, n, k): (usize, usize, usize),
+    dtype: Dtype,
+    (x_off, chunk_rows, rank): (usize, usize, usize),
+    seed: u64,
+) {
+    let seed = seed + dtype.size() as u64;
+    let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+    let gw = GpuWeight::upload(ctx, "w", dtype, n, k, &bytes, (chunk_rows * k * dtype.size()) as u64).expect("weight");
+    let x = rand(x_off + m * k, seed + 1, 1.0);
+    let stride = rank + 2;
+    let t = rand(m * stride, seed + 3, 1.0);
+    let b = rand(n * rank.max(1), seed + 4, 1.0);
+    let y0 = rand(m * (n + 1), seed + 2, 1.0);
+    let (xb, yb, tb, bb) = (upload(ctx, &x), upload(ctx, &y0), upload(ctx, &t), upload(ctx, &b));
+    let bg = ctx.weights_bind_group(&bb, "b");
+    let lora = LoraExpand::single(&tb, (2, stride), (rank, 0), -0.5, &bg);
+    let accumulate = rank % 2 == 1;
+    let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
+    run(ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
+    let prod = cpu::linear(&x[x_off..], &w, m, n, k);
+    let mut want = y0.clone();
+    for i in 0..m {
+        for j in 0..n {
+            let d: f32 = (0..rank).map(|r| t[i * stride + 2 + r] * b[j * rank + r]).sum();
+            let v = prod[i * n + j] - 0.5 * d;
+            let slot = &mut want[1 + i * (n + 1) + j];
+            *slot = if accumulate { *slot + v } else { v };
+        }
+    }
+    let what = format!(
+        "linear m{m} n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
+        gw.chunks.len()
+    );
+    assert_close(&what, &read(ctx, &yb, m * (n + 1)), &want, KERNEL_ATOL, KERNEL_RTOL);
+}
+
+#[test]
+fn batched_matvec_sweep_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    // 2 to 8 tokens (every TOK variant, and counts between them); n below, at and above the rows
+    // per workgroup of every LANES variant; k multiples of 8 (others run the tiled matmul, as does
+    // an x offset that is not 16-byte aligned: x offset 1 checks that fallback).
+    let g = ctx.min_workgroups();
+    let shapes = [
+        (2, 1, 8),
+        (3, 15, 16),
+        (4, 17, 24),
+        (5, 33, 1024),
+        (7, 8 * g - 3, 40),
+        (8, 16 * g + 1, 64),
+        (6, 32 * g - 5, 1032),
+        (2, 64 * g + 1, 8),
+    ];
+    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _)| matvec_batch_lanes(n, g)).collect();
+    assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "LANES variants covered");
+    let toks: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| batch_tokens(m)).collect();
+    assert_eq!(toks.into_iter().collect::<Vec<_>>(), MATVEC_BATCH_TOKENS.to_vec(), "TOK variants covered");
+    for (si, &(m, n, k)) in shapes.iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            for (x_off, chunk_rows, rank) in [(4, n, 0), (4, n, 3), (4, 5, 4), (0, n, 16), (1, n, 2)] {
+                check_linear(&ctx, (m, n, k), dtype, (x_off, chunk_rows, rank), 1700 + si as u64 * 17);
             }
         }
     }

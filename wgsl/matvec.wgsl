@@ -86,27 +86,6 @@ fn x_vec(x4: u32, q: u32) -> vec4<f32> {
     return v;
 }
 
-// Eight 16-bit weights of one vec4<u32>: even elements (low halves) and odd ones (high halves).
-fn even_odd(v: vec4<u32>) -> array<vec4<f32>, 2> {
-    if (W_DTYPE == 1u) {
-        return array<vec4<f32>, 2>(bitcast<vec4<f32>>(v << vec4<u32>(16u)), bitcast<vec4<f32>>(v & vec4<u32>(0xffff0000u)));
-    }
-    let a = unpack2x16float(v.x);
-    let b = unpack2x16float(v.y);
-    let c = unpack2x16float(v.z);
-    let d = unpack2x16float(v.w);
-    return array<vec4<f32>, 2>(vec4<f32>(a.x, b.x, c.x, d.x), vec4<f32>(a.y, b.y, c.y, d.y));
-}
-
-// Dot product of 8 weights (one vec4<u32> of 16-bit weights, or two vec4 of f32 words) with
-// the x chunk (xe: even elements, xo: odd elements for 16-bit; xe, xo: the two halves for f32).
-fn dot8(row_vec: u32, j: u32, xe: vec4<f32>, xo: vec4<f32>) -> f32 {
-    if (W_DTYPE == 0u) {
-        return dot(bitcast<vec4<f32>>(w[row_vec + 2u * j]), xe) + dot(bitcast<vec4<f32>>(w[row_vec + 2u * j + 1u]), xo);
-    }
-    let wv = even_odd(w[row_vec + j]);
-    return dot(wv[0], xe) + dot(wv[1], xo);
-}
 
 // What an invocation hands to the reduction: its 8 rows' partial sums (rows 0-3, 4-7) and, for
 // NORM, its partial sum of x^2.
@@ -170,24 +149,6 @@ fn base_partials(s: Slot) -> Partials {
     return Partials(lo, hi, sq);
 }
 
-// s * t . B[row] for row `row` of the dispatch (added by the invocation that stores the row), with
-// the rank, t columns, B rows and scale of the segment the row falls in.
-fn lora_row(row: u32) -> f32 {
-    let g = p.lora_row0 + row;
-    let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
-    var start = 0u;
-    if (j > 0u) {
-        start = p.seg_end[j - 1u];
-    }
-    let rank = p.seg_rank[j];
-    let b0 = p.seg_b[j] + (g - start) * rank;
-    let t0 = p.seg_t[j];
-    var acc = 0.0;
-    for (var c = 0u; c < rank; c++) {
-        acc = fma(lora_b[b0 + c], t[t0 + c], acc);
-    }
-    return acc * p.seg_scale[j];
-}
 
 // The LANES partials of row slot `at` (of the workgroup) summed.
 fn lane_sum(at: u32) -> f32 {
@@ -273,9 +234,9 @@ fn matvec_lora(
     var v = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
         let o = s.row0 + li;
-        v.x += lora_row(o);
+        v.x += lora_row(o, 0u);
         if (GLU) {
-            v.y += lora_row(p.n + o);
+            v.y += lora_row(p.n + o, 0u);
         }
         store(s, li, v);
     }

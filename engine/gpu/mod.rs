@@ -13,7 +13,7 @@ pub use dtype::Dtype;
 pub use readback::{read_f32, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};
 pub use registry::{
-    matvec_overrides, matvec_variant, matvec_variants, Kernel, KernelDesc, PipelineKey, Shader, ShaderDesc, KERNELS,
-    MATMUL_ROWS, MATVEC_LANES, SHADERS,
+    matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, Kernel, KernelDesc, PipelineKey, Shader,
+    ShaderDesc, KERNELS, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES, SHADERS,
 };
 pub use tensor::{GpuVector, GpuWeight, WeightChunk};

@@ -13,6 +13,8 @@ pub enum Shader {
     Matmul,
     /// `matvec.wgsl`
     Matvec,
+    /// `matvec_batch.wgsl`
+    MatvecBatch,
     /// `norm.wgsl`
     Norm,
     /// `attention_prep.wgsl`
@@ -62,9 +64,14 @@ pub struct ShaderDesc {
 }
 
 /// Every shader file, in [`Shader`] order.
-pub const SHADERS: [ShaderDesc; 20] = [
+pub const SHADERS: [ShaderDesc; 21] = [
     ShaderDesc { shader: Shader::Matmul, file: "matmul.wgsl", body: include_str!("../../wgsl/matmul.wgsl") },
     ShaderDesc { shader: Shader::Matvec, file: "matvec.wgsl", body: include_str!("../../wgsl/matvec.wgsl") },
+    ShaderDesc {
+        shader: Shader::MatvecBatch,
+        file: "matvec_batch.wgsl",
+        body: include_str!("../../wgsl/matvec_batch.wgsl"),
+    },
     ShaderDesc { shader: Shader::Norm, file: "norm.wgsl", body: include_str!("../../wgsl/norm.wgsl") },
     ShaderDesc {
         shader: Shader::AttentionPrep,
@@ -112,7 +119,7 @@ impl Shader {
     /// kernels `linear.wgsl` (their parameters, bindings and weight decoder), then the file.
     pub fn source(self) -> String {
         let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
-        if matches!(self, Shader::Matmul | Shader::Matvec) {
+        if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch) {
             src.push_str(include_str!("../../wgsl/linear.wgsl"));
         }
         src.push_str(SHADERS[self as usize].body);
@@ -131,6 +138,10 @@ pub enum Kernel {
     MatmulLora,
     /// `Matvec` with the LoRA expand fused in.
     MatvecLora,
+    /// Matrix product for 2 to 8 tokens with every weight read once (short prompts).
+    MatvecBatch,
+    /// `MatvecBatch` with the LoRA expand fused in.
+    MatvecBatchLora,
     /// RMSNorm with `(1 + w)`.
     RmsNorm,
     /// Gated RMSNorm of the GDN output, in place.
@@ -216,7 +227,7 @@ fn matmul_rows_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 30] = [
+pub const KERNELS: [KernelDesc; 32] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -260,6 +271,28 @@ pub const KERNELS: [KernelDesc; 30] = [
         accumulate: true,
         dtype: true,
         variants: matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatvecBatch,
+        shader: Shader::MatvecBatch,
+        entry: "matvec_batch",
+        io: &[R, W],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_batch_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatvecBatchLora,
+        shader: Shader::MatvecBatch,
+        entry: "matvec_batch_lora",
+        io: &[R, W, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_batch_variants,
     },
     KernelDesc {
         kernel: Kernel::RmsNorm,
@@ -629,6 +662,11 @@ impl PipelineKey {
                 c.push(("GLU", (fuse >> 1 & 1) as f64));
             }
             Kernel::Matmul | Kernel::MatmulLora => c.push(("TM", self.variant as f64)),
+            Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
+                let (lanes, tokens) = matvec_overrides(self.variant);
+                c.push(("LANES", lanes as f64));
+                c.push(("TOK", tokens as f64));
+            }
             _ => {}
         }
         c
@@ -656,4 +694,15 @@ pub fn matvec_overrides(variant: u32) -> (u32, u32) {
 pub fn matvec_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
     ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
+}
+
+/// The `TOK` variants of `matvec_batch.wgsl`: token rows per dispatch.
+pub const MATVEC_BATCH_TOKENS: [u32; 3] = [2, 4, 8];
+
+/// Every batched-matvec pipeline variant (`LANES | TOK << 8`).
+pub fn matvec_batch_variants() -> &'static [u32] {
+    static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    ALL.get_or_init(|| {
+        MATVEC_LANES.iter().flat_map(|&l| MATVEC_BATCH_TOKENS.iter().map(move |&t| matvec_variant(l, t))).collect()
+    })
 }

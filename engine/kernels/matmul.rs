@@ -4,7 +4,10 @@ use std::ops::Range;
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
-pub use crate::gpu::{matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_LANES};
+pub use crate::gpu::{
+    matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_BATCH_TOKENS,
+    MATVEC_LANES,
+};
 use crate::gpu::{Kernel, PipelineKey};
 
 /// Mirrors `Params` in `matmul.wgsl`.
@@ -199,6 +202,25 @@ pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
     64
 }
 
+/// The most tokens the batched matvec takes; more run the tiled matmul.
+pub const MAX_BATCH_TOKENS: usize = 8;
+
+/// `TOK` of the batched matvec for `m` tokens: the smallest variant that holds them.
+pub fn batch_tokens(m: usize) -> u32 {
+    MATVEC_BATCH_TOKENS.iter().copied().find(|&t| t as usize >= m).unwrap_or(MAX_BATCH_TOKENS as u32)
+}
+
+/// Invocations along K of the batched matvec for `n` rows: as [`matvec_lanes`], with 4 rows per
+/// invocation (rows per workgroup = 4 · 64 / LANES).
+pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
+    for lanes in [8, 16, 32] {
+        if n.div_ceil(4 * 64 / lanes as usize) >= min_groups {
+            return lanes;
+        }
+    }
+    64
+}
+
 /// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a
 /// tile would be rows computed only to be dropped; up to 64 tokens, the smallest tile that holds
 /// them all (every weight is read once, and at most half the tile is padding).
@@ -256,11 +278,16 @@ pub fn linear_rows(
         return Err(GpuError::Validation { during: "recording a linear layer".into(), message });
     }
     let (eps, aux) = fuse.norm.map_or((0.0, io.x), |n| (n.eps, n.weight));
-    let kernel = match (io.m == 1, lora.is_some()) {
-        (true, false) => Kernel::Matvec,
-        (false, false) => Kernel::Matmul,
-        (true, true) => Kernel::MatvecLora,
-        (false, true) => Kernel::MatmulLora,
+    // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
+    let batch =
+        (2..=MAX_BATCH_TOKENS).contains(&io.m) && view.w.cols.is_multiple_of(8) && io.x_offset.is_multiple_of(4);
+    let kernel = match (io.m == 1, batch, lora.is_some()) {
+        (true, _, false) => Kernel::Matvec,
+        (true, _, true) => Kernel::MatvecLora,
+        (false, true, false) => Kernel::MatvecBatch,
+        (false, true, true) => Kernel::MatvecBatchLora,
+        (false, false, false) => Kernel::Matmul,
+        (false, false, true) => Kernel::MatmulLora,
     };
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     let w = view.w;
@@ -277,10 +304,13 @@ pub fn linear_rows(
         // Rows computed, and outputs stored (half of them with SwiGLU).
         let n_rows = hi - lo;
         let n_out = if fuse.glu { n_rows / 2 } else { n_rows };
-        let variant = if io.m == 1 {
-            matvec_variant(matvec_lanes(n_rows, rec.ctx().min_workgroups()), fuse.code())
-        } else {
-            matmul_rows(io.m)
+        let g = rec.ctx().min_workgroups();
+        let variant = match kernel {
+            Kernel::Matvec | Kernel::MatvecLora => matvec_variant(matvec_lanes(n_rows, g), fuse.code()),
+            Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
+                matvec_variant(matvec_batch_lanes(n_rows, g), batch_tokens(io.m))
+            }
+            _ => matmul_rows(io.m),
         };
         let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant };
         let row0 = lo - rows.start;
@@ -303,8 +333,9 @@ pub fn linear_rows(
             seg_b,
             seg_scale,
         };
-        let groups = if io.m == 1 {
-            let per_group = if fuse.glu { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
+        let groups = if io.m == 1 || batch {
+            // Rows per workgroup: 8 per invocation row group (4 with SwiGLU or batched).
+            let per_group = if fuse.glu || batch { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
             grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
             [(n_out as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
