@@ -207,10 +207,15 @@ fn family_table(submits: &[Vec<Timed>], tokens: f64) -> Vec<serde_json::Value> {
         .collect()
 }
 
-/// A profiled greedy generation on the base model (GPU timestamps on every dispatch): the
-/// prompt's step and `decode` decode steps, per kernel family.
-fn profile(session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
-    session.set_adapter(None)?;
+/// A profiled greedy generation with `adapter` (GPU timestamps on every dispatch): the prompt's
+/// step and `decode` decode steps, per kernel family.
+fn profile(
+    session: &mut Session,
+    ids: &[u32],
+    decode: usize,
+    adapter: Option<(Arc<LoraAdapter>, f32)>,
+) -> Result<serde_json::Value> {
+    session.set_adapter(adapter)?;
     session.reset();
     if !session.start_profile() {
         return Ok(serde_json::json!({"timestamps": false}));
@@ -376,6 +381,11 @@ fn main() -> Result<()> {
         };
         let (fixed_tps, fixed_bytes) = count(&mut session, false, &mut logits)?;
         let (swap_tps, swap_step_bytes) = count(&mut session, true, &mut logits)?;
+        let adapter_profile = if args.profile {
+            profile(&mut session, &ids, args.decode.min(16), Some((adapter.clone(), 1.0)))?
+        } else {
+            serde_json::Value::Null
+        };
         let ratio = |a: &Series, b: &Series| a.median() / b.median();
         summary["adapter"] = serde_json::json!({
             "path": path,
@@ -398,10 +408,11 @@ fn main() -> Result<()> {
             "decode_swapping_every_token_tok_s": swap_tps,
             "bytes_uploaded_per_decode_step_fixed": fixed_bytes,
             "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
+            "profile": adapter_profile,
         });
     }
     if args.profile {
-        summary["profile"] = profile(&mut session, &ids, args.decode.min(16))?;
+        summary["profile"] = profile(&mut session, &ids, args.decode.min(16), None)?;
     }
     summary["gpu_bytes_allocated"] = ctx.bytes_allocated().into();
     summary["peak_rss_bytes"] = peak_rss().into();

@@ -294,6 +294,14 @@ pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
             prof["prefill_tokens"],
             profile_table(&prof["prefill"])
         ));
+        let ap = &a["profile"];
+        if ap["timestamps"].as_bool() == Some(true) {
+            md.push_str(&format!(
+                "With the adapter, greedy decode, per token over {} tokens:\n\n{}\n",
+                ap["decode_tokens"],
+                profile_table(&ap["decode"])
+            ));
+        }
     } else if opts.profile {
         md.push_str("Profile: the adapter has no TIMESTAMP_QUERY, so no per-kernel times were taken.\n\n");
     }
