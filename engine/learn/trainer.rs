@@ -19,7 +19,7 @@ use crate::learn::{check_learnable, validate_events, LearnOptions, LearnReport, 
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
 use crate::model::{Dtype, Mixer, Model};
 use crate::runtime::cache::LayerState;
-use crate::runtime::forward::{step, Capture, Input, Rows};
+use crate::runtime::forward::{step, Capture, Input, LearnTaps, Rows};
 use crate::runtime::Session;
 
 /// One trainable tensor (a group's concatenated A, or one projection's B) and its state.
@@ -37,7 +37,14 @@ struct Tensor {
 
 /// Activations and gradients of one event's response rows (`rows` ≤ `max_rows`).
 struct Buffers {
+    /// What the forward copies out for the backward (`LearnTaps`): every row of the event.
     mixer_in: wgpu::Buffer,
+    qg: wgpu::Buffer,
+    q: wgpu::Buffer,
+    kraw: wgpu::Buffer,
+    attn_out: wgpu::Buffer,
+    hidden: wgpu::Buffer,
+    final_norm: wgpu::Buffer,
     dag: wgpu::Buffer,
     dqg: wgpu::Buffer,
     stats: wgpu::Buffer,
@@ -135,6 +142,12 @@ impl Trainer {
         let (attn, kv) = (c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim);
         let bufs = Buffers {
             mixer_in: all("learn mixer input", h)?,
+            qg: all("learn q_proj output", 2 * attn)?,
+            q: all("learn rotated queries", attn)?,
+            kraw: all("learn raw keys", kv)?,
+            attn_out: all("learn attention output", attn)?,
+            hidden: all("learn final residual", h)?,
+            final_norm: all("learn final norm", h)?,
             dag: f("learn d attention", attn)?,
             dqg: f("learn d q_proj", 2 * attn)?,
             stats: f("learn softmax stats", 4 * c.num_heads)?,
@@ -235,13 +248,18 @@ impl Trainer {
         let (p, r) = (ev.prompt.len(), ev.response.len());
         let ids: Vec<u32> = ev.prompt.iter().chain(&ev.response).copied().collect();
         session.reset();
-        let tap = Capture::Learn {
-            layer: self.layer,
-            row0: p - 1,
-            rows: r,
-            mixer_in: &self.bufs.mixer_in,
-            mlp_in: &self.bufs.tap,
+        let bf = &self.bufs;
+        let taps = LearnTaps {
+            mixer_in: &bf.mixer_in,
+            mlp_in: &bf.tap,
+            qg: &bf.qg,
+            q: &bf.q,
+            kraw: &bf.kraw,
+            attn_out: &bf.attn_out,
+            hidden: &bf.hidden,
+            final_norm: &bf.final_norm,
         };
+        let tap = Capture::Learn { layer: self.layer, row0: p - 1, rows: r, taps };
         step(session, Input::Ids(&ids), Rows::Hidden, tap)?;
         let rowinfo: Vec<u32> = ev.response.iter().flat_map(|&t| [t, (coef / r as f32).to_bits()]).collect();
         model.ctx.write(&self.bufs.rowinfo, 0, bytemuck::cast_slice(&rowinfo));
@@ -252,7 +270,6 @@ impl Trainer {
             Some((&tensors[a], &tensors[*bi]))
         };
         let mut rec = Recorder::new(&model.ctx, io);
-        let sc = &session.scratch;
         let (h, i, v) = (c.hidden_size, c.intermediate_size, c.vocab_size);
         let layer = &model.layers[*li];
         // LoRA gradients of member m over `rows` rows of dy / x / t (t from row t_row0).
@@ -270,11 +287,11 @@ impl Trainer {
         };
         // Head: logits of the rows predicting the response, CE gradient, back through lm_head
         // and the final norm: dh = ∂L/∂(residual after the last layer).
-        linear(&mut rec, model.output(), &lin(r, &sc.xnorm, (p - 1) * h, &b.logits, v), None)?;
+        linear(&mut rec, model.output(), &lin(r, &b.final_norm, (p - 1) * h, &b.logits, v), None)?;
         ce_grad(&mut rec, &b.logits, &b.rowinfo, &b.loss, r, v)?;
         matmul_dx(&mut rec, &DxWeight::chunks(model.output()), 0..v, &dx(r, &b.logits, v, &b.dxn, h))?;
         let eps = c.rms_norm_eps;
-        rms_norm_bwd(&mut rec, &model.norm, (&sc.hidden, (p - 1) * h), (&b.dxn, 0), (&b.dh, 0), r, h, eps, false)?;
+        rms_norm_bwd(&mut rec, &model.norm, (&b.hidden, (p - 1) * h), (&b.dxn, 0), (&b.dh, 0), r, h, eps, false)?;
         // MLP recompute from the tapped input: n2, g, u (with the adapter), a = silu(g)·u.
         let norm = NormIo { x: &b.tap, y: &b.n2, x_offset: 0, y_offset: 0, rows: r, n: h, eps };
         rms_norm(&mut rec, &layer.post_norm, &norm)?;
@@ -350,9 +367,9 @@ impl Trainer {
             rms_norm_bwd(&mut rec, &layer.post_norm, (&b.tap, 0), (&b.dn2, 0), (&b.dh, 0), r, h, eps, true)?;
         }
         if let Some(g) = o_group {
-            linear(&mut rec, &g.a, &lin(r, &sc.mid_b, (p - 1) * attn, &b.t, g.rank_total), None)?;
+            linear(&mut rec, &g.a, &lin(r, &b.attn_out, (p - 1) * attn, &b.t, g.rank_total), None)?;
             for m in &g.members {
-                grads(&mut rec, g, m, (&b.dh, h), View { buf: &sc.mid_b, offset: (p - 1) * attn, stride: attn })?;
+                grads(&mut rec, g, m, (&b.dh, h), View { buf: &b.attn_out, offset: (p - 1) * attn, stride: attn })?;
             }
         }
         if let Some(g) = qkv_group {
@@ -381,8 +398,8 @@ impl Trainer {
                 _pad: 0,
             };
             let io = AttnBwdIo {
-                q: &sc.wide_b,
-                qg: &sc.wide_a,
+                q: &b.q,
+                qg: &b.qg,
                 k_cache,
                 v_cache,
                 dy: &b.dag,
@@ -406,7 +423,7 @@ impl Trainer {
                 eps,
                 _pad: 0,
             };
-            norm_rope_bwd(&mut rec, &attn_w.q_norm, &sc.wide_a, &session.rope, &b.dqg, &rope, r)?;
+            norm_rope_bwd(&mut rec, &attn_w.q_norm, &b.qg, &session.rope, &b.dqg, &rope, r)?;
             let kv = hkv * hd;
             let rope_k = NormRopeBwdParams {
                 heads: hkv as u32,
@@ -418,7 +435,7 @@ impl Trainer {
                 y_head: hd as u32,
                 ..rope
             };
-            norm_rope_bwd(&mut rec, &attn_w.k_norm, &sc.mid_a, &session.rope, &b.dk, &rope_k, keys)?;
+            norm_rope_bwd(&mut rec, &attn_w.k_norm, &b.kraw, &session.rope, &b.dk, &rope_k, keys)?;
             // LoRA gradients of q (response rows) and k, v (every key row) from the tapped input.
             linear(&mut rec, &g.a, &lin(keys, &b.mixer_in, 0, &b.t, g.rank_total), None)?;
             for m in &g.members {

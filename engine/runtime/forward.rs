@@ -362,10 +362,31 @@ pub(crate) enum Capture<'a> {
     None,
     /// The residual stream after the embedding and after every layer (`[L+1, T, H]`).
     Layers,
-    /// What a learning step differentiates, from `layer`: its normalised mixer input (every
-    /// row) into `mixer_in`, and rows `row0..row0 + rows` of the residual stream entering its MLP
-    /// into `mlp_in`, both from element 0.
-    Learn { layer: usize, row0: usize, rows: usize, mixer_in: &'a wgpu::Buffer, mlp_in: &'a wgpu::Buffer },
+    /// What a learning step differentiates, from the attention layer `layer` (see [`LearnTaps`]),
+    /// with rows `row0..row0 + rows` of the residual stream entering its MLP.
+    Learn { layer: usize, row0: usize, rows: usize, taps: LearnTaps<'a> },
+}
+
+/// Where a learning step's forward copies what the backward reads, each from element 0 and for
+/// every row of the step unless said otherwise (`T` rows).
+#[derive(Clone, Copy)]
+pub(crate) struct LearnTaps<'a> {
+    /// The layer's normalised mixer input `[T, H]`.
+    pub mixer_in: &'a wgpu::Buffer,
+    /// Rows `row0..row0 + rows` of the residual entering the layer's MLP `[rows, H]`.
+    pub mlp_in: &'a wgpu::Buffer,
+    /// q_proj's output (query and gate per head) `[T, 2·Hq·hd]`.
+    pub qg: &'a wgpu::Buffer,
+    /// The normed, rotated queries `[T, Hq·hd]`.
+    pub q: &'a wgpu::Buffer,
+    /// k_proj's output `[T, Hkv·hd]`.
+    pub kraw: &'a wgpu::Buffer,
+    /// The gated attention output (o_proj's input) `[T, Hq·hd]`.
+    pub attn_out: &'a wgpu::Buffer,
+    /// The residual after the last layer `[T, H]`.
+    pub hidden: &'a wgpu::Buffer,
+    /// The final norm's output `[T, H]`.
+    pub final_norm: &'a wgpu::Buffer,
 }
 
 /// Which positions of a step get the final norm and lm_head.
@@ -439,9 +460,9 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
                 Src::plain(&sc.xnorm)
             };
-            if let Capture::Learn { layer, mixer_in, .. } = capture {
+            if let Capture::Learn { layer, taps, .. } = capture {
                 if layer == i {
-                    rec.copy(&sc.xnorm, 0, mixer_in, 0, t as u64 * row);
+                    rec.copy(&sc.xnorm, 0, taps.mixer_in, 0, t as u64 * row);
                 }
             }
             match (&layer.mixer, &s.states[i]) {
@@ -474,9 +495,17 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                     }))
                 }
             }
-            if let Capture::Learn { layer, row0, rows, mlp_in, .. } = capture {
+            if let Capture::Learn { layer, row0, rows, taps } = capture {
                 if layer == i {
-                    rec.copy(&sc.hidden, row0 as u64 * row, mlp_in, 0, rows as u64 * row);
+                    // The attention block's activations (its single-token path is not taken when
+                    // learning, so they are in the per-projection buffers).
+                    let (attn, kv) = ((c.num_heads * c.head_dim * 4) as u64, (c.num_kv_heads * c.head_dim * 4) as u64);
+                    let tt = t as u64;
+                    rec.copy(&sc.wide_a, 0, taps.qg, 0, tt * 2 * attn);
+                    rec.copy(&sc.wide_b, 0, taps.q, 0, tt * attn);
+                    rec.copy(&sc.mid_a, 0, taps.kraw, 0, tt * kv);
+                    rec.copy(&sc.mid_b, 0, taps.attn_out, 0, tt * attn);
+                    rec.copy(&sc.hidden, row0 as u64 * row, taps.mlp_in, 0, rows as u64 * row);
                 }
             }
             let mlp_src = if fold {
@@ -494,6 +523,10 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
             rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
             Src::plain(&sc.xnorm)
         };
+        if let Capture::Learn { taps, .. } = capture {
+            rec.copy(&sc.hidden, 0, taps.hidden, 0, t as u64 * row);
+            rec.copy(&sc.xnorm, 0, taps.final_norm, 0, t as u64 * row);
+        }
         if first_rows > 0 {
             lm_head(&mut rec, &model, head_src, &s.logits, r0, first_rows)?;
         }
