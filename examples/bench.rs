@@ -238,12 +238,7 @@ fn profile(
 /// with the session's default fusion, and the dispatches with the norms and SwiGLU folded into
 /// the projections (the GPU default) and without (the CPU-adapter default).
 fn per_token_counts(ctx: &GpuContext, session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
-    let counted = |session: &mut Session, tokens: usize| -> Result<Counters> {
-        session.reset();
-        let before = ctx.counters();
-        session.generate(ids, &greedy(tokens), |_| true)?;
-        Ok(ctx.counters() - before)
-    };
+    let counted = |session: &mut Session, tokens: usize| counted(ctx, session, ids, &greedy(tokens));
     let d = decode.max(1) as f64;
     let (one, all) = (counted(session, 0)?, counted(session, decode)?);
     let default = session.fused_decode();
@@ -264,6 +259,14 @@ fn per_token_counts(ctx: &GpuContext, session: &mut Session, ids: &[u32], decode
     }))
 }
 
+/// What a generation of `ids` with `params` costs the engine, from a reset session.
+fn counted(ctx: &GpuContext, session: &mut Session, ids: &[u32], params: &GenerateParams) -> Result<Counters> {
+    session.reset();
+    let before = ctx.counters();
+    session.generate(ids, params, |_| true)?;
+    Ok(ctx.counters() - before)
+}
+
 /// Decode with [`sampled`] settings: tok/s over the repeats, and the bytes read back per token
 /// (the GPU's top-k candidates), counted by the engine.
 fn sampled_decode(ctx: &GpuContext, session: &mut Session, ids: &[u32], args: &Args) -> Result<serde_json::Value> {
@@ -277,13 +280,7 @@ fn sampled_decode(ctx: &GpuContext, session: &mut Session, ids: &[u32], args: &A
     }
     let short = &ids[..ids.len().min(8)];
     let tokens = args.decode.clamp(1, 8);
-    let mut counted = |n: usize| -> Result<Counters> {
-        session.reset();
-        let before = ctx.counters();
-        session.generate(short, &sampled(n), |_| true)?;
-        Ok(ctx.counters() - before)
-    };
-    let (one, all) = (counted(0)?, counted(tokens)?);
+    let (one, all) = (counted(ctx, session, short, &sampled(0))?, counted(ctx, session, short, &sampled(tokens))?);
     Ok(serde_json::json!({
         "params": "temperature 0.7, top_k 20, top_p 0.8",
         "decode_tok_s": decode.json(),

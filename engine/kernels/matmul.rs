@@ -194,8 +194,14 @@ pub struct LinearIo<'a> {
 /// partial sums to reduce; fewer rows keep a narrow projection (the LoRA shrinks: a few dozen
 /// rows) spread over the device.
 pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
+    lanes_for(n, 8, min_groups)
+}
+
+/// The most rows per workgroup (`per_invocation` · 64 / LANES, LANES 8 to 32) that still give
+/// `min_groups` workgroups for `n` rows; LANES 64 when none does.
+fn lanes_for(n: usize, per_invocation: usize, min_groups: usize) -> u32 {
     for lanes in [8, 16, 32] {
-        if n.div_ceil(8 * 64 / lanes as usize) >= min_groups {
+        if n.div_ceil(per_invocation * 64 / lanes as usize) >= min_groups {
             return lanes;
         }
     }
@@ -213,12 +219,7 @@ pub fn batch_tokens(m: usize) -> u32 {
 /// Invocations along K of the batched matvec for `n` rows: as [`matvec_lanes`], with 4 rows per
 /// invocation (rows per workgroup = 4 · 64 / LANES).
 pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
-    for lanes in [8, 16, 32] {
-        if n.div_ceil(4 * 64 / lanes as usize) >= min_groups {
-            return lanes;
-        }
-    }
-    64
+    lanes_for(n, 4, min_groups)
 }
 
 /// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a

@@ -444,6 +444,8 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
     // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
     // the prologues of the projections that read them (no dispatch of their own).
     let fold = s.fused && t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
+    // One token not captured for learning: attention runs q|k|v in one dispatch, read in place.
+    let one = t == 1 && !matches!(capture, Capture::Learn { .. });
     let eps = c.rms_norm_eps;
     let index = {
         let sc = &s.scratch;
@@ -472,7 +474,6 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 }
                 (Mixer::Attention(w), LayerState::Attention { k, v }) => {
                     let cache = (k, v);
-                    let one = t == 1 && !matches!(capture, Capture::Learn { .. });
                     let rope = &s.rope;
                     attention_block(
                         &mut rec,

@@ -19,7 +19,7 @@ use std::collections::BTreeSet;
 
 use crate::error::RunError;
 use crate::kernels::misc::topk_max;
-use crate::runtime::forward::{self, Capture, Input, Rows};
+use crate::runtime::forward::Input;
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::Session;
 
@@ -116,22 +116,15 @@ impl Session {
         k: usize,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
-        self.check(prompt)?;
+        let last = self.prefill_leading(prompt)?;
         let eos = self.model.eos_token_ids.clone();
         let vocab = self.model.config.vocab_size;
-        let batch = self.opts.max_batch;
-        let head = (prompt.len() - 1) / batch * batch;
-        for chunk in prompt[..head].chunks(batch) {
-            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
-            self.commit(chunk.len());
-        }
         let mut history: Vec<u32> = prompt.to_vec();
         let mut distinct: BTreeSet<u32> =
             if sampler.penalizes() { prompt.iter().copied().collect() } else { BTreeSet::new() };
-        let mut input = prompt[head..].to_vec();
+        let mut input = last.to_vec();
         let mut out = Vec::new();
         loop {
-            self.check(&input)?;
             let hist: Vec<u32> = distinct.iter().copied().collect();
             let index = self.submit_sample(Input::Ids(&input), k, &hist)?;
             self.commit(input.len());
@@ -157,6 +150,7 @@ impl Session {
             if !on_token(next, self)? || stop {
                 return Ok(out);
             }
+            self.check(&[next])?;
             input = vec![next];
         }
     }
@@ -168,17 +162,11 @@ impl Session {
         params: &GenerateParams,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
-        self.check(prompt)?;
+        let last = self.prefill_leading(prompt)?;
         let eos = self.model.eos_token_ids.clone();
-        let batch = self.opts.max_batch;
-        let head = (prompt.len() - 1) / batch * batch;
-        for chunk in prompt[..head].chunks(batch) {
-            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
-            self.commit(chunk.len());
-        }
         let mut slot = 0;
-        let mut pending = self.submit_choice(Input::Ids(&prompt[head..]), slot)?;
-        self.commit(prompt.len() - head);
+        let mut pending = self.submit_choice(Input::Ids(last), slot)?;
+        self.commit(last.len());
         let mut out = Vec::new();
         loop {
             // `pending` (committed) chooses the next token; the step after it runs ahead unless

@@ -71,7 +71,7 @@ impl Sampler {
     /// (transformers' rule: positive logits are divided by the penalty, negative multiplied, once
     /// per distinct id however often it occurs).
     pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> u32 {
-        if self.repetition_penalty == 1.0 {
+        if !self.penalizes() {
             return self.sample(logits);
         }
         let mut l = logits.to_vec();
@@ -107,7 +107,7 @@ impl Sampler {
 
     /// The choice [`Sampler::sample_after`] makes, from the GPU's candidates: `cands` are the
     /// best (id, logit) pairs of the tokens outside the history in `sample`'s order, `history`
-    /// the distinct history ids with their logits. `None` (nothing drawn) when the candidates
+    /// the distinct history ids (ascending) with their logits. `None` (nothing drawn) when the candidates
     /// cannot prove the top k: a history id or an id past the vocabulary among them, or the last
     /// candidate tying the k-th after the division by the temperature (then the caller samples
     /// from the whole row).
@@ -117,7 +117,7 @@ impl Sampler {
         history: &[(u32, f32)],
         vocab: usize,
     ) -> Option<u32> {
-        let in_history = |id: u32| history.iter().any(|&(h, _)| h == id);
+        let in_history = |id: u32| history.binary_search_by_key(&id, |&(h, _)| h).is_ok();
         let last = cands.last()?;
         if cands.iter().any(|&(id, _)| id as usize >= vocab || in_history(id)) {
             return None;

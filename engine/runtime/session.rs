@@ -321,6 +321,19 @@ impl Session {
         Ok(out)
     }
 
+    /// Check `prompt`, run and commit every chunk of it but the last (rows that need no logits),
+    /// and return the last chunk: the step that makes the first choice is the caller's.
+    pub(crate) fn prefill_leading<'p>(&mut self, prompt: &'p [u32]) -> Result<&'p [u32], RunError> {
+        self.check(prompt)?;
+        let batch = self.opts.max_batch;
+        let head = (prompt.len() - 1) / batch * batch;
+        for chunk in prompt[..head].chunks(batch) {
+            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.commit(chunk.len());
+        }
+        Ok(&prompt[head..])
+    }
+
     pub(crate) fn check(&self, ids: &[u32]) -> Result<(), RunError> {
         if ids.is_empty() {
             return Err(RunError::EmptyInput);
