@@ -21,6 +21,8 @@ enum Op {
         groups: [u32; 3],
         kernel: Kernel,
         weight_bytes: u64,
+        /// The profile family: the entry point unless [`Recorder::tagged`] names it.
+        family: &'static str,
     },
     Copy {
         src: wgpu::Buffer,
@@ -98,6 +100,8 @@ impl IoBindCache {
 pub struct Timed {
     /// The entry point.
     pub kernel: Kernel,
+    /// What it is for in the profile: the entry point, or the name [`Recorder::tagged`] gave it.
+    pub family: &'static str,
     /// Weight bytes the dispatch streams (its group-1 weight chunk; 0 for other kernels).
     pub weight_bytes: u64,
     /// GPU time between the start and the end of its pass, in nanoseconds.
@@ -134,6 +138,19 @@ impl<'a> Recorder<'a> {
             self.profile = profile;
         }
         self
+    }
+
+    /// Record what `f` records, its dispatches named `family` in profiles (a kernel used for
+    /// more than one job, like the matvec that also runs the LoRA shrinks).
+    pub fn tagged<T>(&mut self, family: &'static str, f: impl FnOnce(&mut Self) -> T) -> T {
+        let start = self.ops.len();
+        let out = f(self);
+        for op in &mut self.ops[start..] {
+            if let Op::Dispatch { family: f, .. } = op {
+                *f = family;
+            }
+        }
+        out
     }
 
     /// Note the weight bytes the last recorded dispatch streams (for profiles).
@@ -176,7 +193,16 @@ impl<'a> Recorder<'a> {
         self.params.resize(offset as usize + PARAMS_SLOT as usize, 0);
         let buffers = buffers.iter().map(|b| (*b).clone()).collect();
         let bound = bound.iter().map(|g| (*g).clone()).collect();
-        self.ops.push(Op::Dispatch { pipeline, buffers, offset, bound, groups, kernel: key.kernel, weight_bytes: 0 });
+        self.ops.push(Op::Dispatch {
+            pipeline,
+            buffers,
+            offset,
+            bound,
+            groups,
+            kernel: key.kernel,
+            weight_bytes: 0,
+            family: key.kernel.entry(),
+        });
         Ok(())
     }
 
@@ -212,12 +238,12 @@ impl<'a> Recorder<'a> {
         let mut encoder =
             self.ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("step") });
         // Profiled recordings only: the dispatches to time and a query set for them.
-        let timed: Vec<(Kernel, u64)> = match &self.profile {
+        let timed: Vec<(Kernel, &'static str, u64)> = match &self.profile {
             Some(_) => self
                 .ops
                 .iter()
                 .filter_map(|op| match op {
-                    Op::Dispatch { kernel, weight_bytes, .. } => Some((*kernel, *weight_bytes)),
+                    Op::Dispatch { kernel, weight_bytes, family, .. } => Some((*kernel, *family, *weight_bytes)),
                     Op::Copy { .. } => None,
                 })
                 .take(MAX_TIMED)
@@ -294,8 +320,9 @@ impl<'a> Recorder<'a> {
             let times = timed
                 .iter()
                 .zip(ticks.chunks_exact(2))
-                .map(|(&(kernel, weight_bytes), t)| Timed {
+                .map(|(&(kernel, family, weight_bytes), t)| Timed {
                     kernel,
+                    family,
                     weight_bytes,
                     ns: t[1].saturating_sub(t[0]) as f64 * period,
                 })

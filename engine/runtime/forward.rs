@@ -63,7 +63,7 @@ impl<'a> LayerLora<'a> {
         let Some(g) = self.adapter.group(self.layer, group) else {
             return Ok(None);
         };
-        linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse)?;
+        rec.tagged("lora_shrink", |rec| linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse))?;
         Ok(Some(Shrunk { lora: self, group: g }))
     }
 }
