@@ -44,6 +44,18 @@ pub enum GpuError {
     /// Mapping a buffer for readback failed.
     #[error("buffer readback failed: {0}")]
     Readback(String),
+    /// Weight data handed to an upload does not match the shape and dtype it claims.
+    #[error("weight {name:?}: {what} has {found} elements, expected {expected}")]
+    WeightSize {
+        /// The weight's label.
+        name: String,
+        /// Which part (data, codes, scales, biases).
+        what: &'static str,
+        /// The length the shape and dtype give.
+        expected: usize,
+        /// The length handed over.
+        found: usize,
+    },
 }
 
 /// Errors while loading a model directory.

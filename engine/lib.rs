@@ -36,7 +36,7 @@ pub use error::{AdapterError, GpuError, LearnError, ModelError, RunError};
 pub use gpu::GpuContext;
 pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
 pub use lora::{AdapterInfo, LoraAdapter, Proj};
-pub use model::{LoadOptions, Model, TextConfig};
+pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
 pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};
 pub use text::{ChatMessage, TextError, TextTokenizer};
 pub use wgpu_backend::WgpuBackend;

@@ -5,7 +5,7 @@
 //! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
 //! its peers.
 //!
-//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--prompt 128] [--decode 64] [--repeats 5]`
+//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4] [--prompt 128] [--decode 64] [--repeats 5]`
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -17,8 +17,8 @@ use qwen35_wgpu::gpu::{Counters, IoBindCache, Recorder, Timed};
 use qwen35_wgpu::kernels::misc::{stream_read, STREAM_GROUPS};
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::{
-    GenerateParams, GpuContext, LearnOptions, LlmBackend, LoraAdapter, Model, Session, SessionOptions, Signal,
-    TokenEvent, TrainSpec, WgpuBackend,
+    GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session,
+    SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
 };
 
 #[derive(Parser)]
@@ -50,6 +50,14 @@ struct Args {
     /// Tokens of the learning step's event (half prompt, half response; 0 = skip).
     #[arg(long, default_value_t = 64)]
     learn_tokens: usize,
+    /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
+    /// group 64, as `mlx_lm.convert` makes it).
+    #[arg(long, value_parser = parse_quantize)]
+    quantize: Option<QuantizeRecipe>,
+}
+
+fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
 }
 
 /// The device's read bandwidth (bytes per second): the streaming-read kernel over `mib` MiB spread
@@ -176,12 +184,12 @@ fn run_with(session: &mut Session, ids: &[u32], params: &GenerateParams) -> Resu
     Ok((ids.len() as f64 / p, decode as f64 / (total - p)))
 }
 
-/// Per kernel family (entry point) over `submits`, per token: dispatches, weight bytes, µs and
+/// Per kernel family (the entry point, or the job a shared one runs: `lora_shrink`) over `submits`, per token: dispatches, weight bytes, µs and
 /// the weight bytes per second; the slowest family first, then a total.
 fn family_table(submits: &[Vec<Timed>], tokens: f64) -> Vec<serde_json::Value> {
     let mut families: Vec<(&'static str, f64, u64, f64)> = Vec::new();
     for t in submits.iter().flatten() {
-        let name = t.kernel.entry();
+        let name = t.family;
         let i = families.iter().position(|f| f.0 == name).unwrap_or_else(|| {
             families.push((name, 0.0, 0, 0.0));
             families.len() - 1
@@ -305,7 +313,8 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let ctx = Arc::new(GpuContext::new()?);
     let t = Instant::now();
-    let model = Arc::new(Model::load(ctx.clone(), &args.model)?);
+    let load = LoadOptions { quantize: args.quantize, ..Default::default() };
+    let model = Arc::new(Model::load_with(ctx.clone(), &args.model, &load)?);
     let load_s = t.elapsed().as_secs_f64();
     let vocab = model.config.vocab_size as u32;
     let ids: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();

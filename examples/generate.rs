@@ -1,7 +1,7 @@
 //! Chat with a model: render the question with the model's chat template, stream the answer.
 //!
 //! `cargo run --release --example generate -- [--model DIR] [--adapter DIR[:SCALE]] [--prompt TEXT]
-//!  [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
+//!  [--quantize q8|q4] [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
 //!
 //! Defaults to the embedded demo model. The answer streams to stdout; timings go to stderr.
 
@@ -11,7 +11,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, SessionOptions, WgpuBackend};
+use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, LoadOptions, QuantizeRecipe, SessionOptions, WgpuBackend};
 
 #[derive(Parser)]
 struct Args {
@@ -21,6 +21,10 @@ struct Args {
     /// PEFT adapter, `PATH[:SCALE]`.
     #[arg(long)]
     adapter: Option<String>,
+    /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
+    /// group 64, as `mlx_lm.convert` makes it).
+    #[arg(long, value_parser = parse_quantize)]
+    quantize: Option<QuantizeRecipe>,
     /// The user's message.
     #[arg(long, default_value = "What color is the sky?")]
     prompt: String,
@@ -55,7 +59,8 @@ fn main() -> Result<()> {
     let mut backend = WgpuBackend::new(SessionOptions { max_context: 1024, max_batch: 128 })?;
     eprintln!("adapter: {} ({:?})", backend.context().info.name, backend.context().info.backend);
     let t = Instant::now();
-    backend.load_model(&dir).with_context(|| format!("loading {}", dir.display()))?;
+    let load = LoadOptions { quantize: args.quantize, ..Default::default() };
+    backend.load_model_with(&dir, &load).with_context(|| format!("loading {}", dir.display()))?;
     eprintln!("loaded {} in {:.2} s", dir.display(), t.elapsed().as_secs_f64());
     if let Some(spec) = &args.adapter {
         let (path, scale) = match spec.rsplit_once(':').and_then(|(p, s)| Some((p, s.parse::<f32>().ok()?))) {
@@ -85,4 +90,8 @@ fn main() -> Result<()> {
     println!();
     eprintln!("{deltas} text deltas in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     Ok(())
+}
+
+fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
 }

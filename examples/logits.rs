@@ -1,7 +1,7 @@
 //! Parity debugging: run a prompt and write its logits (and optionally a greedy continuation)
 //! to a safetensors file.
 //!
-//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] [--adapter PATH[:SCALE]] --out FILE.safetensors`
+//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] [--adapter PATH[:SCALE]] [--quantize q8|q4] --out FILE.safetensors`
 //!
 //! `--adapter` applies a PEFT adapter (directory or `.safetensors` file); SCALE after the last
 //! colon may be negative and defaults to 1. One adapter at a time (no stacking); a failed load
@@ -16,7 +16,9 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{GenerateParams, GpuContext, LoraAdapter, Model, Session, SessionOptions};
+use qwen35_wgpu::{
+    GenerateParams, GpuContext, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session, SessionOptions,
+};
 use safetensors::tensor::TensorView;
 
 #[derive(Parser)]
@@ -36,6 +38,14 @@ struct Args {
     /// Output safetensors file.
     #[arg(long)]
     out: PathBuf,
+    /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
+    /// group 64, as `mlx_lm.convert` makes it).
+    #[arg(long, value_parser = parse_quantize)]
+    quantize: Option<QuantizeRecipe>,
+}
+
+fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
 }
 
 /// `PATH[:SCALE]`: the scale is whatever follows the last colon, if it parses as a number.
@@ -52,8 +62,10 @@ fn main() -> Result<()> {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let args = Args::parse();
     let ctx = Arc::new(GpuContext::new()?);
-    let model =
-        Arc::new(Model::load(ctx.clone(), &args.model).with_context(|| format!("loading {}", args.model.display()))?);
+    let model = Arc::new(
+        Model::load_with(ctx.clone(), &args.model, &LoadOptions { quantize: args.quantize, ..Default::default() })
+            .with_context(|| format!("loading {}", args.model.display()))?,
+    );
     let opts = SessionOptions { max_context: args.ids.len() + args.generate + 1, ..Default::default() };
     let adapter = match &args.adapter {
         Some(spec) => {

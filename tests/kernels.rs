@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use common::tolerance::{KERNEL_ATOL, KERNEL_RTOL};
 use common::{assert_close, gpu};
-use qwen35_wgpu::gpu::{read_f32, GpuContext, GpuVector, GpuWeight, IoBindCache, Recorder};
+use qwen35_wgpu::gpu::{
+    read_f32, Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType, IoBindCache, Recorder,
+};
 use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
 use qwen35_wgpu::kernels::matmul::{
@@ -59,8 +61,9 @@ fn weight_bytes(values: &[f32], dtype: Dtype) -> (Vec<u8>, Vec<f32>) {
         Dtype::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
         Dtype::BF16 => values.iter().flat_map(|v| half::bf16::from_f32(*v).to_bits().to_le_bytes()).collect(),
         Dtype::F16 => values.iter().flat_map(|v| half::f16::from_f32(*v).to_bits().to_le_bytes()).collect(),
+        Dtype::Affine(_) => panic!("float dtypes only (affine weights: affine_weights)"),
     };
-    let exact = dtype.to_f32(&bytes);
+    let exact = dtype.to_f32(&bytes).expect("a float dtype");
     (bytes, exact)
 }
 
@@ -75,9 +78,9 @@ fn linear_matches_reference() {
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (accumulate, chunk) in [(false, u64::MAX), (true, u64::MAX), (false, 64)] {
-                let seed = si as u64 * 31 + dtype.size() as u64;
+                let seed = si as u64 * 31 + dtype.row_bytes(1) as u64;
                 let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
-                let max_chunk = chunk.max((k * dtype.size()) as u64);
+                let max_chunk = chunk.max(dtype.row_bytes(k) as u64);
                 let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, max_chunk).expect("weight");
                 // x starts at row 1 of a bigger buffer; y rows are wider than n (stride n + 3).
                 let x = rand((m + 1) * k, seed + 1, 1.0);
@@ -192,23 +195,26 @@ fn matvec_sweep_matches_reference() {
                 let norm = pro & 1 == 1;
                 let rows = if glu { 2 * n } else { n };
                 let total = view0 + rows + 1;
-                let seed = 500 + si as u64 * 13 + dtype.size() as u64;
+                let seed = 500 + si as u64 * 13 + dtype.row_bytes(1) as u64;
                 let (bytes, w) = weight_bytes(&rand(total * k, seed, 1.0), dtype);
-                let chunk = (if chunk_rows == 0 { total } else { chunk_rows } * k * dtype.size()) as u64;
+                let chunk = (if chunk_rows == 0 { total } else { chunk_rows } * dtype.row_bytes(k)) as u64;
                 let gw = GpuWeight::upload(&ctx, "w", dtype, total, k, &bytes, chunk).expect("weight");
                 let x = rand(x_off + k, seed + 1, 1.0);
                 let y0 = rand(n + 2, seed + 2, 1.0);
                 let norm_w = rand(k, seed + 5, 0.5);
-                // LoRA segments: (rank, rows), t columns after two unused ones, scales.
+                // LoRA segments: (rank, rows), t columns after two unused ones (four when the
+                // rank is a multiple of 4: segment 0 takes the 16-byte expand path), scales.
                 let segs: Vec<(usize, usize)> = if rows >= 3 {
                     vec![(rank, rows / 3), (0, rows / 3), (rank + 2, rows - 2 * (rows / 3))]
                 } else {
                     vec![(rank, rows)]
                 };
                 let scales = [0.5, 0.0, -0.25];
-                let t_offs: Vec<usize> =
-                    segs.iter().scan(2, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r))).collect();
-                let t = rand(2 + segs.iter().map(|s| s.0).sum::<usize>(), seed + 3, 1.0);
+                let t_offs: Vec<usize> = segs
+                    .iter()
+                    .scan(if rank % 4 == 0 { 4 } else { 2 }, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r)))
+                    .collect();
+                let t = rand(4 + segs.iter().map(|s| s.0).sum::<usize>(), seed + 3, 1.0);
                 let (b, b_offs) = segment_b(&segs, seed + 4);
                 let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
                 let nb = upload(&ctx, &norm_w);
@@ -306,25 +312,41 @@ fn check_linear(
     (x_off, chunk_rows, rank): (usize, usize, usize),
     seed: u64,
 ) {
-    let seed = seed + dtype.size() as u64;
+    let seed = seed + dtype.row_bytes(1) as u64;
     let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
-    let gw = GpuWeight::upload(ctx, "w", dtype, n, k, &bytes, (chunk_rows * k * dtype.size()) as u64).expect("weight");
+    let gw =
+        GpuWeight::upload(ctx, "w", dtype, n, k, &bytes, (chunk_rows * dtype.row_bytes(k)) as u64).expect("weight");
+    check_linear_with(ctx, (m, n, k), (&gw, &w), (x_off, rank), seed);
+}
+
+/// [`check_linear`] for the weight `gw` holding the values `w`.
+fn check_linear_with(
+    ctx: &GpuContext,
+    (m, n, k): (usize, usize, usize),
+    (gw, w): (&GpuWeight, &[f32]),
+    (x_off, rank): (usize, usize),
+    seed: u64,
+) {
+    let dtype = gw.dtype;
     let x = rand(x_off + m * k, seed + 1, 1.0);
-    let stride = rank + 2;
+    // t's columns start after 2 unused ones, or 4 for ranks that are a multiple of 4 (so the
+    // expand takes its 16-byte path: each token's t row aligned).
+    let t0 = if rank % 4 == 0 { 4 } else { 2 };
+    let stride = rank + t0;
     let t = rand(m * stride, seed + 3, 1.0);
     let b = rand(n * rank.max(1), seed + 4, 1.0);
     let y0 = rand(m * (n + 1), seed + 2, 1.0);
     let (xb, yb, tb, bb) = (upload(ctx, &x), upload(ctx, &y0), upload(ctx, &t), upload(ctx, &b));
     let bg = ctx.weights_bind_group(&bb, "b");
-    let lora = LoraExpand::single(&tb, (2, stride), (rank, 0), -0.5, &bg);
+    let lora = LoraExpand::single(&tb, (t0, stride), (rank, 0), -0.5, &bg);
     let accumulate = rank % 2 == 1;
     let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
-    run(ctx, |rec| linear(rec, &gw, &io, (rank > 0).then_some(&lora)));
-    let prod = cpu::linear(&x[x_off..], &w, m, n, k);
+    run(ctx, |rec| linear(rec, gw, &io, (rank > 0).then_some(&lora)));
+    let prod = cpu::linear(&x[x_off..], w, m, n, k);
     let mut want = y0.clone();
     for i in 0..m {
         for j in 0..n {
-            let d: f32 = (0..rank).map(|r| t[i * stride + 2 + r] * b[j * rank + r]).sum();
+            let d: f32 = (0..rank).map(|r| t[i * stride + t0 + r] * b[j * rank + r]).sum();
             let v = prod[i * n + j] - 0.5 * d;
             let slot = &mut want[1 + i * (n + 1) + j];
             *slot = if accumulate { *slot + v } else { v };
@@ -335,6 +357,104 @@ fn check_linear(
         gw.chunks.len()
     );
     assert_close(&what, &read(ctx, &yb, m * (n + 1)), &want, KERNEL_ATOL, KERNEL_RTOL);
+}
+
+/// Random affine weights `[rows, cols]` in `a` and the values they stand
+/// for, `scale · q + bias` with the 16-bit scale and bias widened (one f32 fma), codes packed low
+/// bits first as `mx.quantize` documents. Scales of both signs, as MLX's quantizer writes them.
+fn affine_weights(a: Affine, rows: usize, cols: usize, seed: u64) -> (AffineData, Vec<f32>) {
+    let per = 32 / a.bits as usize;
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let words: Vec<u32> = (0..rows * cols / per)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            (s >> 16) as u32
+        })
+        .collect();
+    let groups = rows * cols / a.group as usize;
+    let half = |v: f32| match a.scales {
+        HalfType::BF16 => half::bf16::from_f32(v).to_bits(),
+        HalfType::F16 => half::f16::from_f32(v).to_bits(),
+    };
+    let scales: Vec<u16> = rand(groups, seed + 1, 0.1).into_iter().map(half).collect();
+    let biases: Vec<u16> = rand(groups, seed + 2, 0.5).into_iter().map(half).collect();
+    let mask = (1u32 << a.bits) - 1;
+    let values = (0..rows * cols)
+        .map(|e| {
+            let q = (words[e / per] >> ((e % per) as u32 * a.bits)) & mask;
+            let g = e / a.group as usize;
+            a.scales.to_f32(scales[g]).mul_add(q as f32, a.scales.to_f32(biases[g]))
+        })
+        .collect();
+    (AffineData { format: a, words, scales, biases }, values)
+}
+
+#[test]
+fn affine_linear_layers_match_reference() {
+    let Some(ctx) = ctx() else { return };
+    let formats = [
+        (4, 32, HalfType::BF16),
+        (4, 64, HalfType::F16),
+        (4, 128, HalfType::BF16),
+        (8, 32, HalfType::F16),
+        (8, 64, HalfType::BF16),
+        (8, 128, HalfType::BF16),
+    ];
+    // (m, n, k): one token (matvec, rows below and above one workgroup), a short prompt and a
+    // long one (tiled matmul); (x offset, rows per chunk, LoRA rank): the 16-byte paths, an
+    // unaligned x (element-wise), a weight split across bindings, a fused expand.
+    let shapes = [(1, 37, 128), (1, 300, 256), (3, 37, 128), (20, 70, 384)];
+    for (fi, &(bits, group, scales)) in formats.iter().enumerate() {
+        let a = Affine { bits, group, scales };
+        for (si, &(m, n, k)) in shapes.iter().enumerate() {
+            for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 16, 4)] {
+                let seed = 900 + fi as u64 * 37 + si as u64 * 5 + rank as u64;
+                let (data, w) = affine_weights(a, n, k, seed);
+                let chunk = (chunk_rows * a.row_bytes(k)) as u64;
+                let gw = GpuWeight::upload_affine(&ctx, "q", n, k, &data, chunk).expect("weight");
+                assert_eq!(gw.chunks.len(), n.div_ceil(chunk_rows.min(n)), "chunks");
+                check_linear_with(&ctx, (m, n, k), (&gw, &w), (x_off, rank), seed);
+            }
+        }
+    }
+}
+
+#[test]
+fn affine_embedding_gathers_the_dequantized_rows() {
+    let Some(ctx) = ctx() else { return };
+    for (bits, group, scales) in [(4, 64, HalfType::BF16), (8, 32, HalfType::F16)] {
+        let a = Affine { bits, group, scales };
+        let (v, h) = (37, 128);
+        let (data, table) = affine_weights(a, v, h, 77 + bits as u64);
+        let gw = GpuWeight::upload_affine(&ctx, "embed", v, h, &data, (5 * a.row_bytes(h)) as u64).expect("table");
+        assert!(gw.chunks.len() > 1);
+        let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
+        let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
+        let hb = upload(&ctx, &vec![0.0; ids.len() * h]);
+        run(&ctx, |rec| embed(rec, &gw, &idb, ids.len(), &hb));
+        let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
+        assert_eq!(read(&ctx, &hb, ids.len() * h), want, "embed {a:?}: the decoder's fma, exactly");
+    }
+}
+
+#[test]
+fn affine_uploads_check_their_lengths() {
+    let Some(ctx) = ctx() else { return };
+    let a = Affine { bits: 4, group: 64, scales: HalfType::BF16 };
+    let (data, _) = affine_weights(a, 4, 128, 1);
+    let mut short = data.clone();
+    short.words.pop();
+    let e = GpuWeight::upload_affine(&ctx, "q", 4, 128, &short, u64::MAX).err().expect("short codes");
+    assert!(
+        matches!(&e, GpuError::WeightSize { what, expected: 64, found: 63, .. } if what.starts_with("codes")),
+        "{e}"
+    );
+    let mut short = data;
+    short.biases.pop();
+    let e = GpuWeight::upload_affine(&ctx, "q", 4, 128, &short, u64::MAX).err().expect("short biases");
+    assert!(matches!(&e, GpuError::WeightSize { what: "biases", expected: 8, found: 7, .. }), "{e}");
 }
 
 #[test]
@@ -678,7 +798,7 @@ fn embed_and_swiglu_match_reference() {
     for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
         let (v, h) = (37, 19);
         let (bytes, table) = weight_bytes(&rand(v * h, 9, 1.0), dtype);
-        let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (5 * h * dtype.size()) as u64).expect("table");
+        let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (5 * dtype.row_bytes(h)) as u64).expect("table");
         assert!(gw.chunks.len() > 1);
         let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
         let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");

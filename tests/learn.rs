@@ -44,7 +44,7 @@ fn lora_gradients_match_pytorch_autograd() {
     let r = Reference::load("learn");
     // The last case splits every weight over bindings of 1,000 bytes, so lm_head, o_proj and the
     // MLP reach the backward kernels as many chunks.
-    let split = LoadOptions { max_chunk_bytes: 1000 };
+    let split = LoadOptions { max_chunk_bytes: 1000, ..Default::default() };
     let cases = [
         ("gva_last", "gva_tied_f32", LoadOptions::default()),
         ("vlm_last", "vlm_bf16_sharded", LoadOptions::default()),

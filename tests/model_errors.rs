@@ -3,7 +3,7 @@
 mod common;
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use common::{fixture_model, gpu, scratch_copy};
 use qwen35_wgpu::model::Checkpoint;
@@ -38,8 +38,9 @@ fn config_errors_are_typed() {
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "num_key_value_heads"), "{e}");
     let e = config_error(|c| c["hidden_act"] = "gelu".into());
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "hidden_act"), "{e}");
-    let e = TextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).expect_err("no text_config");
-    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field == "text_config"), "{e}");
+    // qwen3_5 without text_config is mlx-lm's flat form: its fields must be there.
+    let e = TextConfig::from_json(r#"{"model_type": "qwen3_5"}"#).expect_err("no text fields");
+    assert!(matches!(&e, ModelError::BadJson { message, .. } if message.contains("vocab_size")), "{e}");
     let e = TextConfig::from_json("{not json").expect_err("not json");
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
@@ -155,4 +156,104 @@ fn vision_and_mtp_tensors_are_ignored() {
         t.push(("model.visual.blocks.0.attn.qkv.weight".into(), safetensors::Dtype::F32, vec![1], vec![0; 4]));
     });
     Model::load(ctx, &dir).expect("extra mtp.* and model.visual.* tensors are not read");
+}
+
+type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// A copy of the MLX 4-bit fixture with `edit` applied to its tensors and `config` to its
+/// config.json.
+fn damaged_mlx(tag: &str, edit: impl FnOnce(&mut Tensors), config: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
+    let dir = scratch_copy(&fixture_model("mlx_q4_g64"), tag);
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Tensors =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut tensors);
+    write_tensors(&file, tensors);
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    config(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).expect("write config");
+    dir
+}
+
+#[test]
+fn malformed_quantized_checkpoints_are_typed_errors_naming_the_tensor() {
+    let Some(ctx) = gpu() else { return };
+    let module = "language_model.model.layers.1.mlp.up_proj";
+    let (weight, scales, biases) = (format!("{module}.weight"), format!("{module}.scales"), format!("{module}.biases"));
+    let reshape = |name: String, shape: Vec<usize>| {
+        move |t: &mut Tensors| t.iter_mut().find(|(n, ..)| *n == name).expect("victim").2 = shape
+    };
+    let load = |dir: PathBuf| Model::load(ctx.clone(), &dir).err().expect("must fail");
+
+    // Codes packed for another width: [128, 8] u32 words hold 64 4-bit inputs per row.
+    let e = load(damaged_mlx("q-width", reshape(weight.clone(), vec![64, 16]), |_| {}));
+    assert!(
+        matches!(&e, ModelError::ShapeMismatch { name, expected, .. } if *name == weight && expected == &vec![128, 8]),
+        "{e}"
+    );
+    let e = load(damaged_mlx("q-scales", reshape(scales.clone(), vec![64, 2]), |_| {}));
+    assert!(
+        matches!(&e, ModelError::ShapeMismatch { name, expected, .. } if *name == scales && expected == &vec![128, 1]),
+        "{e}"
+    );
+    let e = load(damaged_mlx("q-biases", |t| t.retain(|(n, ..)| *n != biases), |_| {}));
+    assert!(matches!(&e, ModelError::MissingTensor { name, .. } if *name == biases), "{e}");
+    let e = load(damaged_mlx("q-bits3", |_| {}, |c| c["quantization"]["bits"] = 3.into()));
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, found, .. } if field == "quantization.bits" && found == "3"),
+        "{e}"
+    );
+    let e = load(damaged_mlx(
+        "q-bits5",
+        |_| {},
+        |c| c["quantization"][module] = serde_json::json!({"bits": 5, "group_size": 64}),
+    ));
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if *field == format!("quantization.{module}.bits")),
+        "{e}"
+    );
+    // up_proj reads the 64-wide hidden state: a group of 128 does not divide it.
+    let e = load(damaged_mlx(
+        "q-group",
+        |_| {},
+        |c| c["quantization"][module] = serde_json::json!({"bits": 4, "group_size": 128}),
+    ));
+    assert!(
+        matches!(&e, ModelError::BadConfig { field, .. } if *field == format!("quantization.{module}.group_size")),
+        "{e}"
+    );
+    let e = load(damaged_mlx("q-false", |_| {}, |c| c["quantization"][module] = false.into()));
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if *field == format!("quantization.{module}")), "{e}");
+    let e = load(damaged_mlx(
+        "q-noconfig",
+        |_| {},
+        |c| {
+            let o = c.as_object_mut().expect("object");
+            o.remove("quantization");
+            o.remove("quantization_config");
+        },
+    ));
+    assert!(matches!(&e, ModelError::BadConfig { found, .. } if found == "no quantization section"), "{e}");
+    let e = load(damaged_mlx("q-mode", |_| {}, |c| c["quantization"]["mode"] = "mxfp4".into()));
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("mxfp4")), "{e}");
+    let e = load(damaged_mlx(
+        "q-gptq",
+        |_| {},
+        |c| {
+            let o = c.as_object_mut().expect("object");
+            o.remove("quantization");
+            o.insert("quantization_config".into(), serde_json::json!({"quant_method": "gptq", "bits": 4}));
+        },
+    ));
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("gptq")), "{e}");
+    let e = load(damaged_mlx(
+        "q-dtype",
+        |t| t.iter_mut().find(|(n, ..)| *n == scales).expect("scales").1 = safetensors::Dtype::I16,
+        |_| {},
+    ));
+    assert!(matches!(&e, ModelError::UnsupportedDtype { name, .. } if *name == scales), "{e}");
 }

@@ -143,7 +143,7 @@ fn weights_split_across_bindings_give_identical_logits() {
     };
     // 1000 bytes holds 10 rows of the 48-wide bf16 embedding: the table, lm_head and every
     // matrix are split into several bindings, as the 0.8B embedding is at 128 MiB per binding.
-    let Some(split) = load(name, &LoadOptions { max_chunk_bytes: 1000 }) else {
+    let Some(split) = load(name, &LoadOptions { max_chunk_bytes: 1000, ..Default::default() }) else {
         return;
     };
     assert!(split.embed.chunks.len() > 10);

@@ -3,6 +3,7 @@
 
 use naga::back::msl;
 use naga::valid::{Capabilities, ValidationFlags, Validator};
+use qwen35_wgpu::gpu::{Affine, HalfType};
 use qwen35_wgpu::kernels::{Kernel, PipelineKey, Shader, KERNELS, SHADERS};
 use qwen35_wgpu::model::Dtype;
 
@@ -33,10 +34,23 @@ fn resource_map(module: &naga::Module, entry: &str) -> msl::EntryPointResourceMa
     map
 }
 
+/// Every weight dtype the decoder takes: the float ones, affine at each bit width and group
+/// size with bf16 scales, and with f16 scales once.
+fn dtypes() -> Vec<Dtype> {
+    let mut d = vec![Dtype::F32, Dtype::BF16, Dtype::F16];
+    for bits in Affine::BITS {
+        for group in Affine::GROUPS {
+            d.push(Dtype::Affine(Affine { bits, group, scales: HalfType::BF16 }));
+        }
+    }
+    d.push(Dtype::Affine(Affine { bits: 4, group: 64, scales: HalfType::F16 }));
+    d
+}
+
 fn keys() -> Vec<PipelineKey> {
     let mut keys = Vec::new();
     for kernel in Kernel::all() {
-        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+        for dtype in dtypes() {
             for accumulate in [false, true] {
                 for &variant in kernel.variants() {
                     let key = PipelineKey { kernel, dtype, accumulate, variant };
@@ -76,7 +90,7 @@ fn the_kernel_table_lists_every_entry_point_of_every_shader_once() {
     let files: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/wgsl"))
         .expect("wgsl/")
         .map(|e| e.expect("entry").file_name().to_string_lossy().into_owned())
-        .filter(|f| f.ends_with(".wgsl") && f != "prelude.wgsl" && f != "linear.wgsl")
+        .filter(|f| f.ends_with(".wgsl") && f != "prelude.wgsl" && f != "weights.wgsl" && f != "linear.wgsl")
         .collect();
     for f in &files {
         assert!(SHADERS.iter().any(|d| d.file == f), "wgsl/{f} is not in SHADERS");

@@ -1,12 +1,14 @@
-// What every nn.Linear kernel shares (prepended to matmul.wgsl and matvec.wgsl by the loader):
-// the overrides, the parameters, the bindings and the weight decoder.
+// What every nn.Linear kernel shares (prepended to matmul.wgsl, matvec.wgsl and
+// matvec_batch.wgsl by the loader, after weights.wgsl): the parameters, the bindings and the
+// LoRA expand.
 //
 // x: f32 activations [M, K] (row stride x_stride, starting x_offset).
-// w: one row-chunk of a weight in its checkpoint dtype, packed in u32 words, [N, K] row-major.
+// w: one row-chunk of a weight in its checkpoint dtype (weights.wgsl), [N, K] row-major.
 // y: f32 [M, *] (row stride y_stride, starting y_offset; a chunk's first row lands at column
 //    y_offset % y_stride, so a weight split across bindings writes into one output).
 // w_row0: the weight row (of the binding) where this dispatch's row 0 is (a dispatch computes a
 //    row range of a chunk: one projection of a concatenated weight).
+// q_sb: affine weights: the u32 index of the chunk's scales and biases.
 // LoRA: the dispatch's rows, numbered from lora_row0, fall in up to 4 segments of consecutive
 //    rows (the projections of a concatenated weight), segment j ending at seg_end[j]; each has
 //    its rank, its first column in t (f32 [M, lora_t_stride]), the element of B (f32, every
@@ -14,7 +16,6 @@
 //    those rows. matmul.wgsl takes segment 0 only (one projection per prefill dispatch).
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
-override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
 
 struct Params {
@@ -29,7 +30,7 @@ struct Params {
     lora_t_stride: u32,
     lora_row0: u32,
     eps: f32,        // matvec NORM
-    _pad: u32,
+    q_sb: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,
@@ -40,37 +41,25 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> x: array<vec4<f32>>;
 @group(0) @binding(2) var<storage, read_write> y: array<f32>;
-@group(0) @binding(3) var<storage, read> t: array<f32>;
-@group(1) @binding(0) var<storage, read> w: array<vec4<u32>>;
-@group(2) @binding(0) var<storage, read> lora_b: array<f32>;
+@group(0) @binding(3) var<storage, read> t: array<vec4<f32>>;
+@group(2) @binding(0) var<storage, read> lora_b: array<vec4<f32>>;
 
-// Flat element e of x.
+// Flat element e of x, of t and of B.
 fn x_elem(e: u32) -> f32 {
     return x[e >> 2u][e & 3u];
 }
 
-// Flat element e of the weight chunk, widened to f32 (exact).
-fn weight_at(e: u32) -> f32 {
-    if (W_DTYPE == 0u) {
-        return bitcast<f32>(w[e >> 2u][e & 3u]);
-    }
-    let word = w[e >> 3u][(e >> 1u) & 3u];
-    if (W_DTYPE == 1u) {
-        return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (e & 1u) == 1u));
-    }
-    return unpack2x16float(word)[e & 1u];
+fn t_elem(e: u32) -> f32 {
+    return t[e >> 2u][e & 3u];
 }
 
-// Eight 16-bit weights of one vec4<u32>: even elements (low halves) and odd ones (high halves).
-fn even_odd(v: vec4<u32>) -> array<vec4<f32>, 2> {
-    if (W_DTYPE == 1u) {
-        return array<vec4<f32>, 2>(bitcast<vec4<f32>>(v << vec4<u32>(16u)), bitcast<vec4<f32>>(v & vec4<u32>(0xffff0000u)));
-    }
-    let a = unpack2x16float(v.x);
-    let b = unpack2x16float(v.y);
-    let c = unpack2x16float(v.z);
-    let d = unpack2x16float(v.w);
-    return array<vec4<f32>, 2>(vec4<f32>(a.x, b.x, c.x, d.x), vec4<f32>(a.y, b.y, c.y, d.y));
+fn b_elem(e: u32) -> f32 {
+    return lora_b[e >> 2u][e & 3u];
+}
+
+// Flat element e of the weight chunk, widened to f32.
+fn weight_at(e: u32) -> f32 {
+    return weight_elem(e, p.q_sb);
 }
 
 // Dot product of 8 weights (one vec4<u32> of 16-bit weights, or two vec4 of f32 words) with
@@ -97,8 +86,18 @@ fn lora_row(row: u32, t_row: u32) -> f32 {
     let b0 = p.seg_b[j] + (g - start) * rank;
     let t0 = t_row + p.seg_t[j];
     var acc = 0.0;
-    for (var c = 0u; c < rank; c++) {
-        acc = fma(lora_b[b0 + c], t[t0 + c], acc);
+    if (((rank | b0 | t0) & 3u) == 0u) {
+        // B row and t columns 16-byte aligned (rank a multiple of 4): one vec4 load of each per
+        // 4 rank columns.
+        let b4 = b0 >> 2u;
+        let t4 = t0 >> 2u;
+        for (var c = 0u; c < rank / 4u; c++) {
+            acc += dot(lora_b[b4 + c], t[t4 + c]);
+        }
+    } else {
+        for (var c = 0u; c < rank; c++) {
+            acc = fma(b_elem(b0 + c), t_elem(t0 + c), acc);
+        }
     }
     return acc * p.seg_scale[j];
 }

@@ -70,8 +70,20 @@ fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
     }
 }
 
-// Eight consecutive weights of a row from one vec4<u32> (16-bit) or two (f32), widened.
+// Eight consecutive weights of a row from one vec4<u32> (16-bit), two (f32), or for affine
+// weights their code word(s) in v.x (and v.y for 8-bit) and their group's word in v.z, widened.
 fn eight(v: vec4<u32>, v2: vec4<u32>) -> array<f32, 8> {
+    if (W_DTYPE == 3u) {
+        let g = scale_bias(v.z);
+        let c = codes(v.x);
+        var upper = c[1];
+        if (Q_BITS == 8u) {
+            upper = codes(v.y)[0];
+        }
+        let a = fma(vec4<f32>(g.x), c[0], vec4<f32>(g.y));
+        let b = fma(vec4<f32>(g.x), upper, vec4<f32>(g.y));
+        return array<f32, 8>(a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w);
+    }
     if (W_DTYPE == 0u) {
         let a = bitcast<vec4<f32>>(v);
         let b = bitcast<vec4<f32>>(v2);
@@ -110,7 +122,15 @@ fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     let kw = k0 + (li / TN) * 8u;
     if (li < 2u * TN && kw < p.k) {
         let wr = p.w_row0 + min(col0 + li % TN, p.n - 1u);
-        if (W_DTYPE == 0u) {
+        if (W_DTYPE == 3u) {
+            // Affine: the 8 codes in one word (4-bit) or two (8-bit), and their group's word.
+            let e = wr * p.k + kw;
+            let wi = e * Q_BITS / 32u;
+            s.wa = vec4<u32>(w_word(wi), 0u, w_word(p.q_sb + e / Q_GROUP), 0u);
+            if (Q_BITS == 8u) {
+                s.wa.y = w_word(wi + 1u);
+            }
+        } else if (W_DTYPE == 0u) {
             let we = (wr * p.k + kw) >> 2u;
             s.wa = w[we];
             s.wb = w[we + 1u];
@@ -199,7 +219,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
             let j = k0 + idx / TM;
             var tv = 0.0;
             if (j < rank) {
-                tv = t[min(row0 + r, p.m - 1u) * p.lora_t_stride + p.seg_t.x + j] * p.seg_scale.x;
+                tv = t_elem(min(row0 + r, p.m - 1u) * p.lora_t_stride + p.seg_t.x + j) * p.seg_scale.x;
             }
             put_x(idx / TM, r, tv);
         }
@@ -209,7 +229,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
             let j = k0 + idx / TN;
             var bv = 0.0;
             if (j < rank) {
-                bv = lora_b[p.seg_b.x + (p.lora_row0 + min(col0 + c, p.n - 1u)) * rank + j];
+                bv = b_elem(p.seg_b.x + (p.lora_row0 + min(col0 + c, p.n - 1u)) * rank + j);
             }
             put_w(idx / TN, c, bv);
         }

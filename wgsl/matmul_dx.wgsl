@@ -4,11 +4,10 @@
 // are staged from rows read along their contiguous axis. f32 accumulation.
 //
 // dy: f32 [M, *] (row stride dy_stride; this weight chunk's column n starts at dy_offset + n).
-// w:  one row-chunk of the weight in its checkpoint dtype, packed in u32 words, [N, K]; the rows
-//     used start at w_row (so one LoRA A of a concatenated group can be selected).
+// w:  one row-chunk of the weight in its checkpoint dtype (the decoder: weights.wgsl), [N, K];
+//     the rows used start at w_row (so one LoRA A of a concatenated group can be selected).
 // dx: f32 [M, K] (row stride dx_stride, starting dx_offset).
 
-override W_DTYPE: u32 = 0u;      // 0 = f32, 1 = bf16, 2 = f16
 override ACCUMULATE: bool = false;
 
 struct Params {
@@ -21,7 +20,7 @@ struct Params {
     dx_stride: u32,
     w_row: u32,
     scale: f32,
-    _pad0: u32,
+    q_sb: u32,       // affine weights: the u32 index of the chunk's scales and biases
     _pad1: u32,
     _pad2: u32,
 }
@@ -29,17 +28,9 @@ struct Params {
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> dy: array<f32>;
 @group(0) @binding(2) var<storage, read_write> dx: array<f32>;
-@group(1) @binding(0) var<storage, read> w: array<u32>;
 
 fn weight(idx: u32) -> f32 {
-    if (W_DTYPE == 1u) {
-        let word = w[idx >> 1u];
-        return bitcast<f32>(((word >> ((idx & 1u) * 16u)) & 0xffffu) << 16u);
-    }
-    if (W_DTYPE == 2u) {
-        return unpack2x16float(w[idx >> 1u])[idx & 1u];
-    }
-    return bitcast<f32>(w[idx]);
+    return weight_elem(idx, p.q_sb);
 }
 
 const TILE: u32 = 64u;

@@ -16,7 +16,8 @@
 //
 // Rows are 16-byte aligned when K is a multiple of 8 (one vec4<u32> of 16-bit weights, two of
 // f32, per group of 8); other K (and an x offset that is not a multiple of 4) take an
-// element-wise path with the same layout.
+// element-wise path with the same layout. Affine weights (weights.wgsl) step by blocks of one
+// vec4<u32> per row (32 4-bit or 16 8-bit codes) with their group's scale and bias.
 //
 // x: f32 [K] from element x_offset. w: this weight chunk [N, K] in its checkpoint dtype, packed in
 // u32 words. y: f32, this chunk's row 0 lands at y_offset. t, B as in linear.wgsl.
@@ -102,7 +103,10 @@ fn base_partials(s: Slot) -> Partials {
     var hi = vec4<f32>(0.0);
     var sq = 0.0;
     let first = s.row0 + s.group * outputs();
-    if ((p.k % 8u) == 0u && (p.x_offset & 3u) == 0u) {
+    if (W_DTYPE == 3u && (p.x_offset & 3u) == 0u) {
+        return affine_partials(s);
+    }
+    if (W_DTYPE != 3u && (p.k % 8u) == 0u && (p.x_offset & 3u) == 0u) {
         // 16-byte aligned rows of 8-weight groups (two vec4 per group for f32).
         let groups = p.k / 8u;
         let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
@@ -149,6 +153,62 @@ fn base_partials(s: Slot) -> Partials {
     return Partials(lo, hi, sq);
 }
 
+// Block j of affine weight row `row` (one vec4<u32>: 32 4-bit or 16 8-bit codes, all in one
+// group) times the x block xb (8 or 4 vec4) whose sum is xs: scale * (q . x) + bias * sum(x).
+fn affine_dot(row: u32, j: u32, xb: array<vec4<f32>, 8>, xs: f32) -> f32 {
+    let v = w[row * (p.k * Q_BITS / 128u) + j];
+    let g = scale_bias(w_word(p.q_sb + (row * p.k + j * (128u / Q_BITS)) / Q_GROUP));
+    var d = 0.0;
+    if (Q_BITS == 4u) {
+        for (var i = 0u; i < 4u; i++) {
+            let c = codes(v[i]);
+            d += dot(c[0], xb[2u * i]) + dot(c[1], xb[2u * i + 1u]);
+        }
+    } else {
+        for (var i = 0u; i < 4u; i++) {
+            d += dot(codes(v[i])[0], xb[i]);
+        }
+    }
+    return fma(g.x, d, g.y * xs);
+}
+
+// Partial sums of this invocation's 8 rows over its blocks for affine weights (x 16-byte
+// aligned): the LANES invocations of a row group stride along K by blocks of one vec4<u32> per
+// row (16 bytes: 32 or 16 weights), the x block in registers for the 8 rows, one scale and bias
+// word per row and block.
+fn affine_partials(s: Slot) -> Partials {
+    var lo = vec4<f32>(0.0);
+    var hi = vec4<f32>(0.0);
+    var sq = 0.0;
+    let first = s.row0 + s.group * outputs();
+    let nx = 32u / Q_BITS; // x vec4 per block: 8 or 4
+    let blocks = p.k / (4u * nx);
+    let r0 = wrow(first, 0u);
+    let r1 = wrow(first, 1u);
+    let r2 = wrow(first, 2u);
+    let r3 = wrow(first, 3u);
+    let r4 = wrow(first, 4u);
+    let r5 = wrow(first, 5u);
+    let r6 = wrow(first, 6u);
+    let r7 = wrow(first, 7u);
+    let x4 = p.x_offset >> 2u;
+    for (var j = s.lane; j < blocks; j += LANES) {
+        var xb: array<vec4<f32>, 8>;
+        var xs = 0.0;
+        for (var i = 0u; i < nx; i++) {
+            let q = j * nx + i;
+            if (NORM) {
+                let r = x[x4 + q];
+                sq += dot(r, r);
+            }
+            xb[i] = x_vec(x4, q);
+            xs += dot(xb[i], vec4<f32>(1.0));
+        }
+        lo += vec4<f32>(affine_dot(r0, j, xb, xs), affine_dot(r1, j, xb, xs), affine_dot(r2, j, xb, xs), affine_dot(r3, j, xb, xs));
+        hi += vec4<f32>(affine_dot(r4, j, xb, xs), affine_dot(r5, j, xb, xs), affine_dot(r6, j, xb, xs), affine_dot(r7, j, xb, xs));
+    }
+    return Partials(lo, hi, sq);
+}
 
 // The LANES partials of row slot `at` (of the workgroup) summed.
 fn lane_sum(at: u32) -> f32 {

@@ -9,11 +9,11 @@ mod registry;
 mod tensor;
 
 pub use context::{Access, Counters, GpuContext, IoSpec};
-pub use dtype::Dtype;
+pub use dtype::{Affine, Dtype, HalfType};
 pub use readback::{read_f32, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};
 pub use registry::{
     matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, Kernel, KernelDesc, PipelineKey, Shader,
     ShaderDesc, KERNELS, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES, SHADERS,
 };
-pub use tensor::{GpuVector, GpuWeight, WeightChunk};
+pub use tensor::{AffineData, GpuVector, GpuWeight, WeightChunk};

@@ -115,10 +115,14 @@ impl Shader {
         SHADERS[self as usize].file
     }
 
-    /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the linear
-    /// kernels `linear.wgsl` (their parameters, bindings and weight decoder), then the file.
+    /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the kernels
+    /// that read checkpoint weights `weights.wgsl` (the weight binding and decoder), then for
+    /// the linear kernels `linear.wgsl` (their parameters and bindings), then the file.
     pub fn source(self) -> String {
         let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
+        if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch | Shader::Embed | Shader::MatmulDx) {
+            src.push_str(include_str!("../../wgsl/weights.wgsl"));
+        }
         if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch) {
             src.push_str(include_str!("../../wgsl/linear.wgsl"));
         }
@@ -649,7 +653,7 @@ impl PipelineKey {
     pub fn constants(&self) -> Vec<(&'static str, f64)> {
         let mut c = Vec::new();
         if self.kernel.desc().dtype {
-            c.push(("W_DTYPE", self.dtype.shader_code() as f64));
+            c.extend(self.dtype.shader_constants());
         }
         if self.kernel.desc().accumulate {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));

@@ -1,9 +1,9 @@
 //! Weights on the GPU. Matrices keep their checkpoint dtype (bf16/f16 packed two per `u32`,
-//! widened in the shader); a matrix larger than one storage binding is split by rows.
+//! widened in the shader; affine-quantized codes with their scales and biases); a matrix larger
+//! than one storage binding is split by rows.
 
 use crate::error::GpuError;
-use crate::gpu::Dtype;
-use crate::gpu::GpuContext;
+use crate::gpu::{Affine, Dtype, GpuContext};
 
 /// One row range of a weight matrix, in its own buffer and bind group.
 pub struct WeightChunk {
@@ -11,10 +11,29 @@ pub struct WeightChunk {
     pub row_start: usize,
     /// Rows held.
     pub rows: usize,
-    /// The bytes of those rows, in the checkpoint dtype.
+    /// The bytes of those rows, in the checkpoint dtype. Affine weights: the packed codes of
+    /// every row, then from `u32` index `sb` one word per (row, group): the scale in the low
+    /// 16 bits, the bias in the high 16 bits.
     pub buffer: wgpu::Buffer,
+    /// Affine weights: the `u32` index of the first (scale, bias) word (a multiple of 4); 0
+    /// otherwise.
+    pub sb: u32,
     /// Group-1 bind group over `buffer`.
     pub bind_group: wgpu::BindGroup,
+}
+
+/// An affine-quantized matrix on the host, as MLX stores it: `rows × cols·bits/32` packed codes,
+/// `rows × cols/group` scales and biases (16-bit, of `format.scales`).
+#[derive(Clone, Debug)]
+pub struct AffineData {
+    /// Bits, group and scale dtype.
+    pub format: Affine,
+    /// Packed codes, low bits first along each row.
+    pub words: Vec<u32>,
+    /// Scale of each (row, group).
+    pub scales: Vec<u16>,
+    /// Bias of each (row, group).
+    pub biases: Vec<u16>,
 }
 
 /// A `[rows, cols]` matrix (nn.Linear weight or embedding table) on the GPU.
@@ -29,8 +48,25 @@ pub struct GpuWeight {
     pub chunks: Vec<WeightChunk>,
 }
 
+/// Rows per chunk for rows of `row_bytes` within `max_chunk_bytes` and the binding limit.
+fn rows_per_chunk(ctx: &GpuContext, name: &str, row_bytes: u64, max_chunk_bytes: u64) -> Result<usize, GpuError> {
+    // Room for the 16-byte alignment of an affine chunk's scales.
+    let limit = max_chunk_bytes.min(ctx.max_binding().saturating_sub(16));
+    if row_bytes > limit {
+        return Err(GpuError::BufferTooLarge { name: name.to_string(), needed: row_bytes, limit });
+    }
+    Ok((limit / row_bytes.max(1)).max(1) as usize)
+}
+
+fn check_len(name: &str, what: &'static str, expected: usize, found: usize) -> Result<(), GpuError> {
+    if expected != found {
+        return Err(GpuError::WeightSize { name: name.to_string(), what, expected, found });
+    }
+    Ok(())
+}
+
 impl GpuWeight {
-    /// Upload `[rows, cols]` raw bytes of dtype `dtype`, split into chunks of at most
+    /// Upload `[rows, cols]` raw bytes of the float dtype `dtype`, split into chunks of at most
     /// `max_chunk_bytes` (the binding limit unless a test asks for less).
     pub fn upload(
         ctx: &GpuContext,
@@ -41,25 +77,64 @@ impl GpuWeight {
         bytes: &[u8],
         max_chunk_bytes: u64,
     ) -> Result<Self, GpuError> {
-        let row_bytes = (cols * dtype.size()) as u64;
-        let limit = max_chunk_bytes.min(ctx.max_binding());
-        let rows_per_chunk = (limit / row_bytes.max(1)).max(1) as usize;
-        if row_bytes > limit {
-            return Err(GpuError::BufferTooLarge { name: name.to_string(), needed: row_bytes, limit });
+        let row_bytes = dtype.row_bytes(cols);
+        if let Dtype::Affine(_) = dtype {
+            return Err(GpuError::WeightSize {
+                name: name.to_string(),
+                what: "codes without scales",
+                expected: 0,
+                found: bytes.len(),
+            });
         }
+        check_len(name, "data (bytes)", rows * row_bytes, bytes.len())?;
+        let per = rows_per_chunk(ctx, name, row_bytes as u64, max_chunk_bytes)?;
         let mut chunks = Vec::new();
         let mut row_start = 0;
         while row_start < rows {
-            let n = rows_per_chunk.min(rows - row_start);
-            let begin = row_start * row_bytes as usize;
-            let end = begin + n * row_bytes as usize;
+            let n = per.min(rows - row_start);
+            let begin = row_start * row_bytes;
             let label = format!("{name}[{row_start}..{}]", row_start + n);
-            let buffer = ctx.upload(&label, &bytes[begin..end])?;
+            let buffer = ctx.upload(&label, &bytes[begin..begin + n * row_bytes])?;
             let bind_group = ctx.weights_bind_group(&buffer, &label);
-            chunks.push(WeightChunk { row_start, rows: n, buffer, bind_group });
+            chunks.push(WeightChunk { row_start, rows: n, buffer, sb: 0, bind_group });
             row_start += n;
         }
         Ok(Self { dtype, rows, cols, chunks })
+    }
+
+    /// Upload an affine-quantized `[rows, cols]` matrix.
+    pub fn upload_affine(
+        ctx: &GpuContext,
+        name: &str,
+        rows: usize,
+        cols: usize,
+        data: &AffineData,
+        max_chunk_bytes: u64,
+    ) -> Result<Self, GpuError> {
+        let (a, words, scales, biases) = (data.format, &data.words, &data.scales, &data.biases);
+        let row_words = cols * a.bits as usize / 32;
+        let groups = cols / a.group as usize;
+        check_len(name, "codes (u32)", rows * row_words, words.len())?;
+        check_len(name, "scales", rows * groups, scales.len())?;
+        check_len(name, "biases", rows * groups, biases.len())?;
+        let per = rows_per_chunk(ctx, name, a.row_bytes(cols) as u64, max_chunk_bytes)?;
+        let mut chunks = Vec::new();
+        let mut row_start = 0;
+        while row_start < rows {
+            let n = per.min(rows - row_start);
+            let sb = (n * row_words).next_multiple_of(4);
+            let mut data = Vec::with_capacity(sb + n * groups);
+            data.extend_from_slice(&words[row_start * row_words..(row_start + n) * row_words]);
+            data.resize(sb, 0);
+            let g = row_start * groups..(row_start + n) * groups;
+            data.extend(scales[g.clone()].iter().zip(&biases[g]).map(|(&s, &b)| s as u32 | (b as u32) << 16));
+            let label = format!("{name}[{row_start}..{}]", row_start + n);
+            let buffer = ctx.upload(&label, bytemuck::cast_slice(&data))?;
+            let bind_group = ctx.weights_bind_group(&buffer, &label);
+            chunks.push(WeightChunk { row_start, rows: n, buffer, sb: sb as u32, bind_group });
+            row_start += n;
+        }
+        Ok(Self { dtype: Dtype::Affine(a), rows, cols, chunks })
     }
 
     /// Bytes held on the GPU.

@@ -46,7 +46,8 @@ struct DxParams {
     dx_stride: u32,
     w_row: u32,
     scale: f32,
-    _pad: [u32; 3],
+    q_sb: u32,
+    _pad: [u32; 2],
 }
 
 /// Where `dx = dy · W` reads and writes.
@@ -83,6 +84,8 @@ pub struct DxWeight<'a> {
     pub rows: usize,
     /// Columns (input features).
     pub k: usize,
+    /// Affine weights: the `u32` index of the binding's scales and biases; 0 otherwise.
+    pub sb: u32,
 }
 
 impl<'a> DxWeight<'a> {
@@ -96,6 +99,7 @@ impl<'a> DxWeight<'a> {
                 row_start: c.row_start,
                 rows: c.rows,
                 k: w.cols,
+                sb: c.sb,
             })
             .collect()
     }
@@ -121,7 +125,8 @@ pub fn matmul_dx(rec: &mut Recorder, w: &[DxWeight], rows: Range<usize>, io: &Dx
             dx_stride: io.dx_stride as u32,
             w_row: (lo - c.row_start) as u32,
             scale: io.scale,
-            _pad: [0; 3],
+            q_sb: c.sb,
+            _pad: [0; 2],
         };
         let key =
             PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate: io.accumulate || !first, variant: 0 };

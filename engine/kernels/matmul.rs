@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use crate::error::GpuError;
-use crate::gpu::{grid_1d, GpuWeight, Recorder};
+use crate::gpu::{grid_1d, Dtype, GpuWeight, Recorder};
 pub use crate::gpu::{
     matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_BATCH_TOKENS,
     MATVEC_LANES,
@@ -36,8 +36,8 @@ pub struct MatmulParams {
     pub lora_row0: u32,
     /// Epsilon of the fused RMSNorm (matvec).
     pub eps: f32,
-    /// Padding (the segments are vec4).
-    pub _pad: u32,
+    /// Affine weights: the `u32` index of the chunk's scales and biases (`WeightChunk::sb`).
+    pub q_sb: u32,
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -280,8 +280,11 @@ pub fn linear_rows(
     }
     let (eps, aux) = fuse.norm.map_or((0.0, io.x), |n| (n.eps, n.weight));
     // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
-    let batch =
-        (2..=MAX_BATCH_TOKENS).contains(&io.m) && view.w.cols.is_multiple_of(8) && io.x_offset.is_multiple_of(4);
+    // Affine weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
+    let batch = (2..=MAX_BATCH_TOKENS).contains(&io.m)
+        && view.w.cols.is_multiple_of(8)
+        && io.x_offset.is_multiple_of(4)
+        && !matches!(view.w.dtype, Dtype::Affine(_));
     let kernel = match (io.m == 1, batch, lora.is_some()) {
         (true, _, false) => Kernel::Matvec,
         (true, _, true) => Kernel::MatvecLora,
@@ -327,7 +330,7 @@ pub fn linear_rows(
             lora_t_stride: lora.map_or(0, |l| l.t_stride as u32),
             lora_row0: row0 as u32,
             eps,
-            _pad: 0,
+            q_sb: chunk.sb,
             seg_end,
             seg_rank,
             seg_t,
@@ -350,7 +353,7 @@ pub fn linear_rows(
                 rec.dispatch(key, &params, &[io.x, io.y, l.t, aux], &[&chunk.bind_group, l.b], groups)?
             }
         }
-        rec.weight_bytes((n_rows * w.cols * w.dtype.size()) as u64);
+        rec.weight_bytes((n_rows * w.dtype.row_bytes(w.cols)) as u64);
     }
     Ok(())
 }

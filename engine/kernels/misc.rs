@@ -16,6 +16,10 @@ pub struct EmbedParams {
     pub row_start: u32,
     /// Rows in the chunk.
     pub row_count: u32,
+    /// Affine tables: the `u32` index of the chunk's scales and biases.
+    pub q_sb: u32,
+    /// Padding.
+    pub _pad: [u32; 3],
 }
 
 /// Record `hidden[t] = table[ids[t]]`, one dispatch per table chunk.
@@ -33,6 +37,8 @@ pub fn embed(
             rows: tokens as u32,
             row_start: chunk.row_start as u32,
             row_count: chunk.rows as u32,
+            q_sb: chunk.sb,
+            _pad: [0; 3],
         };
         let groups = [(table.cols as u32).div_ceil(64), tokens as u32, 1];
         rec.dispatch(key, &params, &[ids, hidden], &[&chunk.bind_group], groups)?;

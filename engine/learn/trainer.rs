@@ -584,7 +584,7 @@ fn module_grads(
     lora_grad(rec, dy_view, t_view, gb, out, m.rank, rows, s, !first)?;
     // B is rows b_offset / r .. + out of the group's B buffer seen as a [_, r] matrix.
     let b0 = m.b_offset / m.rank;
-    let bw = DxWeight { bind_group: &g.b_bind, dtype: Dtype::F32, row_start: 0, rows: b0 + out, k: m.rank };
+    let bw = DxWeight { bind_group: &g.b_bind, dtype: Dtype::F32, row_start: 0, rows: b0 + out, k: m.rank, sb: 0 };
     let io = DxIo {
         dy: dy.0,
         dy_offset: 0,

@@ -512,7 +512,9 @@ fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, AdapterError> {
     let entry = ckpt.get(key).ok_or_else(|| AdapterError::UnknownKey { key: key.into(), why: "vanished".into() })?;
     let dtype = Dtype::from_safetensors(&entry.dtype)
         .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;
-    let values = dtype.to_f32(&ckpt.read(entry)?);
+    let values = dtype
+        .to_f32(&ckpt.read(entry)?)
+        .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;
     if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return Err(AdapterError::NonFinite { key: key.into(), index, value });
     }

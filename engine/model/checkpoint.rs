@@ -117,7 +117,9 @@ impl Checkpoint {
         let entry = self.checked(name, shape)?;
         let dtype = Dtype::from_safetensors(&entry.dtype)
             .ok_or_else(|| ModelError::UnsupportedDtype { name: name.to_string(), found: entry.dtype.clone() })?;
-        Ok(dtype.to_f32(&self.read(entry)?))
+        dtype
+            .to_f32(&self.read(entry)?)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: name.to_string(), found: entry.dtype.clone() })
     }
 
     /// The entry for `name` after checking it exists with `shape`.

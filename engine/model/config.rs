@@ -1,5 +1,6 @@
-//! `config.json`: the VLM form (`model_type: "qwen3_5"` with `text_config`) and the text-only
-//! form (`qwen3_5_text`), validated into the dimensions the kernels need.
+//! `config.json`: the VLM form (`model_type: "qwen3_5"` with `text_config`), the text-only form
+//! (`qwen3_5_text`) and mlx-lm's flat `qwen3_5` form, validated into the dimensions the kernels
+//! need.
 
 use std::path::Path;
 
@@ -25,6 +26,8 @@ pub enum LayerType {
 
 #[derive(Deserialize)]
 struct RawRope {
+    // mlx-lm writes the key as `type`.
+    #[serde(alias = "type")]
     rope_type: Option<String>,
     rope_theta: Option<f64>,
     partial_rotary_factor: Option<f64>,
@@ -110,14 +113,11 @@ impl TextConfig {
         let top: serde_json::Value = serde_json::from_str(text).map_err(bad_json)?;
         let model_type = top.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
         let (text_value, top_tie) = match model_type.as_str() {
-            "qwen3_5" => {
-                let inner = top.get("text_config").cloned().ok_or_else(|| ModelError::BadConfig {
-                    field: "text_config".into(),
-                    expected: "an object (model_type qwen3_5)".into(),
-                    found: "nothing".into(),
-                })?;
-                (inner, top.get("tie_word_embeddings").and_then(|v| v.as_bool()))
-            }
+            // The VLM form nests the text model; mlx-lm writes it flat under the same model_type.
+            "qwen3_5" => match top.get("text_config") {
+                Some(inner) => (inner.clone(), top.get("tie_word_embeddings").and_then(|v| v.as_bool())),
+                None => (top.clone(), None),
+            },
             "qwen3_5_text" => (top.clone(), None),
             t if t.starts_with("qwen3_5_moe") => {
                 return Err(ModelError::Unsupported { what: format!("mixture-of-experts model_type {t:?}") })

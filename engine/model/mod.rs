@@ -2,9 +2,13 @@
 
 mod checkpoint;
 pub(crate) mod config;
+mod quant;
+pub mod quantize;
 mod weights;
 
 pub use crate::gpu::Dtype;
 pub use checkpoint::{Checkpoint, TensorEntry};
 pub use config::{LayerType, TextConfig};
+pub use quant::{QuantConfig, QuantSpec};
+pub use quantize::QuantizeRecipe;
 pub use weights::{AttnWeights, GdnWeights, Layer, LoadOptions, Mixer, Mlp, Model};

@@ -1,10 +1,16 @@
 //! The model's weights on the GPU, as a typed tree that mirrors the Hugging Face names.
 //!
 //! Checkpoint conventions handled here, each in one place:
-//! * tensor prefix `model.language_model.` (VLM checkpoints) or `model.` (text-only);
+//! * tensor prefix `model.language_model.` (VLM checkpoints), `model.` (text-only) or
+//!   `language_model.model.` (MLX);
 //! * `model.visual.*` and `mtp.*` are never read;
 //! * tied embeddings: no `lm_head.weight` means lm_head reuses `embed_tokens.weight`;
-//! * `conv1d.weight` `[C, 1, K]` is read as `[C, K]`;
+//! * `conv1d.weight` `[C, 1, K]` (Hugging Face) or `[C, K, 1]` (MLX) is read as `[C, K]`; the
+//!   MLX layout (detected from that shape, never from names) also stores the RMSNorm weights
+//!   that Qwen 3.5 keeps as offsets already shifted by +1 (every norm but `linear_attn.norm`),
+//!   which the loader shifts back;
+//! * affine-quantized matrices (MLX: `weight` u32 codes, `scales`, `biases`; bits and group
+//!   from `config.json` `quantization`, checked against the shapes) stay quantized on the GPU;
 //! * `A_log` and `dt_bias` are packed into one `[2, Hv]` f32 vector;
 //! * matrices keep their dtype; small vectors are widened to f32 (exact);
 //! * projections that read the same input are stored as one weight, rows concatenated in a fixed
@@ -15,20 +21,25 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::ModelError;
-use crate::gpu::{GpuContext, GpuVector, GpuWeight};
+use crate::gpu::{Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType};
+use crate::model::quant::QuantConfig;
+use crate::model::quantize::{quantize_bytes, QuantizeRecipe};
 use crate::model::{Checkpoint, Dtype, LayerType, TextConfig};
 
-/// Loader knobs (tests use them to force code paths that real checkpoints hit).
+/// Loader knobs.
 #[derive(Clone, Debug)]
 pub struct LoadOptions {
     /// Upper bound for one weight buffer, below the device's binding limit; matrices larger than
-    /// this are split by rows.
+    /// this are split by rows (tests use it to force the split that real checkpoints hit).
     pub max_chunk_bytes: u64,
+    /// Quantize the checkpoint's 16/32-bit matrices while loading (MLX's affine layout, as
+    /// `mlx_lm.convert` would); matrices already quantized stay as they are.
+    pub quantize: Option<QuantizeRecipe>,
 }
 
 impl Default for LoadOptions {
     fn default() -> Self {
-        Self { max_chunk_bytes: u64::MAX }
+        Self { max_chunk_bytes: u64::MAX, quantize: None }
     }
 }
 
@@ -113,12 +124,145 @@ struct Loader<'a> {
     ctx: &'a GpuContext,
     ckpt: &'a Checkpoint,
     prefix: &'static str,
+    /// MLX layout: conv weights `[C, K, 1]`, offset norms stored shifted by +1.
+    mlx: bool,
+    quant: Option<&'a QuantConfig>,
     opts: &'a LoadOptions,
+}
+
+/// One matrix as read from the checkpoint: its dtype and the data of its rows.
+enum MatrixData {
+    /// A float dtype: raw little-endian bytes.
+    Float(Dtype, Vec<u8>),
+    /// Affine codes, scales and biases.
+    Affine(AffineData),
+}
+
+impl MatrixData {
+    fn dtype(&self) -> Dtype {
+        match self {
+            MatrixData::Float(d, _) => *d,
+            MatrixData::Affine(a) => Dtype::Affine(a.format),
+        }
+    }
+
+    /// Append `other`'s rows (same dtype, checked by the caller).
+    fn extend(&mut self, other: MatrixData) {
+        match (self, other) {
+            (MatrixData::Float(_, b), MatrixData::Float(_, o)) => b.extend_from_slice(&o),
+            (MatrixData::Affine(a), MatrixData::Affine(o)) => {
+                a.words.extend_from_slice(&o.words);
+                a.scales.extend_from_slice(&o.scales);
+                a.biases.extend_from_slice(&o.biases);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// How a dtype reads in an error message.
+fn dtype_name(d: Dtype) -> String {
+    match d {
+        Dtype::Affine(a) => format!("affine {}-bit group {} ({:?} scales)", a.bits, a.group, a.scales),
+        other => format!("{other:?}"),
+    }
 }
 
 impl Loader<'_> {
     fn full(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
+    }
+
+    fn entry(&self, full: &str) -> Result<&crate::model::TensorEntry, ModelError> {
+        self.ckpt
+            .get(full)
+            .ok_or_else(|| ModelError::MissingTensor { name: full.to_string(), candidates: vec![full.to_string()] })
+    }
+
+    fn checked(&self, full: &str, shape: &[usize]) -> Result<&crate::model::TensorEntry, ModelError> {
+        let entry = self.entry(full)?;
+        if entry.shape != shape {
+            return Err(ModelError::ShapeMismatch {
+                name: full.to_string(),
+                expected: shape.to_vec(),
+                found: entry.shape.clone(),
+            });
+        }
+        Ok(entry)
+    }
+
+    /// The affine format of the module whose weight is `full` (`….weight`), if it is quantized:
+    /// its `scales` tensor exists. Bits and group come from the config and must match the
+    /// shapes; the scale dtype from the tensors.
+    fn affine(&self, full: &str, cols: usize) -> Result<Option<Affine>, ModelError> {
+        let module = full.strip_suffix(".weight").unwrap_or(full);
+        let (scales, biases) = (format!("{module}.scales"), format!("{module}.biases"));
+        let Some(s) = self.ckpt.get(&scales) else {
+            return Ok(None);
+        };
+        let spec = self.quant.and_then(|q| q.module(module)).ok_or_else(|| ModelError::BadConfig {
+            field: format!("quantization.{module}"),
+            expected: format!("bits and group_size ({scales} is in the checkpoint)"),
+            found: if self.quant.is_some() { "false / no default".into() } else { "no quantization section".into() },
+        })?;
+        if !cols.is_multiple_of(spec.group as usize) {
+            return Err(ModelError::BadConfig {
+                field: format!("quantization.{module}.group_size"),
+                expected: format!("a divisor of the input width {cols}"),
+                found: spec.group.to_string(),
+            });
+        }
+        let scale_type = match s.dtype.as_str() {
+            "BF16" => HalfType::BF16,
+            "F16" => HalfType::F16,
+            _ => return Err(ModelError::UnsupportedDtype { name: scales, found: s.dtype.clone() }),
+        };
+        let b = self.entry(&biases)?;
+        if b.dtype != s.dtype {
+            return Err(ModelError::DtypeMismatch {
+                name: biases,
+                first: scales,
+                expected: s.dtype.clone(),
+                found: b.dtype.clone(),
+            });
+        }
+        Ok(Some(Affine { bits: spec.bits, group: spec.group, scales: scale_type }))
+    }
+
+    /// The `[rows, cols]` matrix `full` in its dtype, shapes checked.
+    fn read_matrix(&self, full: &str, rows: usize, cols: usize) -> Result<MatrixData, ModelError> {
+        let module = full.strip_suffix(".weight").unwrap_or(full);
+        if let Some(a) = self.affine(full, cols)? {
+            let groups = cols / a.group as usize;
+            let w = self.checked(full, &[rows, cols * a.bits as usize / 32])?;
+            if w.dtype != "U32" {
+                return Err(ModelError::UnsupportedDtype { name: full.to_string(), found: w.dtype.clone() });
+            }
+            let s = self.checked(&format!("{module}.scales"), &[rows, groups])?;
+            let b = self.checked(&format!("{module}.biases"), &[rows, groups])?;
+            let words: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ckpt.read(w)?);
+            let scales: Vec<u16> = bytemuck::pod_collect_to_vec(&self.ckpt.read(s)?);
+            let biases: Vec<u16> = bytemuck::pod_collect_to_vec(&self.ckpt.read(b)?);
+            return Ok(MatrixData::Affine(AffineData { format: a, words, scales, biases }));
+        }
+        let entry = self.checked(full, &[rows, cols])?;
+        let dtype = Dtype::from_safetensors(&entry.dtype)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: full.to_string(), found: entry.dtype.clone() })?;
+        let bytes = self.ckpt.read(entry)?;
+        if let Some((bits, group)) = self.opts.quantize.and_then(|r| r.spec(cols)) {
+            if let Some(q) = quantize_bytes(&bytes, dtype, cols, bits, group) {
+                return Ok(MatrixData::Affine(q));
+            }
+        }
+        Ok(MatrixData::Float(dtype, bytes))
+    }
+
+    fn upload(&self, name: &str, data: MatrixData, rows: usize, cols: usize) -> Result<GpuWeight, ModelError> {
+        let max = self.opts.max_chunk_bytes;
+        Ok(match data {
+            MatrixData::Float(dtype, bytes) => GpuWeight::upload(self.ctx, name, dtype, rows, cols, &bytes, max)?,
+            MatrixData::Affine(a) => GpuWeight::upload_affine(self.ctx, name, rows, cols, &a, max)?,
+        })
     }
 
     fn matrix(&self, name: &str, rows: usize, cols: usize) -> Result<GpuWeight, ModelError> {
@@ -127,69 +271,46 @@ impl Loader<'_> {
     }
 
     fn matrix_full(&self, full: &str, rows: usize, cols: usize) -> Result<GpuWeight, ModelError> {
-        let entry = self
-            .ckpt
-            .get(full)
-            .ok_or_else(|| ModelError::MissingTensor { name: full.to_string(), candidates: vec![full.to_string()] })?;
-        if entry.shape != [rows, cols] {
-            return Err(ModelError::ShapeMismatch {
-                name: full.to_string(),
-                expected: vec![rows, cols],
-                found: entry.shape.clone(),
-            });
-        }
-        let dtype = Dtype::from_safetensors(&entry.dtype)
-            .ok_or_else(|| ModelError::UnsupportedDtype { name: full.to_string(), found: entry.dtype.clone() })?;
-        let bytes = self.ckpt.read(entry)?;
-        Ok(GpuWeight::upload(self.ctx, full, dtype, rows, cols, &bytes, self.opts.max_chunk_bytes)?)
+        let data = self.read_matrix(full, rows, cols)?;
+        self.upload(full, data, rows, cols)
     }
 
     /// Several `[rows, cols]` matrices of one dtype as one weight, rows concatenated in order.
     fn concat(&self, parts: &[(String, usize)], cols: usize) -> Result<GpuWeight, ModelError> {
-        let mut bytes = Vec::new();
-        let mut first: Option<(String, Dtype, String)> = None;
+        let mut all: Option<(String, MatrixData)> = None;
         for (name, rows) in parts {
             let full = self.full(name);
-            let entry = self
-                .ckpt
-                .get(&full)
-                .ok_or_else(|| ModelError::MissingTensor { name: full.clone(), candidates: vec![full.clone()] })?;
-            if entry.shape != [*rows, cols] {
-                return Err(ModelError::ShapeMismatch {
-                    name: full,
-                    expected: vec![*rows, cols],
-                    found: entry.shape.clone(),
-                });
-            }
-            let dtype = Dtype::from_safetensors(&entry.dtype)
-                .ok_or_else(|| ModelError::UnsupportedDtype { name: full.clone(), found: entry.dtype.clone() })?;
-            match &first {
-                Some((name0, d0, s0)) if *d0 != dtype => {
+            let data = self.read_matrix(&full, *rows, cols)?;
+            match &mut all {
+                Some((name0, acc)) if acc.dtype() != data.dtype() => {
                     return Err(ModelError::DtypeMismatch {
                         name: full,
                         first: name0.clone(),
-                        expected: s0.clone(),
-                        found: entry.dtype.clone(),
+                        expected: dtype_name(acc.dtype()),
+                        found: dtype_name(data.dtype()),
                     })
                 }
-                Some(_) => {}
-                None => first = Some((full.clone(), dtype, entry.dtype.clone())),
+                Some((_, acc)) => acc.extend(data),
+                None => all = Some((full, data)),
             }
-            bytes.extend_from_slice(&self.ckpt.read(entry)?);
         }
-        let Some((name0, dtype, _)) = first else {
+        let Some((name0, data)) = all else {
             return Err(ModelError::MissingTensor { name: "(no projection)".into(), candidates: Vec::new() });
         };
         let rows = parts.iter().map(|(_, r)| r).sum();
-        Ok(GpuWeight::upload(self.ctx, &name0, dtype, rows, cols, &bytes, self.opts.max_chunk_bytes)?)
+        self.upload(&name0, data, rows, cols)
     }
 
     fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {
         self.ckpt.read_f32(&self.full(name), shape)
     }
 
-    fn vector(&self, name: &str, n: usize) -> Result<GpuVector, ModelError> {
-        let v = self.values(name, &[n])?;
+    /// A Qwen 3.5 RMSNorm weight stored as an offset (`x · (1 + w)`): MLX files hold `1 + w`.
+    fn offset_norm(&self, name: &str, n: usize) -> Result<GpuVector, ModelError> {
+        let mut v = self.values(name, &[n])?;
+        if self.mlx {
+            v.iter_mut().for_each(|x| *x -= 1.0);
+        }
         Ok(GpuVector::upload(self.ctx, &self.full(name), &v)?)
     }
 }
@@ -202,29 +323,46 @@ impl Model {
 
     /// Load with explicit [`LoadOptions`].
     pub fn load_with(ctx: Arc<GpuContext>, dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
-        let config = TextConfig::from_dir(dir)?;
+        let path = dir.join("config.json");
+        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let config = TextConfig::from_json(&text)?;
+        let top: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| ModelError::BadJson { file: "config.json".into(), message: e.to_string() })?;
+        let quant = QuantConfig::from_config(&top)?;
         let ckpt = Checkpoint::open_dir(dir)?;
         let prefix = if ckpt.names().any(|n| n.starts_with("model.language_model.")) {
             "model.language_model."
+        } else if ckpt.names().any(|n| n.starts_with("language_model.model.")) {
+            "language_model.model."
         } else {
             "model."
         };
-        let eos_token_ids = read_generation_eos(dir)?.unwrap_or_else(|| config.eos_token_ids.clone());
-        let l = Loader { ctx: &ctx, ckpt: &ckpt, prefix, opts };
+        // The MLX layout shows in the conv weights' shape ([C, K, 1]); with K = 1 both layouts
+        // read alike and the MLX prefix decides.
         let c = &config;
+        let k = c.conv_kernel;
+        let first_gdn = c.layer_types.iter().position(|t| *t == LayerType::Linear);
+        let mlx = match first_gdn.and_then(|i| ckpt.get(&format!("{prefix}layers.{i}.linear_attn.conv1d.weight"))) {
+            Some(e) if k > 1 => e.shape == [c.conv_dim(), k, 1],
+            _ => prefix == "language_model.model.",
+        };
+        let eos_token_ids = read_generation_eos(dir)?.unwrap_or_else(|| config.eos_token_ids.clone());
+        let l = Loader { ctx: &ctx, ckpt: &ckpt, prefix, mlx, quant: quant.as_ref(), opts };
         let (h, v) = (c.hidden_size, c.vocab_size);
         let embed = l.matrix("embed_tokens.weight", v, h)?;
-        let lm_head = match ckpt.get("lm_head.weight") {
-            Some(_) => Some(l.matrix_full("lm_head.weight", v, h)?),
+        let head_name =
+            if prefix == "language_model.model." { "language_model.lm_head.weight" } else { "lm_head.weight" };
+        let lm_head = match ckpt.get(head_name) {
+            Some(_) => Some(l.matrix_full(head_name, v, h)?),
             None if c.tie_word_embeddings => None,
             None => {
                 return Err(ModelError::MissingTensor {
-                    name: "lm_head.weight".into(),
-                    candidates: vec!["lm_head.weight (tie_word_embeddings is false)".into()],
+                    name: head_name.into(),
+                    candidates: vec![format!("{head_name} (tie_word_embeddings is false)")],
                 })
             }
         };
-        let norm = l.vector("norm.weight", h)?;
+        let norm = l.offset_norm("norm.weight", h)?;
         let mut layers = Vec::with_capacity(c.num_layers());
         for (i, ty) in c.layer_types.iter().enumerate() {
             let p = format!("layers.{i}.");
@@ -239,14 +377,15 @@ impl Model {
                     Mixer::Attention(AttnWeights {
                         qkv: l.concat(&qkv, h)?,
                         o_proj: l.matrix(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
-                        q_norm: l.vector(&format!("{p}self_attn.q_norm.weight"), hd)?,
-                        k_norm: l.vector(&format!("{p}self_attn.k_norm.weight"), hd)?,
+                        q_norm: l.offset_norm(&format!("{p}self_attn.q_norm.weight"), hd)?,
+                        k_norm: l.offset_norm(&format!("{p}self_attn.k_norm.weight"), hd)?,
                     })
                 }
                 LayerType::Linear => {
                     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
                     let a = format!("{p}linear_attn.");
-                    let conv = l.values(&format!("{a}conv1d.weight"), &[cd, 1, c.conv_kernel])?;
+                    let conv_shape = if mlx { [cd, c.conv_kernel, 1] } else { [cd, 1, c.conv_kernel] };
+                    let conv = l.values(&format!("{a}conv1d.weight"), &conv_shape)?;
                     let mut gate = l.values(&format!("{a}A_log"), &[hv])?;
                     gate.extend(l.values(&format!("{a}dt_bias"), &[hv])?);
                     let norm = l.values(&format!("{a}norm.weight"), &[c.linear_value_dim])?;
@@ -268,8 +407,8 @@ impl Model {
                 }
             };
             layers.push(Layer {
-                input_norm: l.vector(&format!("{p}input_layernorm.weight"), h)?,
-                post_norm: l.vector(&format!("{p}post_attention_layernorm.weight"), h)?,
+                input_norm: l.offset_norm(&format!("{p}input_layernorm.weight"), h)?,
+                post_norm: l.offset_norm(&format!("{p}post_attention_layernorm.weight"), h)?,
                 mixer,
                 mlp: Mlp {
                     gate_up: l.concat(

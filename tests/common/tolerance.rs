@@ -34,3 +34,12 @@ pub const GRAD_REL: f32 = 1e-3;
 /// rounding of the moments, the square root and the division, on weights of order 1 moved by
 /// steps of order lr = 1e-2.
 pub const OPTIM_ABS: f32 = 1e-6;
+
+/// Logits vs mlx-lm's own forward on the same MLX checkpoint, per position: ‖ours − mlx‖ /
+/// ‖mlx‖. mlx-lm computes in the checkpoint dtype (bf16 activations, quantized matmuls in the
+/// scale dtype: 8 bits of mantissa), we in f32 on the same weights; on these 4-layer random
+/// models the bf16 rounding reaches 0.32 (mlx_q4_g64, first positions; 0.07 for mlx_bf16). The
+/// exact check is the test beside this one: transformers on the dequantized weights in f32,
+/// which mlx-lm's own forward with its parameters cast to f32 matches at 1.5e-5
+/// (`make_mlx.py` stops above 1e-3), agrees with us at LOGITS_REL.
+pub const MLX_LOGITS_REL: f32 = 0.4;

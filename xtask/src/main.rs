@@ -18,7 +18,8 @@ cargo xtask <command>
                        refuses a CPU adapter unless --allow-cpu
   fixtures             regenerate tests/fixtures (models, PEFT adapters, reference outputs) with
                        transformers + peft (creates target/fixtures-venv with pinned
-                       torch/transformers/peft/tokenizers; CPU only)
+                       torch/transformers/peft/tokenizers; CPU only), and the MLX checkpoints with
+                       mlx-lm (creates target/mlx-venv with pinned mlx/mlx-lm; CPU only)
   train-demo           train the embedded demo model, its tokenizer and its two LoRA adapters on a
                        synthetic corpus, and record transformers + peft generations (~20 min, CPU)
   bench [--quick] [--profile] [--compare BIN]
@@ -34,12 +35,26 @@ cargo xtask <command>
 const PY_PINS: &[&str] =
     &["torch==2.15.0", "transformers==5.23.0", "peft==0.21.2", "safetensors==0.8.0", "tokenizers==0.23.3", "numpy"];
 
+/// Pinned MLX oracle versions (the MLX fixtures committed were made with these). mlx-cpu is mlx's
+/// CPU backend, a separate wheel on Linux only; transformers is mlx-lm's own dependency.
+const MLX_PINS: &[&str] = &[
+    "mlx==0.32.4",
+    "mlx-cpu==0.32.4; sys_platform == 'linux'",
+    "mlx-lm==0.32.2",
+    "transformers==5.23.0",
+    "safetensors==0.8.0",
+    "numpy==2.4.6",
+];
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
-        Some("fixtures") => python(&["make_fixtures.py", "make_adapters.py", "make_learn.py"]),
+        Some("fixtures") => {
+            python(&["make_fixtures.py", "make_adapters.py", "make_learn.py"])?;
+            mlx_fixtures()
+        }
         Some("train-demo") => python(&["train_demo.py"]),
         Some("bench") => {
             let compare = args.iter().position(|a| a == "--compare").map(|i| {
@@ -156,7 +171,17 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
 
 /// The project's Python (a venv under target/ with the pinned oracle), created on first use.
 fn venv() -> Result<PathBuf> {
-    let venv = root().join("target/fixtures-venv");
+    pinned_venv("target/fixtures-venv", PY_PINS)
+}
+
+/// The Python with mlx and mlx-lm (kept apart from torch), created on first use.
+fn mlx_venv() -> Result<PathBuf> {
+    pinned_venv("target/mlx-venv", MLX_PINS)
+}
+
+/// The python of the venv at `dir` (relative to the root) with `pins` installed.
+fn pinned_venv(dir: &str, pins: &[&str]) -> Result<PathBuf> {
+    let venv = root().join(dir);
     let python = venv.join("bin/python");
     if !python.exists() {
         let mut cmd = Command::new("python3");
@@ -164,7 +189,7 @@ fn venv() -> Result<PathBuf> {
         run(cmd)?;
     }
     let mut pip = Command::new(&python);
-    pip.args(["-m", "pip", "install", "-q"]).args(PY_PINS);
+    pip.args(["-m", "pip", "install", "-q"]).args(pins);
     run(pip)?;
     Ok(python)
 }
@@ -176,6 +201,31 @@ fn python(scripts: &[&str]) -> Result<()> {
         let mut make = Command::new(&python);
         // peft saves target_modules from a set: a fixed hash seed keeps the files reproducible.
         make.arg(root.join("xtask/python").join(script)).arg("--root").arg(&root).env("PYTHONHASHSEED", "0");
+        run(make)?;
+    }
+    Ok(())
+}
+
+/// The MLX fixtures: make_mlx.py's stages, each in the venv that has its library (torch builds the
+/// source, the transformers references and the PEFT adapter, mlx-lm converts and runs the MLX
+/// checkpoints and makes the MLX adapter). After make_adapters.py, which empties the adapters folder.
+fn mlx_fixtures() -> Result<()> {
+    let root = root();
+    let (torch, mlx) = (venv()?, mlx_venv()?);
+    let stages = [
+        (&torch, "source"),
+        (&mlx, "convert"),
+        (&mlx, "reference"),
+        (&torch, "transformers"),
+        (&torch, "peft"),
+        (&mlx, "mlx-lora"),
+        (&torch, "mlx-lora-reference"),
+    ];
+    for (python, stage) in stages {
+        let mut make = Command::new(python);
+        make.arg(root.join("xtask/python/make_mlx.py")).arg("--root").arg(&root).args(["--stage", stage]);
+        // peft saves target_modules from a set: a fixed hash seed keeps the files reproducible.
+        make.env("PYTHONHASHSEED", "0");
         run(make)?;
     }
     Ok(())

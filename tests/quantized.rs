@@ -1,0 +1,192 @@
+//! MLX-format checkpoints (bf16 and affine 4/8-bit, a mixed per-module config; made by
+//! `mlx_lm.convert` in `cargo xtask fixtures`): logits and greedy ids vs transformers on the
+//! dequantized weights, logits vs mlx-lm's own forward.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::tolerance::{LOGITS_MAX_ABS, LOGITS_REL, MLX_LOGITS_REL};
+use common::{fixture_model, gpu, rel_and_max, scratch_copy, Reference};
+use qwen35_wgpu::gpu::Dtype;
+use qwen35_wgpu::model::quantize::quantize_bytes;
+use qwen35_wgpu::model::{Checkpoint, Mixer};
+use qwen35_wgpu::{GenerateParams, LoadOptions, Model, QuantizeRecipe, Session, SessionOptions};
+
+const FIXTURES: [&str; 4] = ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed"];
+const PROMPTS: usize = 2;
+
+fn load(name: &str) -> Option<Arc<Model>> {
+    let ctx = gpu()?;
+    Some(Arc::new(Model::load(ctx, &fixture_model(name)).unwrap_or_else(|e| panic!("{name}: {e}"))))
+}
+
+fn session(model: &Arc<Model>) -> Session {
+    Session::new(model.clone(), SessionOptions { max_context: 64, max_batch: 16 }).expect("session")
+}
+
+#[test]
+fn mlx_checkpoints_load_quantized_as_their_config_says() {
+    let Some(q4) = load("mlx_q4_g64") else {
+        return;
+    };
+    let affine = |d: Dtype| match d {
+        Dtype::Affine(a) => Some((a.bits, a.group)),
+        _ => None,
+    };
+    assert_eq!(affine(q4.embed.dtype), Some((4, 64)), "q4 embedding (the tied lm_head)");
+    assert_eq!(affine(q4.layers[0].mlp.down_proj.dtype), Some((4, 64)));
+    let mixed = load("mlx_mixed").expect("mixed");
+    assert_eq!(affine(mixed.embed.dtype), Some((8, 64)), "mixed: embed_tokens override");
+    assert_eq!(affine(mixed.layers[1].mlp.down_proj.dtype), Some((4, 128)), "mixed: down_proj g128");
+    let Mixer::Gdn(g) = &mixed.layers[0].mixer else { panic!("layer 0 is GDN") };
+    assert_eq!(affine(g.in_proj.dtype), Some((8, 64)), "mixed: layer 0 at 8-bit");
+    assert_eq!(affine(g.out_proj.dtype), Some((8, 32)), "mixed: out_proj override");
+    let bf16 = load("mlx_bf16").expect("bf16");
+    assert_eq!(bf16.embed.dtype, Dtype::BF16);
+    // 4-bit codes, one (scale, bias) word per 64 weights: well under a third of bf16's bytes.
+    assert!(q4.embed.bytes() * 3 < bf16.embed.bytes(), "{} vs {}", q4.embed.bytes(), bf16.embed.bytes());
+}
+
+#[test]
+fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
+    for name in FIXTURES {
+        let Some(model) = load(name) else {
+            return;
+        };
+        let r = Reference::load(name);
+        let vocab = model.config.vocab_size;
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let (_, want) = r.f32(&format!("prompt{p}.logits"));
+            let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
+            for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                let (rel, max) = rel_and_max(o, w);
+                assert!(
+                    rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
+                    "{name} prompt{p} position {pos}: rel {rel:.3e}, max abs {max:.3e}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn mlx_greedy_continuations_match_transformers_on_the_dequantized_weights() {
+    for name in FIXTURES {
+        let Some(model) = load(name) else {
+            return;
+        };
+        let r = Reference::load(name);
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let want = r.ids(&format!("prompt{p}.generated"));
+            let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
+            for fused in [false, true] {
+                let mut s = session(&model);
+                s.set_fused_decode(fused);
+                let got = s.generate(&ids, &params, |_| true).expect("generate");
+                assert_eq!(got, want, "{name} prompt{p} (fused {fused}): greedy continuation");
+            }
+        }
+    }
+}
+
+#[test]
+fn mlx_prefill_logits_agree_with_mlx_lm() {
+    for name in FIXTURES {
+        let Some(model) = load(name) else {
+            return;
+        };
+        let r = Reference::load(name);
+        let vocab = model.config.vocab_size;
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let (_, want) = r.f32(&format!("prompt{p}.mlx_logits"));
+            let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
+            for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                let (rel, max) = rel_and_max(o, w);
+                assert!(
+                    rel <= MLX_LOGITS_REL,
+                    "{name} prompt{p} position {pos}: rel {rel:.3e} (max abs {max:.3e}) vs mlx-lm"
+                );
+            }
+        }
+    }
+}
+
+/// Load-time quantization of the bf16 source the MLX fixtures were converted from gives, tensor
+/// by tensor, the words, scales and biases `mlx_lm.convert` wrote (4-bit g64 and 8-bit g32 are
+/// mlx-lm's; q4 is the recipe `QuantizeRecipe::Q4`, q8 g32 exercises the quantizer at group 32).
+#[test]
+fn load_time_quantization_is_bit_identical_to_mlx() {
+    let src = Checkpoint::open_dir(&fixture_model("mlx_source_bf16")).expect("source");
+    for (name, bits, group) in [("mlx_q4_g64", 4, 64), ("mlx_q8_g32", 8, 32)] {
+        let mlx = Checkpoint::open_dir(&fixture_model(name)).expect("mlx");
+        let mut matrices = 0;
+        for mlx_name in mlx.names().filter(|n| n.ends_with(".scales")) {
+            let module = mlx_name.trim_end_matches(".scales");
+            let hf = format!("model.{}.weight", module.trim_start_matches("language_model.model."));
+            let entry = src.get(&hf).unwrap_or_else(|| panic!("{hf} in the source"));
+            let (rows, cols) = (entry.shape[0], entry.shape[1]);
+            let q = quantize_bytes(&src.read(entry).expect("read"), Dtype::BF16, cols, bits, group).expect("quantize");
+            let (words, scales, biases) = (&q.words, &q.scales, &q.biases);
+            assert_eq!((q.format.bits, q.format.group, words.len()), (bits, group, rows * cols * bits as usize / 32));
+            let want = |suffix: &str| mlx.read(mlx.get(&format!("{module}.{suffix}")).expect("tensor")).expect("read");
+            assert!(bytemuck::cast_slice::<u32, u8>(words) == want("weight").as_slice(), "{name} {module}: codes");
+            assert!(bytemuck::cast_slice::<u16, u8>(scales) == want("scales").as_slice(), "{name} {module}: scales");
+            assert!(bytemuck::cast_slice::<u16, u8>(biases) == want("biases").as_slice(), "{name} {module}: biases");
+            matrices += 1;
+        }
+        // 4 layers × 7 or 8 projections, and the embedding.
+        assert_eq!(matrices, 3 * 8 + 7 + 1, "{name}: quantized matrices compared");
+    }
+}
+
+/// The bf16 source quantized at load runs exactly as mlx-lm's conversion of it: with the MLX
+/// file's norms replaced by the source's (mlx-lm stores `1 + w` rounded to bf16; here `1 + w` in
+/// f32, which the loader's shift back returns exactly), the logits are bit-identical.
+#[test]
+fn a_checkpoint_quantized_at_load_runs_as_mlx_lms_conversion() {
+    let Some(ctx) = gpu() else { return };
+    let src_dir = fixture_model("mlx_source_bf16");
+    let src = Checkpoint::open_dir(&src_dir).expect("source");
+    let dir = scratch_copy(&fixture_model("mlx_q4_g64"), "q4-exact-norms");
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let shifted = [
+        ".input_layernorm.weight",
+        ".post_attention_layernorm.weight",
+        "model.norm.weight",
+        ".q_norm.weight",
+        ".k_norm.weight",
+    ];
+    let mut tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, view) in st.tensors() {
+        if shifted.iter().any(|s| name.ends_with(s)) {
+            let hf = format!("model.{}", name.trim_start_matches("language_model.model."));
+            let w = src.read_f32(&hf, view.shape()).expect("source norm");
+            let plus: Vec<u8> = w.iter().flat_map(|v| (v + 1.0).to_le_bytes()).collect();
+            tensors.push((name, safetensors::Dtype::F32, view.shape().to_vec(), plus));
+        } else {
+            tensors.push((name, view.dtype(), view.shape().to_vec(), view.data().to_vec()));
+        }
+    }
+    let views: std::collections::HashMap<String, safetensors::tensor::TensorView> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, &file).expect("write");
+    let mlx = Arc::new(Model::load(ctx.clone(), &dir).expect("mlx"));
+    let opts = LoadOptions { quantize: Some(QuantizeRecipe::Q4), ..Default::default() };
+    let ours = Arc::new(Model::load_with(ctx, &src_dir, &opts).expect("quantized at load"));
+    assert!(matches!(ours.embed.dtype, Dtype::Affine(a) if a.bits == 4 && a.group == 64));
+    let r = Reference::load("mlx_q4_g64");
+    for p in 0..PROMPTS {
+        let ids = r.ids(&format!("prompt{p}.ids"));
+        let (a, _) = session(&mlx).feed_debug(&ids).expect("mlx forward");
+        let (b, _) = session(&ours).feed_debug(&ids).expect("our forward");
+        assert!(a.data == b.data, "prompt{p}: logits of the load-time q4 differ from mlx-lm's q4");
+    }
+}

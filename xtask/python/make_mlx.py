@@ -1,0 +1,540 @@
+"""Build MLX-format Qwen 3.5 checkpoints with mlx-lm and reference outputs for them.
+
+Run through `cargo xtask fixtures`, in four stages over two venvs (torch and mlx cannot share one):
+
+  --stage source        (fixtures venv) a random bf16 Qwen3_5ForCausalLM in HF layout, made with
+                        make_fixtures.build, committed as tests/fixtures/models/mlx_source_bf16
+                        (the engine's load-time quantization is checked against mlx-lm's on it)
+  --stage convert       (mlx venv) mlx-lm's own conversion (load_model, quantize_model, save_model,
+                        save_config from mlx_lm.utils, as mlx_lm.convert does) into the committed
+                        tests/fixtures/models/mlx_*
+  --stage reference     (mlx venv) mlx-lm's forward logits and greedy generation on each MLX dir,
+                        and an f32 HF checkpoint of exactly the weights mlx-lm holds (dequantized,
+                        with its qwen3_5 sanitize undone) under target/mlx-deq/<name>/
+  --stage transformers  (fixtures venv) transformers in f32 on each dequantized checkpoint
+  --stage peft          (fixtures venv) a PEFT LoRA adapter made on the HF source (module names
+                        model.layers.N...) for mlx_q4_g64, and transformers + peft references on the
+                        dequantized f32 mlx_q4_g64 (needs PYTHONHASHSEED=0, as make_adapters.py)
+  --stage mlx-lora      (mlx venv) an MLX LoRA adapter on mlx_q4_g64 made with mlx-lm's own tuner
+                        code (linear_to_lora_layers, the trainable parameters saved as the trainer
+                        saves them, adapter_config.json as mlx_lm.lora writes it), reloaded with
+                        load_adapters, and mlx-lm's outputs with it (native and all-f32)
+  --stage mlx-lora-reference
+                        (fixtures venv) that adapter as the equivalent PEFT LoRA (lora_A = lora_a^T,
+                        lora_B = lora_b^T, scaling = scale) on the dequantized f32 mlx_q4_g64
+  --stage bench         (mlx venv) the 0.8B-dimension benchmark model (make_fixtures.py
+                        --bench-model, target/bench/qwen35-0.8b-random) converted by mlx-lm to
+                        4-bit g64 and 8-bit g64 beside it (-mlx-q4, -mlx-q8; not committed)
+
+mlx_lm.convert itself cannot be called: it needs a tokenizer (the source has none) and mlx-lm has no
+model module for the model_type "qwen3_5_text" that Qwen3_5ForCausalLM writes, so the conversion
+loads the source with model_type "qwen3_5" (mlx-lm's Qwen 3.5 module, which reads flat text
+configs) and that is the model_type written to the MLX config.json.
+
+Outputs (committed):
+  tests/fixtures/models/mlx_<name>/      model.safetensors + config.json, as mlx-lm wrote them
+  tests/fixtures/reference/mlx_<name>.safetensors
+      prompt{i}.ids            [T] i64      prompt token ids
+      prompt{i}.logits         [T, V] f32   transformers f32 on the dequantized weights (full prefill)
+      prompt{i}.generated      [N] i64      its greedy continuation through the cache
+      prompt{i}.mlx_logits     [T, V] f32   mlx-lm's logits (bf16 compute, cast to f32)
+      prompt{i}.mlx_generated  [N] i64      mlx-lm's greedy continuation (generate_step)
+
+  tests/fixtures/adapters/mlx_q4_lora/       adapter_config.json + adapter_model.safetensors (peft)
+  tests/fixtures/adapters/mlx_q4_mlx_lora/   adapter_config.json + adapters.safetensors (mlx-lm)
+  tests/fixtures/reference/mlx_q4_lora.safetensors
+      prompt{i}.ids / .logits / .generated   as above, transformers + peft (scale 1) on the
+                                             dequantized f32 mlx_q4_g64
+      prompt{i}.logits_half    [T, V] f32   the same with the adapter at scale 0.5 (set_scale)
+  tests/fixtures/reference/mlx_q4_mlx_lora.safetensors
+      prompt{i}.ids / .logits / .generated   transformers + the converted peft adapter, f32
+      prompt{i}.mlx_logits / .mlx_generated  mlx-lm with the adapter (load_adapters), native dtypes
+
+The adapters are written after make_adapters.py, which empties tests/fixtures/adapters first.
+
+mlx-lm computes in bf16, so mlx_logits differ from logits by bf16 noise (tenths here) and its greedy
+ids part from transformers' after a few tokens. The dequantized checkpoint itself is checked: mlx-lm's
+model with every parameter cast to f32 must give transformers' logits to 1e-3; so must mlx-lm's
+model with the MLX adapter, cast to f32, give transformers + peft's logits with the converted one.
+mlx-lm's LoRALinear keeps lora_a / lora_b in f32: x (bf16) @ lora_a promotes to f32, and the scaled
+delta is rounded to bf16 before it is added to the quantized layer's bf16 output.
+"""
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+import numpy as np
+
+GREEDY_TOKENS = 8
+F32_TOLERANCE = 1e-3
+SEED = 21
+PROMPT_SEED = 121
+PROMPT_LENGTHS = (1, 11)
+
+# The LoRA adapters on the quantized base: PEFT (r 8, alpha 16, randomize_lora's A ~ N(0, 1/in),
+# B ~ N(0, 0.5^2/r)) and MLX (mlx_lm.lora's default rank 8, scale 20; lora_a ~ N(0, 1/in),
+# lora_b ~ N(0, MLX_B_SCALE^2/r) / scale, so scale * lora_b has PEFT's scaling * B spread halved).
+ADAPTER_BASE = "mlx_q4_g64"
+PEFT_ADAPTER = "mlx_q4_lora"
+MLX_ADAPTER = "mlx_q4_mlx_lora"
+LORA_RANK = 8
+PEFT_ALPHA = 16
+PEFT_B_SCALE = 0.5
+PEFT_SEED = 2100
+MLX_SCALE = 20.0
+MLX_B_SCALE = 0.5
+MLX_LORA_SEED = 2101
+
+# Source model dimensions; layer_types [linear x3, full] is mlx-lm's full_attention_interval 4.
+SOURCE_TEXT = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True,
+)
+
+
+def affine(bits, group_size):
+    return {"group_size": group_size, "bits": bits, "mode": "affine"}
+
+
+def mixed_predicate(path, module):
+    """Per-module recipe (recorded per path in config.json by quantize_model). Projections that read
+    the same input share bits and group size within a layer; module rules beat layer rules, except
+    that layer 0's down_proj stays 8-bit g64 so that one K=128 matrix uses g64."""
+    if path.endswith("embed_tokens"):
+        return affine(8, 64)
+    if path.endswith("o_proj") or path.endswith("out_proj"):
+        return affine(8, 32)
+    layer = int(path.split("layers.")[1].split(".")[0])
+    if layer == 0:
+        return affine(8, 64)
+    if path.endswith("mlp.down_proj") and module.weight.shape[-1] % 128 == 0:
+        return affine(4, 128)
+    return affine(4, 64)
+
+
+# Committed MLX checkpoints: None is unquantized bf16, else (bits, group_size, predicate).
+MLX_MODELS = {
+    "mlx_bf16": None,
+    "mlx_q4_g64": (4, 64, None),
+    "mlx_q8_g32": (8, 32, None),
+    "mlx_mixed": (4, 64, mixed_predicate),
+}
+
+# Norm weights mlx-lm's qwen3_5 sanitize stores as 1 + w (not linear_attn.norm, which is plain w).
+SHIFTED_NORMS = (".input_layernorm.weight", ".post_attention_layernorm.weight", "model.norm.weight",
+                 ".q_norm.weight", ".k_norm.weight")
+
+
+def paths(root):
+    target = os.path.join(root, "target")
+    return dict(
+        source=os.path.join(root, "tests", "fixtures", "models", "mlx_source_bf16"),
+        deq=os.path.join(target, "mlx-deq"),
+        models=os.path.join(root, "tests", "fixtures", "models"),
+        reference=os.path.join(root, "tests", "fixtures", "reference"),
+        adapters=os.path.join(root, "tests", "fixtures", "adapters"),
+    )
+
+
+def prompts():
+    rng = np.random.default_rng(PROMPT_SEED)
+    return [rng.integers(0, SOURCE_TEXT["vocab_size"], size=n, dtype=np.int64) for n in PROMPT_LENGTHS]
+
+
+def stage_source(p):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from make_fixtures import build, save_model, text_config
+
+    spec = dict(kind="causal", dtype=torch.bfloat16, text=text_config(**SOURCE_TEXT))
+    model, _ = build(spec, SEED)
+    save_model(model, spec, p["source"])
+    print(f"wrote {p['source']}")
+
+
+def stage_convert(p):
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    mx.set_default_device(mx.cpu)
+    for name, quant in MLX_MODELS.items():
+        out = Path(p["models"]) / name
+        if out.exists():
+            shutil.rmtree(out)
+        model, config = load_model(Path(p["source"]), lazy=True, model_config={"model_type": "qwen3_5"})
+        if quant is not None:
+            bits, group_size, predicate = quant
+            model, config = quantize_model(model, config, group_size, bits, quant_predicate=predicate)
+        save_model(out, model)
+        save_config(config, config_path=out / "config.json")
+        # A single shard: the index mlx-lm writes beside it names nothing the file does not.
+        os.remove(out / "model.safetensors.index.json")
+        print(f"wrote {out}")
+
+
+def stage_bench(p, root):
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    mx.set_default_device(mx.cpu)
+    src = Path(root) / "target" / "bench" / "qwen35-0.8b-random"
+    for bits in (4, 8):
+        out = src.parent / f"{src.name}-mlx-q{bits}"
+        if out.exists():
+            shutil.rmtree(out)
+        model, config = load_model(src, lazy=True, model_config={"model_type": "qwen3_5"})
+        model, config = quantize_model(model, config, 64, bits)
+        save_model(out, model)
+        save_config(config, config_path=out / "config.json")
+        print(f"wrote {out}")
+
+
+def hf_weights(model):
+    """The f32 HF text checkpoint of exactly the weights a loaded mlx-lm model holds: quantized
+    modules dequantized in f32 (f32 scales and biases), mlx-lm's qwen3_5 sanitize undone."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten
+
+    weights, quantized = {}, set()
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            quantized.add(path)
+            weights[f"{path}.weight"] = mx.dequantize(
+                m.weight, scales=m.scales.astype(mx.float32), biases=m.biases.astype(mx.float32),
+                group_size=m.group_size, bits=m.bits, mode=m.mode)
+    for k, v in tree_flatten(model.parameters()):
+        if k.rsplit(".", 1)[0] not in quantized:
+            weights[k] = v.astype(mx.float32)
+    hf = {}
+    for k, v in weights.items():
+        k = k.removeprefix("language_model.")
+        if "conv1d.weight" in k:
+            v = v.moveaxis(2, 1)  # mlx [C, K, 1] -> HF [C, 1, K]
+        if k.endswith(SHIFTED_NORMS):
+            v = v - 1.0
+        hf[k] = np.array(v)
+    return hf
+
+
+def stage_reference(p):
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx_lm.generate import generate_step
+    from mlx.utils import tree_map
+    from mlx_lm.utils import load_model
+    from safetensors.numpy import save_file
+
+    mx.set_default_device(mx.cpu)
+    with open(os.path.join(p["source"], "config.json")) as f:
+        config = json.load(f)
+    config["dtype"] = "float32"
+    for name in MLX_MODELS:
+        model, _ = load_model(Path(p["models"]) / name)
+        out = {}
+        for i, ids in enumerate(prompts()):
+            x = mx.array(ids)
+            out[f"prompt{i}.mlx_logits"] = np.array(model(x[None])[0].astype(mx.float32))
+            gen = [tok for tok, _ in generate_step(x, model, max_tokens=GREEDY_TOKENS)]
+            out[f"prompt{i}.mlx_generated"] = np.array(gen, dtype=np.int64)
+        weights = hf_weights(model)
+        # The same mlx-lm model in f32 (scales and biases too): the check on the dequantized weights.
+        model.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                              model.parameters()))
+        for i, ids in enumerate(prompts()):
+            out[f"prompt{i}.mlx_f32_logits"] = np.array(model(mx.array(ids)[None])[0])
+        deq = os.path.join(p["deq"], name)
+        if os.path.exists(deq):
+            shutil.rmtree(deq)
+        os.makedirs(deq)
+        save_file(out, os.path.join(deq, "mlx.safetensors"))
+        save_file(weights, os.path.join(deq, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(deq, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        print(f"wrote {deq}")
+
+
+def stage_transformers(p):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from make_fixtures import greedy_with_cache
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.set_num_threads(2)
+    summary = {}
+    for name in MLX_MODELS:
+        deq = os.path.join(p["deq"], name)
+        model, info = Qwen3_5ForCausalLM.from_pretrained(
+            deq, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+        if info["missing_keys"] or info["unexpected_keys"]:
+            raise SystemExit(f"{deq}: missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
+        model.eval()
+        mlx = load_file(os.path.join(deq, "mlx.safetensors"))
+        tensors, diffs = {}, []
+        for i, ids in enumerate(prompts()):
+            ids = torch.from_numpy(ids)
+            with torch.no_grad():
+                logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+            f32_diff = float((logits - mlx[f"prompt{i}.mlx_f32_logits"]).abs().max())
+            if f32_diff > F32_TOLERANCE:
+                raise SystemExit(f"{name}/prompt{i}: transformers vs mlx-lm in f32 differ by {f32_diff}")
+            gen = greedy_with_cache(model, ids[None])
+            if not torch.equal(gen, greedy_with_cache(model, ids[None])):
+                raise SystemExit(f"{name}/prompt{i}: greedy ids differ between two runs")
+            tensors[f"prompt{i}.ids"] = ids
+            tensors[f"prompt{i}.logits"] = logits
+            tensors[f"prompt{i}.generated"] = gen
+            tensors[f"prompt{i}.mlx_logits"] = mlx[f"prompt{i}.mlx_logits"]
+            tensors[f"prompt{i}.mlx_generated"] = mlx[f"prompt{i}.mlx_generated"]
+            diffs.append(float((logits - mlx[f"prompt{i}.mlx_logits"]).abs().max()))
+            summary[f"{name}/prompt{i}"] = dict(generated=gen.tolist(),
+                                                mlx_generated=mlx[f"prompt{i}.mlx_generated"].tolist(),
+                                                f32_diff=f32_diff)
+        save_file(tensors, os.path.join(p["reference"], f"{name}.safetensors"))
+        print(f"{name}: max |mlx - transformers| logits {max(diffs):.4f} (per prompt {[round(d, 4) for d in diffs]})")
+    print(json.dumps(summary, indent=1))
+
+
+def load_deq(p, name):
+    """transformers in f32 (eager) on the dequantized checkpoint of an MLX fixture."""
+    import torch
+    from transformers import Qwen3_5ForCausalLM
+
+    deq = os.path.join(p["deq"], name)
+    model, info = Qwen3_5ForCausalLM.from_pretrained(
+        deq, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        raise SystemExit(f"{deq}: missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
+    return model.eval()
+
+
+def stage_peft(p):
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        raise SystemExit("--stage peft needs PYTHONHASHSEED=0: peft saves target_modules from a set")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from make_fixtures import ALL12, greedy_with_cache, randomize_lora
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from peft.tuners.lora import LoraLayer
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.set_num_threads(2)
+    # Made on the HF source (its module names), f32 so that A and B are f32, as make_adapters.py.
+    source = Qwen3_5ForCausalLM.from_pretrained(p["source"], dtype=torch.float32, attn_implementation="eager")
+    peft_model = get_peft_model(source, LoraConfig(r=LORA_RANK, lora_alpha=PEFT_ALPHA, lora_dropout=0.0,
+                                                   target_modules=ALL12))
+    randomize_lora(peft_model, PEFT_SEED, b_scale=PEFT_B_SCALE)
+    # The base the adapter is for (save_pretrained would write the path the source was loaded from).
+    peft_model.peft_config["default"].base_model_name_or_path = f"./tests/fixtures/models/{ADAPTER_BASE}"
+    out = os.path.join(p["adapters"], PEFT_ADAPTER)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+    peft_model.save_pretrained(out)
+    os.remove(os.path.join(out, "README.md"))
+    print(f"wrote {out}")
+
+    # The adapter as saved, on the dequantized quantized base.
+    model = PeftModel.from_pretrained(load_deq(p, ADAPTER_BASE), out).eval()
+    loras = [m for m in model.modules() if isinstance(m, LoraLayer)]
+    if len(loras) != 3 * 8 + 7:  # 3 GDN layers x (5 + 3 MLP), 1 attention layer x (4 + 3)
+        raise SystemExit(f"{len(loras)} LoRA layers, expected 31")
+    base_ref = load_file(os.path.join(p["reference"], f"{ADAPTER_BASE}.safetensors"))
+    tensors = {}
+    for i, ids in enumerate(prompts()):
+        ids = torch.from_numpy(ids)
+        if not torch.equal(ids, base_ref[f"prompt{i}.ids"]):
+            raise SystemExit(f"prompt{i}: ids differ from {ADAPTER_BASE}'s reference")
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+            for m in loras:
+                m.set_scale("default", 0.5)
+            half = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+            for m in loras:
+                m.set_scale("default", 1.0)
+        gen = greedy_with_cache(model, ids[None])
+        if not torch.equal(gen, greedy_with_cache(model, ids[None])):
+            raise SystemExit(f"{PEFT_ADAPTER}/prompt{i}: greedy ids differ between two runs")
+        tensors[f"prompt{i}.ids"] = ids
+        tensors[f"prompt{i}.logits"] = logits
+        tensors[f"prompt{i}.generated"] = gen
+        tensors[f"prompt{i}.logits_half"] = half
+        effect = float((logits - base_ref[f"prompt{i}.logits"]).abs().max())
+        print(f"{PEFT_ADAPTER}/prompt{i}: generated {gen.tolist()} (base {base_ref[f'prompt{i}.generated'].tolist()}), "
+              f"max |adapter - base| logits {effect:.4f}, at 0.5 {float((half - base_ref[f'prompt{i}.logits']).abs().max()):.4f}")
+    save_file(tensors, os.path.join(p["reference"], f"{PEFT_ADAPTER}.safetensors"))
+
+
+def stage_mlx_lora(p):
+    from pathlib import Path
+
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx.utils import tree_flatten, tree_map
+    from mlx_lm.generate import generate_step
+    from mlx_lm.lora import CONFIG_DEFAULTS, build_parser
+    from mlx_lm.tuner.utils import linear_to_lora_layers, load_adapters
+    from mlx_lm.utils import load_model, save_config
+    from safetensors.numpy import save_file
+
+    mx.set_default_device(mx.cpu)
+    base = Path(p["models"]) / ADAPTER_BASE
+    out = Path(p["adapters"]) / MLX_ADAPTER
+    model, _ = load_model(base)
+
+    # Every Linear of every layer, as mlx-lm collects them when lora_parameters has no keys, named
+    # explicitly (sorted: a set's order follows the hash seed).
+    keys = set()
+    for layer in model.layers:
+        layer.apply_to_modules(
+            lambda k, m: keys.add(k) if isinstance(m, (nn.Linear, nn.QuantizedLinear)) else None)
+    if len(keys) != 12:
+        raise SystemExit(f"expected the 12 projections, found {sorted(keys)}")
+
+    # adapter_config.json is vars(args) of `mlx_lm.lora --train`: the parsed command line with
+    # CONFIG_DEFAULTS filled in (mlx_lm.lora.main), saved by save_config in train_model.
+    args = vars(build_parser().parse_args([
+        "--model", f"./tests/fixtures/models/{ADAPTER_BASE}", "--train", "--fine-tune-type", "lora",
+        "--num-layers", str(len(model.layers)), "--iters", "0",
+        "--adapter-path", f"./tests/fixtures/adapters/{MLX_ADAPTER}"]))
+    for k, v in CONFIG_DEFAULTS.items():
+        if args.get(k, None) is None:
+            args[k] = v
+    args["lora_parameters"] = dict(rank=LORA_RANK, dropout=0.0, scale=MLX_SCALE, keys=sorted(keys))
+
+    # train_model: freeze, then linear_to_lora_layers (its new lora_a / lora_b are the trainables).
+    model.freeze()
+    linear_to_lora_layers(model, args["num_layers"], args["lora_parameters"])
+    names = [k for k, _ in tree_flatten(model.trainable_parameters())]
+    if not all(k.endswith((".lora_a", ".lora_b")) for k in names) or len(names) != 2 * (3 * 8 + 7):
+        raise SystemExit(f"unexpected trainable parameters {names}")
+    # Random nonzero values (mlx-lm starts lora_b at zero), f32 like mlx-lm's own init.
+    rng = np.random.default_rng(MLX_LORA_SEED)
+    weights = []
+    for k in sorted(names):
+        shape = dict(tree_flatten(model.trainable_parameters()))[k].shape
+        if k.endswith(".lora_a"):  # [in, r]
+            v = rng.standard_normal(shape) / shape[0] ** 0.5
+        else:  # [r, out]
+            v = rng.standard_normal(shape) * MLX_B_SCALE / shape[0] ** 0.5 / MLX_SCALE
+        weights.append((k, mx.array(v.astype(np.float32))))
+    model.load_weights(weights, strict=False)
+
+    # Saved as the trainer saves them, and the config as train_model saves it.
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    mx.save_safetensors(str(out / "adapters.safetensors"), dict(tree_flatten(model.trainable_parameters())))
+    save_config(args, out / "adapter_config.json")
+    print(f"wrote {out}")
+
+    # mlx-lm with the adapter as saved (mlx_lm.utils.load with adapter_path): native, then in f32.
+    model, _ = load_model(base)
+    load_adapters(model, str(out))
+    model.eval()
+    res = {}
+    for i, ids in enumerate(prompts()):
+        x = mx.array(ids)
+        res[f"prompt{i}.mlx_logits"] = np.array(model(x[None])[0].astype(mx.float32))
+        gen = [tok for tok, _ in generate_step(x, model, max_tokens=GREEDY_TOKENS)]
+        res[f"prompt{i}.mlx_generated"] = np.array(gen, dtype=np.int64)
+    model.update(tree_map(lambda v: v.astype(mx.float32) if mx.issubdtype(v.dtype, mx.floating) else v,
+                          model.parameters()))
+    for i, ids in enumerate(prompts()):
+        res[f"prompt{i}.mlx_f32_logits"] = np.array(model(mx.array(ids)[None])[0])
+    work = os.path.join(p["deq"], MLX_ADAPTER)
+    os.makedirs(work, exist_ok=True)
+    save_file(res, os.path.join(work, "mlx.safetensors"))
+    print(f"wrote {work}")
+
+
+def stage_mlx_lora_reference(p):
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from make_fixtures import greedy_with_cache
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file, save_file
+
+    torch.set_num_threads(2)
+    adapter = os.path.join(p["adapters"], MLX_ADAPTER)
+    with open(os.path.join(adapter, "adapter_config.json")) as f:
+        lora = json.load(f)["lora_parameters"]
+    mlx_weights = load_file(os.path.join(adapter, "adapters.safetensors"))
+    # language_model.model.layers.N.<module>.lora_a -> the HF module model.layers.N.<module>
+    modules = sorted({k.removeprefix("language_model.").rsplit(".", 1)[0] for k in mlx_weights})
+    # delta = scale * (x @ lora_a) @ lora_b = (lora_alpha / r) * lora_B(lora_A(x)), lora_alpha = scale * r
+    config = LoraConfig(r=lora["rank"], lora_alpha=lora["scale"] * lora["rank"], lora_dropout=0.0,
+                        target_modules=modules)
+    model = get_peft_model(load_deq(p, ADAPTER_BASE), config)
+    params = dict(model.named_parameters())
+    assigned = set()
+    with torch.no_grad():
+        for m in modules:
+            for mlx_leaf, peft_leaf in (("lora_a", "lora_A"), ("lora_b", "lora_B")):
+                name = f"base_model.model.{m}.{peft_leaf}.default.weight"
+                src = mlx_weights[f"language_model.{m}.{mlx_leaf}"].T
+                if params[name].shape != src.shape:
+                    raise SystemExit(f"{name}: {tuple(params[name].shape)} vs mlx {tuple(src.shape)}")
+                params[name].copy_(src)
+                assigned.add(name)
+    left = [k for k in params if "lora_" in k and k not in assigned]
+    if left:
+        raise SystemExit(f"peft LoRA parameters without an MLX tensor: {left}")
+    model.eval()
+
+    mlx = load_file(os.path.join(p["deq"], MLX_ADAPTER, "mlx.safetensors"))
+    base_ref = load_file(os.path.join(p["reference"], f"{ADAPTER_BASE}.safetensors"))
+    tensors = {}
+    for i, ids in enumerate(prompts()):
+        ids = torch.from_numpy(ids)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+        f32_diff = float((logits - mlx[f"prompt{i}.mlx_f32_logits"]).abs().max())
+        if f32_diff > F32_TOLERANCE:
+            raise SystemExit(f"{MLX_ADAPTER}/prompt{i}: transformers + peft vs mlx-lm in f32 differ by {f32_diff}")
+        gen = greedy_with_cache(model, ids[None])
+        if not torch.equal(gen, greedy_with_cache(model, ids[None])):
+            raise SystemExit(f"{MLX_ADAPTER}/prompt{i}: greedy ids differ between two runs")
+        tensors[f"prompt{i}.ids"] = ids
+        tensors[f"prompt{i}.logits"] = logits
+        tensors[f"prompt{i}.generated"] = gen
+        tensors[f"prompt{i}.mlx_logits"] = mlx[f"prompt{i}.mlx_logits"]
+        tensors[f"prompt{i}.mlx_generated"] = mlx[f"prompt{i}.mlx_generated"]
+        native = float((logits - mlx[f"prompt{i}.mlx_logits"]).abs().max())
+        effect = float((logits - base_ref[f"prompt{i}.logits"]).abs().max())
+        print(f"{MLX_ADAPTER}/prompt{i}: f32 diff {f32_diff:.2e}, max |mlx native - transformers| {native:.4f}, "
+              f"max |adapter - base| {effect:.4f}; generated {gen.tolist()}, "
+              f"mlx {mlx[f'prompt{i}.mlx_generated'].tolist()}, base {base_ref[f'prompt{i}.generated'].tolist()}")
+    save_file(tensors, os.path.join(p["reference"], f"{MLX_ADAPTER}.safetensors"))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--root", required=True, help="repository root")
+    ap.add_argument("--stage", required=True, choices=["source", "convert", "reference", "transformers", "peft",
+                                                       "mlx-lora", "mlx-lora-reference", "bench"])
+    args = ap.parse_args()
+    p = paths(args.root)
+    if args.stage == "bench":
+        stage_bench(p, args.root)
+        return
+    stages = {"source": stage_source, "convert": stage_convert, "reference": stage_reference,
+              "transformers": stage_transformers, "peft": stage_peft, "mlx-lora": stage_mlx_lora,
+              "mlx-lora-reference": stage_mlx_lora_reference}
+    stages[args.stage](p)
+
+
+if __name__ == "__main__":
+    main()
