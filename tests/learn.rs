@@ -41,16 +41,19 @@ fn module_key(g: &ModuleGrad) -> String {
 
 #[test]
 fn lora_gradients_match_pytorch_autograd() {
-    let r = Reference::load("learn");
-    // The last case splits every weight over bindings of 1,000 bytes, so lm_head, o_proj and the
-    // MLP reach the backward kernels as many chunks.
+    // The third case splits every weight over bindings of 1,000 bytes, so lm_head, o_proj and the
+    // MLP reach the backward kernels as many chunks. The last one learns on a 4-bit base (the
+    // backward's dx = dy·W reads the quantized weights) against autograd on the same weights
+    // dequantized in f32.
     let split = LoadOptions { max_chunk_bytes: 1000, ..Default::default() };
     let cases = [
-        ("gva_last", "gva_tied_f32", LoadOptions::default()),
-        ("vlm_last", "vlm_bf16_sharded", LoadOptions::default()),
-        ("gva_last", "gva_tied_f32", split),
+        ("learn", "gva_last", "gva_tied_f32", LoadOptions::default()),
+        ("learn", "vlm_last", "vlm_bf16_sharded", LoadOptions::default()),
+        ("learn", "gva_last", "gva_tied_f32", split),
+        ("learn_q4", "q4_last", "mlx_q4_g64", LoadOptions::default()),
     ];
-    for (case, model, load) in cases {
+    for (reference, case, model, load) in cases {
+        let r = Reference::load(reference);
         let Some(mut b) = backend_with(model, &load) else { return };
         b.import_trainable_adapter(&root().join("tests/fixtures/learn").join(case)).expect("import");
         for (loss, reward) in [("supervised", false), ("reward", true)] {

@@ -11,7 +11,9 @@ use common::{fixture_model, gpu, rel_and_max, scratch_copy, Reference};
 use qwen35_wgpu::gpu::Dtype;
 use qwen35_wgpu::model::quantize::quantize_bytes;
 use qwen35_wgpu::model::{Checkpoint, Mixer};
-use qwen35_wgpu::{GenerateParams, LoadOptions, Model, QuantizeRecipe, Session, SessionOptions};
+use qwen35_wgpu::{
+    AdapterError, GenerateParams, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session, SessionOptions,
+};
 
 const FIXTURES: [&str; 4] = ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed"];
 const PROMPTS: usize = 2;
@@ -189,4 +191,84 @@ fn a_checkpoint_quantized_at_load_runs_as_mlx_lms_conversion() {
         let (b, _) = session(&ours).feed_debug(&ids).expect("our forward");
         assert!(a.data == b.data, "prompt{p}: logits of the load-time q4 differ from mlx-lm's q4");
     }
+}
+
+fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
+    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (rel, max) = rel_and_max(o, w);
+        assert!(rel <= LOGITS_REL && max <= LOGITS_MAX_ABS, "{what} position {pos}: rel {rel:.3e}, max abs {max:.3e}");
+    }
+}
+
+/// A PEFT adapter (scales 1 and 0.5) and an MLX adapter (`mlx_lm.lora`'s files: transposed
+/// factors, an absolute scale) on the 4-bit base, unmerged, vs transformers + peft on the
+/// dequantized base: logits and greedy ids (fused and unfused decode).
+#[test]
+fn lora_adapters_apply_on_a_quantized_base() {
+    let Some(model) = load("mlx_q4_g64") else {
+        return;
+    };
+    let vocab = model.config.vocab_size;
+    for name in ["mlx_q4_lora", "mlx_q4_mlx_lora"] {
+        let path = common::root().join("tests/fixtures/adapters").join(name);
+        let adapter = Arc::new(LoraAdapter::load(&model, &path).unwrap_or_else(|e| panic!("{name}: {e}")));
+        let r = Reference::load(name);
+        let scales: &[(f32, &str)] =
+            if name == "mlx_q4_lora" { &[(1.0, "logits"), (0.5, "logits_half")] } else { &[(1.0, "logits")] };
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            for &(scale, key) in scales {
+                let mut s = session(&model);
+                s.set_adapter(Some((adapter.clone(), scale))).expect("adapter");
+                let (logits, _) = s.feed_debug(&ids).expect("forward");
+                check_logits(
+                    &format!("{name} scale {scale} prompt{p}"),
+                    &logits.data,
+                    &r.f32(&format!("prompt{p}.{key}")).1,
+                    vocab,
+                );
+            }
+            let want = r.ids(&format!("prompt{p}.generated"));
+            let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
+            for fused in [false, true] {
+                let mut s = session(&model);
+                s.set_fused_decode(fused);
+                s.set_adapter(Some((adapter.clone(), 1.0))).expect("adapter");
+                let got = s.generate(&ids, &params, |_| true).expect("generate");
+                assert_eq!(got, want, "{name} prompt{p} (fused {fused}): greedy continuation");
+            }
+        }
+    }
+}
+
+/// An MLX adapter directory with `edit` applied to its config.
+fn mlx_adapter_with(tag: &str, edit: impl FnOnce(&mut serde_json::Value)) -> std::path::PathBuf {
+    let dir = scratch_copy(&common::root().join("tests/fixtures/adapters/mlx_q4_mlx_lora"), tag);
+    let path = dir.join("adapter_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    edit(&mut cfg);
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    dir
+}
+
+#[test]
+fn malformed_mlx_adapters_are_typed_errors() {
+    let Some(model) = load("mlx_q4_g64") else {
+        return;
+    };
+    let err = |dir: std::path::PathBuf| LoraAdapter::load(&model, &dir).err().expect("must fail");
+    let e = err(mlx_adapter_with("mlx-dora", |c| c["fine_tune_type"] = "dora".into()));
+    assert!(matches!(&e, AdapterError::Unsupported { feature, .. } if feature == "DoRA"), "{e}");
+    let e = err(mlx_adapter_with("mlx-full", |c| c["fine_tune_type"] = "full".into()));
+    assert!(matches!(&e, AdapterError::Unsupported { key, .. } if key == "fine_tune_type"), "{e}");
+    let e = err(mlx_adapter_with("mlx-rank", |c| c["lora_parameters"]["rank"] = 4.into()));
+    assert!(matches!(&e, AdapterError::RankMismatch { expected: 4, found: 8, .. }), "{e}");
+    let e = err(mlx_adapter_with("mlx-keys", |c| c["lora_parameters"]["keys"] = serde_json::json!(["mlp.up_proj"])));
+    assert!(matches!(&e, AdapterError::NotTargeted { .. }), "{e}");
+    let e = err(mlx_adapter_with("mlx-scale", |c| c["lora_parameters"]["scale"] = "big".into()));
+    assert!(matches!(&e, AdapterError::BadConfig { field, .. } if field == "lora_parameters.scale"), "{e}");
+    let no_config = mlx_adapter_with("mlx-noconfig", |_| {});
+    std::fs::remove_file(no_config.join("adapter_config.json")).expect("rm");
+    assert!(matches!(err(no_config), AdapterError::NotPeft { .. }));
 }

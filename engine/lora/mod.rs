@@ -1,7 +1,8 @@
-//! LoRA adapters: PEFT parsing ([`peft`]), the twelve targetable projections ([`target`]) and the
+//! LoRA adapters: PEFT parsing ([`peft`]), MLX adapters ([`mlx`]), the twelve targetable projections ([`target`]) and the
 //! GPU-resident form that sessions bind per (layer, projection) ([`adapter`]).
 
 pub mod adapter;
+pub mod mlx;
 pub mod peft;
 pub mod target;
 

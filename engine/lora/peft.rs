@@ -32,6 +32,8 @@ pub enum ConfigSource {
     DefaultAlphaEqualsRank,
     /// Created on the GPU for learning (rank and alpha from its `TrainSpec`).
     Trainable,
+    /// An MLX adapter's `adapter_config.json` (`lora_parameters.scale`, absolute).
+    MlxConfig,
 }
 
 #[derive(Clone, Debug)]
@@ -409,9 +411,12 @@ fn classify_other(key: &str) -> Option<AdapterError> {
 /// A module's name and its `[lora_A, lora_B]` keys as found.
 type KeyPair = (String, [Option<String>; 2]);
 
-/// Read and validate the adapter at `path` (a PEFT directory or a `.safetensors` file) for a
-/// model with config `model`.
+/// Read and validate the adapter at `path` (a PEFT directory or a `.safetensors` file, or an MLX
+/// adapter: [`crate::lora::mlx`]) for a model with config `model`.
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
+    if crate::lora::mlx::is_mlx(path) {
+        return crate::lora::mlx::parse(path, model);
+    }
     let (weights, config_path) = locate(path)?;
     let ckpt = Checkpoint::open_files(std::slice::from_ref(&weights))?;
     let config = match &config_path {
@@ -508,7 +513,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     Ok(ParsedAdapter { path: path.to_path_buf(), name, config, deltas, ignored })
 }
 
-fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, AdapterError> {
+pub(crate) fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, AdapterError> {
     let entry = ckpt.get(key).ok_or_else(|| AdapterError::UnknownKey { key: key.into(), why: "vanished".into() })?;
     let dtype = Dtype::from_safetensors(&entry.dtype)
         .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;

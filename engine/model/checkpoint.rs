@@ -184,6 +184,10 @@ fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
     let mut metadata = HashMap::new();
     for (name, v) in obj {
         if name == "__metadata__" {
+            // mlx's save_safetensors writes null when there is no metadata.
+            if v.is_null() {
+                continue;
+            }
             let map = v.as_object().ok_or_else(|| bad("__metadata__ is not an object".into()))?;
             for (k, v) in map {
                 let v = v.as_str().ok_or_else(|| bad(format!("__metadata__.{k} is not a string")))?;

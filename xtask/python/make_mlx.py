@@ -1,6 +1,6 @@
 """Build MLX-format Qwen 3.5 checkpoints with mlx-lm and reference outputs for them.
 
-Run through `cargo xtask fixtures`, in four stages over two venvs (torch and mlx cannot share one):
+Run through `cargo xtask fixtures`, in stages over two venvs (torch and mlx cannot share one):
 
   --stage source        (fixtures venv) a random bf16 Qwen3_5ForCausalLM in HF layout, made with
                         make_fixtures.build, committed as tests/fixtures/models/mlx_source_bf16
@@ -22,6 +22,9 @@ Run through `cargo xtask fixtures`, in four stages over two venvs (torch and mlx
   --stage mlx-lora-reference
                         (fixtures venv) that adapter as the equivalent PEFT LoRA (lora_A = lora_a^T,
                         lora_B = lora_b^T, scaling = scale) on the dequantized f32 mlx_q4_g64
+  --stage learn         (fixtures venv) LoRA gradients by PyTorch autograd (make_learn.py's loss)
+                        on the dequantized f32 mlx_q4_g64, for an adapter on the last layer:
+                        tests/fixtures/learn/q4_last and reference/learn_q4.safetensors
   --stage bench         (mlx venv) the 0.8B-dimension benchmark model (make_fixtures.py
                         --bench-model, target/bench/qwen35-0.8b-random) converted by mlx-lm to
                         4-bit g64 and 8-bit g64 beside it (-mlx-q4, -mlx-q8; not committed)
@@ -49,6 +52,9 @@ Outputs (committed):
   tests/fixtures/reference/mlx_q4_mlx_lora.safetensors
       prompt{i}.ids / .logits / .generated   transformers + the converted peft adapter, f32
       prompt{i}.mlx_logits / .mlx_generated  mlx-lm with the adapter (load_adapters), native dtypes
+
+  tests/fixtures/reference/learn_q4.safetensors
+      q4_last.e<i>.prompt / .response, .scores, .<loss>.<module>.lora_A / lora_B   as learn.safetensors
 
 The adapters are written after make_adapters.py, which empties tests/fixtures/adapters first.
 
@@ -520,11 +526,61 @@ def stage_mlx_lora_reference(p):
     save_file(tensors, os.path.join(p["reference"], f"{MLX_ADAPTER}.safetensors"))
 
 
+def stage_learn(p):
+    """LoRA gradients on the 4-bit base: make_learn.py's oracle (PyTorch autograd through
+    transformers + peft) on the dequantized mlx_q4_g64, for an adapter on the last layer's seven
+    projections; the engine computes them with its backward reading the 4-bit weights."""
+    if os.environ.get("PYTHONHASHSEED") != "0":
+        raise SystemExit("--stage learn needs PYTHONHASHSEED=0: peft saves target_modules from a set")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import save_file
+
+    from make_fixtures import randomize_lora
+    from make_learn import EVENTS, SCORES, TARGETS, loss_of
+
+    torch.set_num_threads(2)
+    model = load_deq(p, "mlx_q4_g64")
+    layer = SOURCE_TEXT["num_hidden_layers"] - 1
+    config = LoraConfig(lora_dropout=0.0, target_modules=TARGETS, layers_to_transform=[layer], r=4, lora_alpha=8)
+    peft_model = get_peft_model(model, config)
+    randomize_lora(peft_model, 2100, b_scale=0.5)
+    peft_model.eval()
+    g = torch.Generator().manual_seed(3100)
+    vocab = SOURCE_TEXT["vocab_size"]
+    events = [(torch.randint(0, vocab, (n,), generator=g), torch.randint(0, vocab, (m,), generator=g))
+              for n, m in EVENTS]
+    ref = {}
+    for i, (prompt, response) in enumerate(events):
+        ref[f"q4_last.e{i}.prompt"] = prompt
+        ref[f"q4_last.e{i}.response"] = response
+    ref["q4_last.scores"] = torch.tensor(SCORES, dtype=torch.float32)
+    params = {n: q for n, q in peft_model.named_parameters() if "lora_" in n}
+    for loss_name, weights in [("supervised", [1.0] * len(events)), ("reward", [s - 0.5 for s in SCORES])]:
+        peft_model.zero_grad()
+        loss = loss_of(peft_model, events, weights)
+        loss.backward()
+        for n, q in params.items():
+            module, which = n[n.rindex("layers."):].replace(".default.weight", "").rsplit(".", 1)
+            ref[f"q4_last.{loss_name}.{module}.{which}"] = q.grad.detach().clone().contiguous()
+        print("q4_last", loss_name, loss.item())
+    target = os.path.join(p["adapters"], "..", "learn", "q4_last")
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    # The base it applies to, not the uncommitted dequantized copy the oracle ran on.
+    peft_model.peft_config["default"].base_model_name_or_path = "./tests/fixtures/models/mlx_q4_g64"
+    peft_model.save_pretrained(target)
+    os.remove(os.path.join(target, "README.md"))
+    save_file(ref, os.path.join(p["reference"], "learn_q4.safetensors"))
+    print(f"wrote {target}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, help="repository root")
     ap.add_argument("--stage", required=True, choices=["source", "convert", "reference", "transformers", "peft",
-                                                       "mlx-lora", "mlx-lora-reference", "bench"])
+                                                       "mlx-lora", "mlx-lora-reference", "learn", "bench"])
     args = ap.parse_args()
     p = paths(args.root)
     if args.stage == "bench":
@@ -532,7 +588,7 @@ def main():
         return
     stages = {"source": stage_source, "convert": stage_convert, "reference": stage_reference,
               "transformers": stage_transformers, "peft": stage_peft, "mlx-lora": stage_mlx_lora,
-              "mlx-lora-reference": stage_mlx_lora_reference}
+              "mlx-lora-reference": stage_mlx_lora_reference, "learn": stage_learn}
     stages[args.stage](p)
 
 

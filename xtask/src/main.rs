@@ -220,6 +220,7 @@ fn mlx_fixtures() -> Result<()> {
         (&torch, "peft"),
         (&mlx, "mlx-lora"),
         (&torch, "mlx-lora-reference"),
+        (&torch, "learn"),
     ];
     for (python, stage) in stages {
         let mut make = Command::new(python);

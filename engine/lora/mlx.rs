@@ -1,0 +1,194 @@
+//! MLX LoRA adapters as `mlx_lm.lora` writes them: a directory with `adapters.safetensors` and
+//! an `adapter_config.json` holding `fine_tune_type`, `num_layers` and `lora_parameters {rank,
+//! scale, dropout, keys}`. Tensors are `….layers.N.<path>.lora_a` `[in, r]` and `.lora_b`
+//! `[r, out]` (transposed against PEFT), and `scale` multiplies `B·A` as it is (not alpha / r).
+//! They become the same [`ParsedAdapter`] a PEFT adapter does, with the same checks and typed
+//! errors; DoRA (`fine_tune_type: "dora"`, `.m` magnitudes) and full fine-tunes are refused.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use regex::Regex;
+
+use crate::error::AdapterError;
+use crate::lora::peft::{read_values, ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig};
+use crate::lora::Proj;
+use crate::model::{Checkpoint, TextConfig};
+
+/// The weights file of an MLX adapter directory.
+const WEIGHTS: &str = "adapters.safetensors";
+
+/// Whether `path` is an MLX adapter: a directory with `adapters.safetensors`, or that file.
+pub fn is_mlx(path: &Path) -> bool {
+    if path.is_dir() {
+        path.join(WEIGHTS).is_file() && !path.join("adapter_model.safetensors").is_file()
+    } else {
+        path.file_name().is_some_and(|n| n == WEIGHTS)
+    }
+}
+
+/// `lora_parameters` of the config.
+struct MlxConfig {
+    rank: Option<usize>,
+    scale: f32,
+    keys: Option<Vec<String>>,
+}
+
+fn bad(field: &str, expected: &str, found: &serde_json::Value) -> AdapterError {
+    AdapterError::BadConfig { field: field.into(), expected: expected.into(), found: found.to_string() }
+}
+
+fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
+    let text = std::fs::read_to_string(path).map_err(|source| AdapterError::Io { path: path.to_path_buf(), source })?;
+    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| AdapterError::NotPeft {
+        path: path.to_path_buf(),
+        reason: format!("adapter_config.json is not JSON: {e}"),
+    })?;
+    let ty = json.get("fine_tune_type").and_then(|t| t.as_str()).unwrap_or("lora");
+    match ty {
+        "lora" => {}
+        "dora" => return Err(AdapterError::Unsupported { feature: "DoRA".into(), key: "fine_tune_type".into() }),
+        other => {
+            return Err(AdapterError::Unsupported {
+                feature: format!("fine_tune_type {other:?} (only LoRA adapters apply)"),
+                key: "fine_tune_type".into(),
+            })
+        }
+    }
+    let null = serde_json::Value::Null;
+    let params = json.get("lora_parameters").unwrap_or(&null);
+    let get = |k: &str| params.get(k).unwrap_or(&null);
+    let rank = match get("rank") {
+        serde_json::Value::Null => None,
+        x => {
+            Some(x.as_u64().filter(|&r| r > 0).ok_or_else(|| bad("lora_parameters.rank", "a positive integer", x))?
+                as usize)
+        }
+    };
+    // mlx-lm's default scale.
+    let scale = match get("scale") {
+        serde_json::Value::Null => 20.0,
+        x => x.as_f64().filter(|s| s.is_finite()).ok_or_else(|| bad("lora_parameters.scale", "a number", x))? as f32,
+    };
+    let keys = match get("keys") {
+        serde_json::Value::Null => None,
+        x => Some(
+            x.as_array()
+                .and_then(|a| a.iter().map(|k| k.as_str().map(String::from)).collect::<Option<Vec<_>>>())
+                .ok_or_else(|| bad("lora_parameters.keys", "a list of module paths", x))?,
+        ),
+    };
+    Ok(MlxConfig { rank, scale, keys })
+}
+
+fn key_regex() -> Regex {
+    Regex::new(r"^(?:language_model\.)?model\.layers\.(?P<layer>\d+)\.(?P<path>[A-Za-z0-9_.]+?)\.lora_(?P<ab>[ab])$")
+        .unwrap_or_else(|_| unreachable!("constant regex"))
+}
+
+/// Read and validate the MLX adapter at `path` for a model with config `model`.
+pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
+    let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().map(Path::to_path_buf).unwrap_or_default() };
+    let weights = if path.is_dir() { path.join(WEIGHTS) } else { path.to_path_buf() };
+    let config_path = dir.join("adapter_config.json");
+    if !config_path.is_file() {
+        return Err(AdapterError::NotPeft {
+            path: path.to_path_buf(),
+            reason: "an MLX adapter needs its adapter_config.json (lora_parameters.scale)".into(),
+        });
+    }
+    let config = read_config(&config_path)?;
+    let ckpt = Checkpoint::open_files(std::slice::from_ref(&weights))?;
+    let re = key_regex();
+    let mut pairs: BTreeMap<(usize, Proj), [Option<String>; 2]> = BTreeMap::new();
+    let mut names: Vec<&str> = ckpt.names().collect();
+    names.sort();
+    for key in names {
+        let Some(cap) = re.captures(key) else {
+            let feature = if key.ends_with(".m") { "DoRA" } else { "" };
+            return Err(if feature.is_empty() {
+                AdapterError::UnknownKey {
+                    key: key.into(),
+                    why: "not a decoder-layer projection's lora_a/lora_b".into(),
+                }
+            } else {
+                AdapterError::Unsupported { feature: feature.into(), key: key.into() }
+            });
+        };
+        let layer: usize = cap["layer"]
+            .parse()
+            .map_err(|_| AdapterError::UnknownKey { key: key.into(), why: "layer index is not a number".into() })?;
+        let path = &cap["path"];
+        let proj = Proj::from_path(path).ok_or_else(|| AdapterError::UnknownKey {
+            key: key.into(),
+            why: format!("Qwen 3.5 has no projection {path:?}"),
+        })?;
+        if layer >= model.num_layers() {
+            return Err(AdapterError::LayerOutOfRange { key: key.into(), layer, layers: model.num_layers() });
+        }
+        let ty = model.layer_types[layer];
+        if proj.layer_type().is_some_and(|t| t != ty) {
+            return Err(AdapterError::WrongTarget {
+                key: key.into(),
+                layer,
+                layer_type: format!("{ty:?}"),
+                projection: proj.path().into(),
+            });
+        }
+        if let Some(keys) = &config.keys {
+            if !keys.iter().any(|k| k == path) {
+                return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
+            }
+        }
+        pairs.entry((layer, proj)).or_default()[usize::from(&cap["ab"] == "b")] = Some(key.to_string());
+    }
+    let mut deltas = Vec::with_capacity(pairs.len());
+    for ((layer, proj), [a_key, b_key]) in pairs {
+        let (a_key, b_key) = match (a_key, b_key) {
+            (Some(a), Some(b)) => (a, b),
+            (Some(a), None) => {
+                return Err(AdapterError::MissingPair { missing: a.replace("lora_a", "lora_b"), key: a })
+            }
+            (None, Some(b)) => {
+                return Err(AdapterError::MissingPair { missing: b.replace("lora_b", "lora_a"), key: b })
+            }
+            (None, None) => unreachable!("a pair entry is made by one of its keys"),
+        };
+        let (fan_in, fan_out) = proj.dims(model);
+        let shape = |k: &str| ckpt.get(k).map(|e| e.shape.clone()).unwrap_or_default();
+        let a_shape = shape(&a_key);
+        let rank = a_shape.get(1).copied().unwrap_or(0);
+        if a_shape.len() != 2 || a_shape[0] != fan_in || rank == 0 {
+            return Err(AdapterError::ShapeMismatch {
+                key: a_key,
+                expected: vec![fan_in, config.rank.unwrap_or(rank.max(1))],
+                found: a_shape,
+            });
+        }
+        if let Some(want) = config.rank {
+            if want != rank {
+                return Err(AdapterError::RankMismatch { key: a_key, expected: want, found: rank });
+            }
+        }
+        if shape(&b_key) != [rank, fan_out] {
+            return Err(AdapterError::ShapeMismatch {
+                key: b_key.clone(),
+                expected: vec![rank, fan_out],
+                found: shape(&b_key),
+            });
+        }
+        // PEFT's orientation: A [r, in], B [out, r].
+        let a_t = read_values(&ckpt, &a_key)?;
+        let b_t = read_values(&ckpt, &b_key)?;
+        let a = (0..rank).flat_map(|r| (0..fan_in).map(move |i| (r, i))).map(|(r, i)| a_t[i * rank + r]).collect();
+        let b = (0..fan_out).flat_map(|o| (0..rank).map(move |r| (o, r))).map(|(o, r)| b_t[r * fan_out + o]).collect();
+        deltas.push(ModuleDelta { layer, proj, rank, scaling: config.scale, a, b });
+    }
+    if deltas.is_empty() {
+        return Err(AdapterError::Empty { path: weights });
+    }
+    let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "adapter".into());
+    let mut peft = PeftConfig::none();
+    peft.source = ConfigSource::MlxConfig;
+    Ok(ParsedAdapter { path: PathBuf::from(path), name, config: peft, deltas, ignored: Vec::new() })
+}
