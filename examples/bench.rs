@@ -13,8 +13,9 @@ use std::time::Instant;
 
 use anyhow::Result;
 use clap::Parser;
-use qwen35_wgpu::gpu::{Counters, IoBindCache, Recorder, Timed};
+use qwen35_wgpu::gpu::{Counters, Dtype, IoBindCache, Recorder, Timed};
 use qwen35_wgpu::kernels::misc::{stream_read, STREAM_GROUPS};
+use qwen35_wgpu::model::Mixer;
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::{
     GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session,
@@ -328,6 +329,8 @@ fn main() -> Result<()> {
         "backend": format!("{:?}", ctx.info.backend),
         "model": args.model,
         "model_load_s": load_s,
+        "weights": weight_dtypes(&model),
+        "weight_bytes_per_decode_token": model.decode_weight_bytes(),
         "prompt_tokens": args.prompt,
         "decode_tokens": args.decode,
         "repeats": args.repeats,
@@ -449,6 +452,28 @@ fn main() -> Result<()> {
     }
     println!("{summary}");
     Ok(())
+}
+
+/// The distinct dtypes of the model's matrices, e.g. `["BF16"]` or `["affine 4-bit g64 BF16"]`.
+fn weight_dtypes(model: &Model) -> Vec<String> {
+    let mut all = vec![model.embed.dtype];
+    for l in &model.layers {
+        all.extend([l.mlp.gate_up.dtype, l.mlp.down_proj.dtype]);
+        match &l.mixer {
+            Mixer::Attention(a) => all.extend([a.qkv.dtype, a.o_proj.dtype]),
+            Mixer::Gdn(g) => all.extend([g.in_proj.dtype, g.out_proj.dtype]),
+        }
+    }
+    let mut names: Vec<String> = all
+        .into_iter()
+        .map(|d| match d {
+            Dtype::Affine(a) => format!("affine {}-bit g{} {:?}", a.bits, a.group, a.scales),
+            other => format!("{other:?}"),
+        })
+        .collect();
+    names.sort();
+    names.dedup();
+    names
 }
 
 /// Time learning steps of one supervised event of `--learn-tokens` tokens on a rank-16 adapter

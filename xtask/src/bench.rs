@@ -85,8 +85,130 @@ fn profile_table(rows: &Value) -> String {
     md
 }
 
+/// The MLX conversions of the bench model (4-bit and 8-bit, group 64, made by mlx-lm) beside it,
+/// made on first use.
+fn mlx_checkpoints(root: &Path, mlx_python: &Path, model: &Path) -> Result<[PathBuf; 2]> {
+    let name = model.file_name().and_then(|n| n.to_str()).unwrap_or("model");
+    let dirs = [4, 8].map(|bits| model.with_file_name(format!("{name}-mlx-q{bits}")));
+    if dirs.iter().any(|d| !d.join("config.json").is_file()) {
+        let mut make = Command::new(mlx_python);
+        make.arg(root.join("xtask/python/make_mlx.py")).arg("--root").arg(root).args(["--stage", "bench"]);
+        crate::run(make)?;
+    }
+    Ok(dirs)
+}
+
+/// The engine on a quantized checkpoint (no adapter, no yardsticks): tok/s, weight bytes per
+/// decode token, GPU memory.
+fn quantized_run(root: &Path, model: &Path, sizes: &Sizes) -> Result<Value> {
+    let mut cmd = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    cmd.current_dir(root).args(["run", "--release", "--example", "bench", "--"]).arg("--model").arg(model);
+    cmd.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
+    cmd.args(["--repeats", &sizes.repeats.to_string(), "--learn-tokens", "0", "--stream-mib", "0", "--swaps", "1"]);
+    capture(cmd)
+}
+
+/// The quantized-weights section: bf16 (the main run), q8 and q4 by the engine on mlx-lm's
+/// conversions of the same weights, mlx-lm itself on the q4 checkpoint, and the GPU memory of a
+/// 4-bit model at the 4B dimensions.
+fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Value, sizes: &Sizes) -> Result<String> {
+    let [q4, q8] = mlx_checkpoints(root, mlx_python, model)?;
+    let runs = [
+        ("bf16 (checkpoint)", engine.clone()),
+        ("q8 (mlx-lm 8-bit g64)", quantized_run(root, &q8, sizes)?),
+        ("q4 (mlx-lm 4-bit g64)", quantized_run(root, &q4, sizes)?),
+    ];
+    let base_bytes = engine["weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN);
+    let mut md = String::from(
+        "Quantized weights (the same random weights; q8/q4 are mlx-lm's conversions of the bf16 checkpoint, \
+         which the engine loads as they are and decodes in its kernels):\n\n\
+         | weights | weight MB read per decode token | vs bf16 | prefill tok/s | decode tok/s | GPU MB allocated |\n\
+         |---|---|---|---|---|---|\n",
+    );
+    for (name, r) in &runs {
+        let bytes = r["weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN);
+        md.push_str(&format!(
+            "| this engine, {name} | {:.0} | {:.3}× | {} | {} | {:.0} |\n",
+            bytes / 1e6,
+            bytes / base_bytes,
+            spread(&r["prefill_tok_s"], 2),
+            spread(&r["decode_tok_s"], 3),
+            r["gpu_bytes_allocated"].as_f64().unwrap_or(f64::NAN) / 1e6
+        ));
+    }
+    let mut peer = Command::new(mlx_python);
+    peer.arg(root.join("xtask/python/bench_mlx.py")).arg("--model").arg(&q4);
+    peer.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
+    peer.args(["--repeats", &sizes.repeats.to_string()]);
+    match capture(peer) {
+        Ok(m) => md.push_str(&format!(
+            "| {} (CPU), q4 checkpoint | | | {} | {} | |\n\n",
+            m["engine"].as_str().unwrap_or("mlx-lm"),
+            spread(&m["prefill_tok_s"], 2),
+            spread(&m["decode_tok_s"], 3)
+        )),
+        Err(e) => md.push_str(&format!(
+            "| mlx-lm (CPU) | not measured in this run: {} | | | | |\n\n",
+            format!("{e:#}").replace('\n', " ").replace('|', "/")
+        )),
+    }
+    let q4_bytes = runs[2].1["weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN);
+    let q4_decode = med(&runs[2].1["decode_tok_s"]);
+    md.push_str(&format!(
+        "Targets: q4 reads ≤ 0.32× the bf16 bytes ({:.3}×: {}), q4 decode faster than bf16 ({:.3} vs {:.3} tok/s: {}).\n\n",
+        q4_bytes / base_bytes,
+        verdict(q4_bytes / base_bytes <= 0.32),
+        q4_decode,
+        med(&engine["decode_tok_s"]),
+        verdict(q4_decode > med(&engine["decode_tok_s"]))
+    ));
+    let mut quality = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    quality.current_dir(root).args(["run", "--release", "--example", "quality"]);
+    let q = capture(quality)?;
+    md.push_str(
+        "Quality on the trained demo model (`cargo run --release --example quality`: the bf16 model's greedy answers \
+         to its 30 questions, and the recipes quantized at load along them):\n\n\
+         | recipe | mean KL (nats/token) | max KL | greedy answers identical | weight bytes vs bf16 |\n|---|---|---|---|---|\n",
+    );
+    let base_q = q["bf16_weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN);
+    for r in q["recipes"].as_array().into_iter().flatten() {
+        md.push_str(&format!(
+            "| {} | {:.2e} | {:.2e} | {} / {} | {:.3}× |\n",
+            r["recipe"].as_str().unwrap_or("?"),
+            r["mean_kl_nats"].as_f64().unwrap_or(f64::NAN),
+            r["max_kl_nats"].as_f64().unwrap_or(f64::NAN),
+            r["identical_answers"],
+            r["answers"],
+            r["weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN) / base_q
+        ));
+    }
+    md.push('\n');
+    let big = model.with_file_name("qwen35-4b-random-mlx-q4");
+    if !big.join("config.json").is_file() {
+        let mut make = Command::new(mlx_python);
+        make.arg(root.join("xtask/python/make_mlx.py")).arg("--root").arg(root).args(["--stage", "bench-4b"]);
+        crate::run(make)?;
+    }
+    let tiny = Sizes { prompt: 8, decode: 2, repeats: 1 };
+    let b = quantized_run(root, &big, &tiny)?;
+    let gpu = b["gpu_bytes_allocated"].as_f64().unwrap_or(f64::NAN);
+    md.push_str(&format!(
+        "4B dimensions at 4 bits (random weights, mlx-lm layout, `{}`): loaded in {:.1} s, {:.0} MB of GPU buffers \
+         allocated by the engine (weights, a session of {} tokens, scratch; counted by the engine), {:.0} MB \
+         of weights read per decode token; decode {:.3} tok/s. Target ≤ 3 GB: {}.\n\n",
+        big.display(),
+        b["model_load_s"].as_f64().unwrap_or(f64::NAN),
+        gpu / 1e6,
+        tiny.prompt + 3 * tiny.decode + 16,
+        b["weight_bytes_per_decode_token"].as_f64().unwrap_or(f64::NAN) / 1e6,
+        med(&b["decode_tok_s"]),
+        verdict(gpu <= 3e9)
+    ));
+    Ok(md)
+}
+
 /// Run the benchmark.
-pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
+pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Result<()> {
     let quick = opts.quick;
     let sizes =
         if quick { Sizes { prompt: 16, decode: 4, repeats: 1 } } else { Sizes { prompt: 128, decode: 64, repeats: 5 } };
@@ -284,6 +406,10 @@ pub fn run(root: &Path, python: &Path, opts: &Options) -> Result<()> {
         engine["gpu_bytes_allocated"].as_f64().unwrap_or(0.0) / 1e6,
         engine["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
     ));
+    match quantized_section(root, mlx_python, &model, &engine, &sizes) {
+        Ok(q) => md.push_str(&q),
+        Err(e) => md.push_str(&format!("Quantized weights: not measured in this run: {e:#}\n\n")),
+    }
     let prof = &engine["profile"];
     if prof["timestamps"].as_bool() == Some(true) {
         md.push_str(&format!(

@@ -25,7 +25,9 @@ cargo xtask <command>
   bench [--quick] [--profile] [--compare BIN]
                        this engine, transformers + peft and llama.cpp (llama-cpp-python built from
                        source) on the same 0.8B-dimension random model and rank-16 adapter, plus the
-                       streaming-read and host-read floors; writes BENCHMARKS.md (--quick: tiny
+                       streaming-read and host-read floors, the model at q8/q4 (mlx-lm's conversions)
+                       with mlx-lm on the CPU as a peer, and a 4B-dimension q4 model's GPU memory;
+                       writes BENCHMARKS.md (--quick: tiny
                        sizes, one repeat; --profile: GPU time per kernel family from timestamp
                        queries; --compare: also run an earlier build of the bench example)
   probe                print the adapter wgpu picks (exit 1 if none)
@@ -65,7 +67,7 @@ fn main() -> Result<()> {
                 profile: args.iter().any(|a| a == "--profile"),
                 compare: compare.transpose()?,
             };
-            bench::run(&root(), &venv()?, &opts)
+            bench::run(&root(), &venv()?, &mlx_venv()?, &opts)
         }
         Some("probe") => probe(),
         _ => {
