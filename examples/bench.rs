@@ -5,7 +5,7 @@
 //! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
 //! its peers.
 //!
-//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4] [--prompt 128] [--decode 64] [--repeats 5]`
+//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4|q4-quality] [--prompt 128] [--decode 64] [--repeats 5]`
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -52,13 +52,14 @@ struct Args {
     #[arg(long, default_value_t = 64)]
     learn_tokens: usize,
     /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
-    /// group 64, as `mlx_lm.convert` makes it).
+    /// group 64, as `mlx_lm.convert` makes it) or `q4-quality` (sensitive tensors at 8 bits or
+    /// kept in 16-bit).
     #[arg(long, value_parser = parse_quantize)]
     quantize: Option<QuantizeRecipe>,
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
-    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8, q4 or q4-quality, found {s:?}"))
 }
 
 /// The device's read bandwidth (bytes per second): the streaming-read kernel over `mib` MiB spread

@@ -1,7 +1,7 @@
 //! Chat with a model: render the question with the model's chat template, stream the answer.
 //!
 //! `cargo run --release --example generate -- [--model DIR] [--adapter DIR[:SCALE]] [--prompt TEXT]
-//!  [--quantize q8|q4] [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
+//!  [--quantize q8|q4|q4-quality] [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
 //!
 //! Defaults to the embedded demo model. The answer streams to stdout; timings go to stderr.
 
@@ -22,7 +22,8 @@ struct Args {
     #[arg(long)]
     adapter: Option<String>,
     /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
-    /// group 64, as `mlx_lm.convert` makes it).
+    /// group 64, as `mlx_lm.convert` makes it) or `q4-quality` (sensitive tensors at 8 bits or
+    /// kept in 16-bit).
     #[arg(long, value_parser = parse_quantize)]
     quantize: Option<QuantizeRecipe>,
     /// The user's message.
@@ -93,5 +94,5 @@ fn main() -> Result<()> {
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
-    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8, q4 or q4-quality, found {s:?}"))
 }

@@ -1,7 +1,7 @@
 //! Parity debugging: run a prompt and write its logits (and optionally a greedy continuation)
 //! to a safetensors file.
 //!
-//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] [--adapter PATH[:SCALE]] [--quantize q8|q4] --out FILE.safetensors`
+//! `cargo run --release --example logits -- --model DIR --ids 1,2,3 [--generate N] [--adapter PATH[:SCALE]] [--quantize q8|q4|q4-quality] --out FILE.safetensors`
 //!
 //! `--adapter` applies a PEFT adapter (directory or `.safetensors` file); SCALE after the last
 //! colon may be negative and defaults to 1. One adapter at a time (no stacking); a failed load
@@ -39,13 +39,14 @@ struct Args {
     #[arg(long)]
     out: PathBuf,
     /// Quantize the checkpoint's 16/32-bit matrices at load: `q8` or `q4` (MLX's affine layout,
-    /// group 64, as `mlx_lm.convert` makes it).
+    /// group 64, as `mlx_lm.convert` makes it) or `q4-quality` (sensitive tensors at 8 bits or
+    /// kept in 16-bit).
     #[arg(long, value_parser = parse_quantize)]
     quantize: Option<QuantizeRecipe>,
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
-    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8 or q4, found {s:?}"))
+    QuantizeRecipe::parse(s).ok_or_else(|| format!("expected q8, q4 or q4-quality, found {s:?}"))
 }
 
 /// `PATH[:SCALE]`: the scale is whatever follows the last colon, if it parses as a number.

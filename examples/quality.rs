@@ -1,5 +1,5 @@
-//! What quantization costs on the embedded demo model: per-token KL divergence of the q8 and q4
-//! recipes (load-time quantization, mlx-lm's default convert) from the bf16 model over its greedy
+//! What quantization costs on the embedded demo model: per-token KL divergence of the q8, q4 and
+//! q4-quality recipes (load-time quantization) from the bf16 model over its greedy
 //! answers to 30 demo questions, and how many of the 30 greedy answers stay identical.
 //!
 //! `cargo run --release --example quality [-- --model DIR --max-tokens 32]`
@@ -70,7 +70,9 @@ fn main() -> Result<()> {
         cases.push((ids, answer, logits));
     }
     let mut rows = Vec::new();
-    for (name, recipe) in [("q8", QuantizeRecipe::Q8), ("q4", QuantizeRecipe::Q4)] {
+    for (name, recipe) in
+        [("q8", QuantizeRecipe::Q8), ("q4", QuantizeRecipe::Q4), ("q4-quality", QuantizeRecipe::Q4Quality)]
+    {
         let q = load(Some(recipe))?;
         let (mut sum, mut max, mut tokens, mut same) = (0.0f64, 0.0f64, 0usize, 0usize);
         for (ids, answer, want) in &cases {

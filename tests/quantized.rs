@@ -10,7 +10,7 @@ use common::tolerance::{LOGITS_MAX_ABS, LOGITS_REL, MLX_LOGITS_REL};
 use common::{fixture_model, gpu, rel_and_max, scratch_copy, Reference};
 use qwen35_wgpu::gpu::Dtype;
 use qwen35_wgpu::model::quantize::quantize_bytes;
-use qwen35_wgpu::model::{Checkpoint, Mixer};
+use qwen35_wgpu::model::{save_mlx, Checkpoint, Mixer};
 use qwen35_wgpu::{
     AdapterError, GenerateParams, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session, SessionOptions,
 };
@@ -271,4 +271,82 @@ fn malformed_mlx_adapters_are_typed_errors() {
     let no_config = mlx_adapter_with("mlx-noconfig", |_| {});
     std::fs::remove_file(no_config.join("adapter_config.json")).expect("rm");
     assert!(matches!(err(no_config), AdapterError::NotPeft { .. }));
+}
+
+/// The tensors of a safetensors file: name -> (dtype, shape, bytes).
+fn tensors_of(path: &std::path::Path) -> std::collections::BTreeMap<String, (String, Vec<usize>, Vec<u8>)> {
+    let bytes = std::fs::read(path).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    st.tensors()
+        .into_iter()
+        .map(|(n, v)| (n, (format!("{:?}", v.dtype()), v.shape().to_vec(), v.data().to_vec())))
+        .collect()
+}
+
+/// Saving the bf16 source as an MLX directory writes, tensor for tensor, what `mlx_lm.convert`
+/// wrote for it (codes, scales, biases, the +1-shifted norms in bf16, conv weights `[C, K, 1]`),
+/// and the same quantization section; the saved directory loads back and runs like mlx-lm's.
+#[test]
+fn an_mlx_directory_saved_here_is_mlx_lms() {
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-save-{}", std::process::id()));
+    let report = save_mlx(&fixture_model("mlx_source_bf16"), &dir, QuantizeRecipe::Q4).expect("save");
+    assert_eq!(report.quantized, 32, "every projection and the embedding");
+    let ours = tensors_of(&dir.join("model.safetensors"));
+    let theirs = tensors_of(&fixture_model("mlx_q4_g64").join("model.safetensors"));
+    assert_eq!(ours.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>(), "tensor names");
+    for (name, t) in &theirs {
+        let o = &ours[name];
+        assert!(o.0 == t.0 && o.1 == t.1, "{name}: {:?} {:?} vs mlx-lm's {:?} {:?}", o.0, o.1, t.0, t.1);
+        assert!(o.2 == t.2, "{name}: bytes differ from mlx-lm's");
+    }
+    let cfg = |d: &std::path::Path| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(d.join("config.json")).expect("config")).expect("json")
+    };
+    let (a, b) = (cfg(&dir), cfg(&fixture_model("mlx_q4_g64")));
+    assert_eq!(a["quantization"], b["quantization"]);
+    assert_eq!(a["model_type"], b["model_type"]);
+    let Some(ctx) = gpu() else { return };
+    let saved = Arc::new(Model::load(ctx.clone(), &dir).expect("the saved directory loads"));
+    let mlx = Arc::new(Model::load(ctx, &fixture_model("mlx_q4_g64")).expect("mlx"));
+    let ids = Reference::load("mlx_q4_g64").ids("prompt1.ids");
+    let (x, _) = session(&saved).feed_debug(&ids).expect("forward");
+    let (y, _) = session(&mlx).feed_debug(&ids).expect("forward");
+    assert!(x.data == y.data, "the saved q4 runs bit-identically to mlx-lm's");
+}
+
+/// The quality recipe: in_proj_a/b stay bf16 inside the GDN's concatenated input projection
+/// (chunks of their own beside the 4-bit rows), the sensitive projections and the embedding go
+/// to 8 bits, and the saved directory records exactly that per module.
+#[test]
+fn the_quality_recipe_mixes_precisions_as_it_says() {
+    let Some(ctx) = gpu() else { return };
+    let src = fixture_model("mlx_source_bf16");
+    let opts = LoadOptions { quantize: Some(QuantizeRecipe::Q4Quality), ..Default::default() };
+    let m = Model::load_with(ctx, &src, &opts).expect("q4-quality");
+    let bits = |d: Dtype| match d {
+        Dtype::Affine(a) => a.bits,
+        _ => 16,
+    };
+    let Mixer::Gdn(g) = &m.layers[0].mixer else { panic!("layer 0 is GDN") };
+    let chunks: Vec<(usize, u32)> = g.in_proj.chunks.iter().map(|c| (c.rows, bits(c.dtype))).collect();
+    let c = &m.config;
+    assert_eq!(
+        chunks,
+        [(c.conv_dim() + c.value_dim(), 4), (2 * c.linear_value_heads, 16)],
+        "qkv|z at 4 bits, b|a in bf16"
+    );
+    assert_eq!(bits(g.out_proj.dtype), 8);
+    assert_eq!((bits(m.embed.dtype), bits(m.layers[0].mlp.gate_up.dtype)), (8, 4));
+    let Mixer::Attention(a) = &m.layers[3].mixer else { panic!("layer 3 is attention") };
+    assert_eq!((bits(a.qkv.dtype), bits(a.o_proj.dtype)), (8, 8));
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-save-quality-{}", std::process::id()));
+    save_mlx(&src, &dir, QuantizeRecipe::Q4Quality).expect("save");
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
+    let q = &cfg["quantization"];
+    assert_eq!(q["bits"], 4);
+    assert_eq!(q["language_model.model.layers.0.linear_attn.in_proj_a"], false);
+    assert_eq!(q["language_model.model.layers.0.linear_attn.out_proj"]["bits"], 8);
+    assert_eq!(q["language_model.model.embed_tokens"]["bits"], 8);
+    assert!(q.get("language_model.model.layers.0.mlp.up_proj").is_none(), "default modules have no entry");
 }

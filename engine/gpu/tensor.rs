@@ -11,6 +11,8 @@ pub struct WeightChunk {
     pub row_start: usize,
     /// Rows held.
     pub rows: usize,
+    /// Their dtype.
+    pub dtype: Dtype,
     /// The bytes of those rows, in the checkpoint dtype. Affine weights: the packed codes of
     /// every row, then from `u32` index `sb` one word per (row, group): the scale in the low
     /// 16 bits, the bias in the high 16 bits.
@@ -38,7 +40,9 @@ pub struct AffineData {
 
 /// A `[rows, cols]` matrix (nn.Linear weight or embedding table) on the GPU.
 pub struct GpuWeight {
-    /// The checkpoint dtype, kept exactly.
+    /// The checkpoint dtype, kept exactly: every chunk's, or the first chunk's when a
+    /// concatenated weight joins projections of different dtypes ([`GpuWeight::concat`];
+    /// kernels use [`WeightChunk::dtype`]).
     pub dtype: Dtype,
     /// Rows (output features / vocabulary entries).
     pub rows: usize,
@@ -96,7 +100,7 @@ impl GpuWeight {
             let label = format!("{name}[{row_start}..{}]", row_start + n);
             let buffer = ctx.upload(&label, &bytes[begin..begin + n * row_bytes])?;
             let bind_group = ctx.weights_bind_group(&buffer, &label);
-            chunks.push(WeightChunk { row_start, rows: n, buffer, sb: 0, bind_group });
+            chunks.push(WeightChunk { row_start, rows: n, dtype, buffer, sb: 0, bind_group });
             row_start += n;
         }
         Ok(Self { dtype, rows, cols, chunks })
@@ -131,10 +135,30 @@ impl GpuWeight {
             let label = format!("{name}[{row_start}..{}]", row_start + n);
             let buffer = ctx.upload(&label, bytemuck::cast_slice(&data))?;
             let bind_group = ctx.weights_bind_group(&buffer, &label);
-            chunks.push(WeightChunk { row_start, rows: n, buffer, sb: sb as u32, bind_group });
+            chunks.push(WeightChunk { row_start, rows: n, dtype: Dtype::Affine(a), buffer, sb: sb as u32, bind_group });
             row_start += n;
         }
         Ok(Self { dtype: Dtype::Affine(a), rows, cols, chunks })
+    }
+
+    /// The weights `parts` (same columns) as one, rows in order: their chunks, renumbered. A
+    /// row range of one part's dtype runs in that dtype's kernels (one dispatch per chunk).
+    pub fn concat(parts: Vec<GpuWeight>) -> Option<GpuWeight> {
+        let first = parts.first()?;
+        let (dtype, cols) = (first.dtype, first.cols);
+        let mut rows = 0;
+        let mut chunks = Vec::new();
+        for part in parts {
+            if part.cols != cols {
+                return None;
+            }
+            for mut c in part.chunks {
+                c.row_start += rows;
+                chunks.push(c);
+            }
+            rows += part.rows;
+        }
+        Some(GpuWeight { dtype, rows, cols, chunks })
     }
 
     /// Bytes held on the GPU.

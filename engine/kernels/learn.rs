@@ -95,7 +95,7 @@ impl<'a> DxWeight<'a> {
             .iter()
             .map(|c| DxWeight {
                 bind_group: &c.bind_group,
-                dtype: w.dtype,
+                dtype: c.dtype,
                 row_start: c.row_start,
                 rows: c.rows,
                 k: w.cols,

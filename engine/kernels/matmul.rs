@@ -284,7 +284,7 @@ pub fn linear_rows(
     let batch = (2..=MAX_BATCH_TOKENS).contains(&io.m)
         && view.w.cols.is_multiple_of(8)
         && io.x_offset.is_multiple_of(4)
-        && !matches!(view.w.dtype, Dtype::Affine(_));
+        && view.w.chunks.iter().all(|c| !matches!(c.dtype, Dtype::Affine(_)));
     let kernel = match (io.m == 1, batch, lora.is_some()) {
         (true, _, false) => Kernel::Matvec,
         (true, _, true) => Kernel::MatvecLora,
@@ -316,7 +316,7 @@ pub fn linear_rows(
             }
             _ => matmul_rows(io.m),
         };
-        let key = PipelineKey { kernel, dtype: w.dtype, accumulate: io.accumulate, variant };
+        let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate: io.accumulate, variant };
         let row0 = lo - rows.start;
         let params = MatmulParams {
             m: io.m as u32,
@@ -353,7 +353,7 @@ pub fn linear_rows(
                 rec.dispatch(key, &params, &[io.x, io.y, l.t, aux], &[&chunk.bind_group, l.b], groups)?
             }
         }
-        rec.weight_bytes((n_rows * w.dtype.row_bytes(w.cols)) as u64);
+        rec.weight_bytes((n_rows * chunk.dtype.row_bytes(w.cols)) as u64);
     }
     Ok(())
 }

@@ -30,8 +30,8 @@ pub fn embed(
     tokens: usize,
     hidden: &wgpu::Buffer,
 ) -> Result<(), GpuError> {
-    let key = PipelineKey { kernel: Kernel::Embed, dtype: table.dtype, accumulate: false, variant: 0 };
     for chunk in &table.chunks {
+        let key = PipelineKey { kernel: Kernel::Embed, dtype: chunk.dtype, accumulate: false, variant: 0 };
         let params = EmbedParams {
             n: table.cols as u32,
             rows: tokens as u32,

@@ -2,6 +2,7 @@
 
 mod checkpoint;
 pub(crate) mod config;
+mod mlx_save;
 mod quant;
 pub mod quantize;
 mod weights;
@@ -9,6 +10,7 @@ mod weights;
 pub use crate::gpu::Dtype;
 pub use checkpoint::{Checkpoint, TensorEntry};
 pub use config::{LayerType, TextConfig};
+pub use mlx_save::{save_mlx, MlxSaveReport};
 pub use quant::{QuantConfig, QuantSpec};
 pub use quantize::QuantizeRecipe;
 pub use weights::{AttnWeights, GdnWeights, Layer, LoadOptions, Mixer, Mlp, Model};

@@ -11,25 +11,49 @@ pub enum QuantizeRecipe {
     Q8,
     /// 4-bit, group 64: mlx-lm's default convert.
     Q4,
+    /// Ours: 4-bit group 64 for the MLP and the GDN `in_proj_qkv`/`in_proj_z`; 8-bit group 64
+    /// for the tensors quantization hurts most (the GDN `out_proj`, every attention projection,
+    /// the embedding and so the tied lm_head); the tiny per-head GDN gates `in_proj_a`/`in_proj_b`
+    /// kept in their 16-bit dtype (as the community recipes and Qwen's own FP8 exclusions do).
+    Q4Quality,
 }
 
 impl QuantizeRecipe {
-    /// The recipe's name on the command line (`q8`, `q4`).
+    /// The recipe's name on the command line (`q8`, `q4`, `q4-quality`).
     pub fn parse(s: &str) -> Option<Self> {
         match s {
             "q8" => Some(QuantizeRecipe::Q8),
             "q4" => Some(QuantizeRecipe::Q4),
+            "q4-quality" => Some(QuantizeRecipe::Q4Quality),
             _ => None,
         }
     }
 
-    /// Bits and group of a matrix with `cols` inputs, or `None` to keep it as it is. mlx-lm's
-    /// rule: every Linear and the embedding whose input width the group divides (conv weights,
-    /// norms and the GDN gate parameters are not matrices here and are never quantized).
-    pub fn spec(self, cols: usize) -> Option<(u32, u32)> {
+    /// Bits and group of the matrix `name` (its checkpoint name, `….weight`) with `cols`
+    /// inputs, or `None` to keep it as it is. mlx-lm's rule for the plain recipes: every Linear
+    /// and the embedding whose input width the group divides (conv weights, norms and the GDN
+    /// gate parameters are not matrices here and are never quantized).
+    pub fn spec(self, name: &str, cols: usize) -> Option<(u32, u32)> {
+        let module = name.strip_suffix(".weight").unwrap_or(name);
+        let is = |suffixes: &[&str]| suffixes.iter().any(|s| module.ends_with(s));
         let (bits, group) = match self {
             QuantizeRecipe::Q8 => (8, 64),
             QuantizeRecipe::Q4 => (4, 64),
+            QuantizeRecipe::Q4Quality if is(&["linear_attn.in_proj_a", "linear_attn.in_proj_b"]) => return None,
+            QuantizeRecipe::Q4Quality
+                if is(&[
+                    "linear_attn.out_proj",
+                    "self_attn.q_proj",
+                    "self_attn.k_proj",
+                    "self_attn.v_proj",
+                    "self_attn.o_proj",
+                    "embed_tokens",
+                    "lm_head",
+                ]) =>
+            {
+                (8, 64)
+            }
+            QuantizeRecipe::Q4Quality => (4, 64),
         };
         cols.is_multiple_of(group as usize).then_some((bits, group))
     }

@@ -160,14 +160,6 @@ impl MatrixData {
     }
 }
 
-/// How a dtype reads in an error message.
-fn dtype_name(d: Dtype) -> String {
-    match d {
-        Dtype::Affine(a) => format!("affine {}-bit group {} ({:?} scales)", a.bits, a.group, a.scales),
-        other => format!("{other:?}"),
-    }
-}
-
 impl Loader<'_> {
     fn full(&self, name: &str) -> String {
         format!("{}{name}", self.prefix)
@@ -249,7 +241,7 @@ impl Loader<'_> {
         let dtype = Dtype::from_safetensors(&entry.dtype)
             .ok_or_else(|| ModelError::UnsupportedDtype { name: full.to_string(), found: entry.dtype.clone() })?;
         let bytes = self.ckpt.read(entry)?;
-        if let Some((bits, group)) = self.opts.quantize.and_then(|r| r.spec(cols)) {
+        if let Some((bits, group)) = self.opts.quantize.and_then(|r| r.spec(full, cols)) {
             if let Some(q) = quantize_bytes(&bytes, dtype, cols, bits, group) {
                 return Ok(MatrixData::Affine(q));
             }
@@ -275,30 +267,27 @@ impl Loader<'_> {
         self.upload(full, data, rows, cols)
     }
 
-    /// Several `[rows, cols]` matrices of one dtype as one weight, rows concatenated in order.
+    /// Several `[rows, cols]` matrices as one weight, rows concatenated in order; consecutive
+    /// parts of one dtype share chunks, a part of another dtype starts new ones.
     fn concat(&self, parts: &[(String, usize)], cols: usize) -> Result<GpuWeight, ModelError> {
-        let mut all: Option<(String, MatrixData)> = None;
+        let mut runs: Vec<(String, usize, MatrixData)> = Vec::new();
         for (name, rows) in parts {
             let full = self.full(name);
             let data = self.read_matrix(&full, *rows, cols)?;
-            match &mut all {
-                Some((name0, acc)) if acc.dtype() != data.dtype() => {
-                    return Err(ModelError::DtypeMismatch {
-                        name: full,
-                        first: name0.clone(),
-                        expected: dtype_name(acc.dtype()),
-                        found: dtype_name(data.dtype()),
-                    })
+            match runs.last_mut() {
+                Some((_, run_rows, acc)) if acc.dtype() == data.dtype() => {
+                    acc.extend(data);
+                    *run_rows += rows;
                 }
-                Some((_, acc)) => acc.extend(data),
-                None => all = Some((full, data)),
+                _ => runs.push((full, *rows, data)),
             }
         }
-        let Some((name0, data)) = all else {
-            return Err(ModelError::MissingTensor { name: "(no projection)".into(), candidates: Vec::new() });
-        };
-        let rows = parts.iter().map(|(_, r)| r).sum();
-        self.upload(&name0, data, rows, cols)
+        let weights = runs
+            .into_iter()
+            .map(|(name, rows, data)| self.upload(&name, data, rows, cols))
+            .collect::<Result<Vec<_>, _>>()?;
+        GpuWeight::concat(weights)
+            .ok_or_else(|| ModelError::MissingTensor { name: "(no projection)".into(), candidates: Vec::new() })
     }
 
     fn values(&self, name: &str, shape: &[usize]) -> Result<Vec<f32>, ModelError> {

@@ -28,6 +28,16 @@ Run through `cargo xtask fixtures`, in stages over two venvs (torch and mlx cann
   --stage bench         (mlx venv) the 0.8B-dimension benchmark model (make_fixtures.py
                         --bench-model, target/bench/qwen35-0.8b-random) converted by mlx-lm to
                         4-bit g64 and 8-bit g64 beside it (-mlx-q4, -mlx-q8; not committed)
+  --stage bench-4b      (mlx venv) a random Qwen 3.5 at the real 4B text dimensions (BENCH_4B, the
+                        0.8B bench model's config with the 4B's dims), made with mlx-lm's own qwen3_5
+                        model class and written straight as a 4-bit g64 MLX checkpoint to
+                        target/bench/qwen35-4b-random-mlx-q4 (not committed; no bf16 source). Its bf16
+                        weights (~8.4 GB) are never all in memory: the random weights and quantize_model
+                        stay lazy and each layer is evaluated (generated and quantized) in turn
+
+xtask/python/bench_mlx.py (mlx venv) measures mlx-lm itself on the CPU on these bench checkpoints, as
+bench_peers.py does transformers: `bench_mlx.py --model target/bench/qwen35-0.8b-random-mlx-q4
+--prompt 128 --decode 64 --repeats 5` prints one JSON line.
 
 mlx_lm.convert itself cannot be called: it needs a tokenizer (the source has none) and mlx-lm has no
 model module for the model_type "qwen3_5_text" that Qwen3_5ForCausalLM writes, so the conversion
@@ -102,6 +112,49 @@ SOURCE_TEXT = dict(
     linear_num_key_heads=2, linear_num_value_heads=4,
     linear_key_head_dim=16, linear_value_head_dim=16, tie_word_embeddings=True,
 )
+
+# The 4B bench model (--stage bench-4b): the 0.8B bench model's config.json (make_fixtures.py
+# BENCH_MODEL as transformers writes it) with Qwen 3.5 4B's text dimensions, model_type qwen3_5 as
+# the MLX conversions write it; layer_types is [linear x3, full] x8, mlx-lm's full_attention_interval 4.
+BENCH_4B_LAYERS = 32
+BENCH_4B = {
+    "architectures": ["Qwen3_5ForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": None,
+    "dtype": "bfloat16",
+    "eos_token_id": None,
+    "full_attention_interval": 4,
+    "head_dim": 256,
+    "hidden_act": "silu",
+    "hidden_size": 2560,
+    "initializer_range": 0.02,
+    "intermediate_size": 9216,
+    "layer_types": ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(BENCH_4B_LAYERS)],
+    "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128,
+    "linear_num_key_heads": 16,
+    "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128,
+    "max_position_embeddings": 4096,
+    "model_type": "qwen3_5",
+    "num_attention_heads": 16,
+    "num_hidden_layers": BENCH_4B_LAYERS,
+    "num_key_value_heads": 4,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "rope_parameters": {
+        "mrope_interleaved": True,
+        "mrope_section": [12, 10, 10],
+        "partial_rotary_factor": 0.25,
+        "rope_theta": 10000000.0,
+        "rope_type": "default",
+    },
+    "tie_word_embeddings": True,
+    "use_cache": True,
+    "vocab_size": 248320,
+}
+BENCH_4B_SEED = 44
 
 
 def affine(bits, group_size):
@@ -203,6 +256,68 @@ def stage_bench(p, root):
         save_model(out, model)
         save_config(config, config_path=out / "config.json")
         print(f"wrote {out}")
+
+
+def stage_bench_4b(root):
+    """The 4B bench model, built by mlx-lm's qwen3_5 Model from BENCH_4B with random bf16 weights as
+    make_fixtures.py bench_model draws them (matrices N(0, 1/fan_in), A_log U(-1, 1), dt_bias 1), the
+    norms as mlx-lm holds them (1 + w for the shifted ones, w = 0 as bench_model has), then
+    quantize_model (4-bit g64), save_model and save_config as --stage bench does."""
+    import copy
+    import time
+    from pathlib import Path
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+    from mlx_lm.models import qwen3_5
+    from mlx_lm.utils import load_model, quantize_model, save_config, save_model
+
+    mx.set_default_device(mx.cpu)
+    start = time.perf_counter()
+    out = Path(root) / "target" / "bench" / "qwen35-4b-random-mlx-q4"
+    if out.exists():
+        shutil.rmtree(out)
+    config = copy.deepcopy(BENCH_4B)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    # Everything stays lazy until the per-layer mx.eval below: the module's own initial weights are
+    # replaced before they are computed, and each bf16 matrix lives only while its layer is quantized.
+    params = tree_flatten(model.parameters())
+    keys = mx.random.split(mx.random.key(BENCH_4B_SEED), len(params))
+    weights = []
+    for (name, v), key in zip(params, keys):
+        bf16 = mx.bfloat16
+        if name.endswith("A_log"):
+            w = mx.random.uniform(-1.0, 1.0, v.shape, bf16, key=key)
+        elif name.endswith(("norm.weight", "layernorm.weight", "dt_bias")):
+            w = mx.ones(v.shape, bf16)
+        elif name.endswith("conv1d.weight"):  # mlx [C, K, 1]: depthwise, fan_in K
+            w = mx.random.normal(v.shape, bf16, scale=v.shape[1] ** -0.5, key=key)
+        elif v.ndim == 2:
+            w = mx.random.normal(v.shape, bf16, scale=v.shape[-1] ** -0.5, key=key)
+        else:
+            raise SystemExit(f"no initialization for {name} {v.shape}")
+        weights.append((name, w))
+    model.update(tree_unflatten(weights))
+    del params, weights
+    model, config = quantize_model(model, config, 64, 4)
+    for layer in model.layers:
+        mx.eval(layer.parameters())
+    mx.eval(model.parameters())
+    built = time.perf_counter() - start
+    save_model(out, model)
+    save_config(config, config_path=out / "config.json")
+    del model
+    saved = time.perf_counter() - start
+    # mlx-lm's own loader on what was written, and a forward over two tokens: finite logits.
+    model, _ = load_model(out)
+    logits = model(mx.array([[13, 7932]]))
+    mx.eval(logits)
+    if not mx.all(mx.isfinite(logits)).item():
+        raise SystemExit(f"{out}: non-finite logits")
+    size = sum(f.stat().st_size for f in out.iterdir())
+    print(f"wrote {out}: {size / 2**30:.2f} GiB, built in {built:.0f} s, saved at {saved:.0f} s, "
+          f"reloaded and ran 2 tokens at {time.perf_counter() - start:.0f} s (logits std "
+          f"{mx.std(logits.astype(mx.float32)).item():.3f})")
 
 
 def hf_weights(model):
@@ -580,11 +695,15 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, help="repository root")
     ap.add_argument("--stage", required=True, choices=["source", "convert", "reference", "transformers", "peft",
-                                                       "mlx-lora", "mlx-lora-reference", "learn", "bench"])
+                                                       "mlx-lora", "mlx-lora-reference", "learn", "bench",
+                                                       "bench-4b"])
     args = ap.parse_args()
     p = paths(args.root)
     if args.stage == "bench":
         stage_bench(p, args.root)
+        return
+    if args.stage == "bench-4b":
+        stage_bench_4b(args.root)
         return
     stages = {"source": stage_source, "convert": stage_convert, "reference": stage_reference,
               "transformers": stage_transformers, "peft": stage_peft, "mlx-lora": stage_mlx_lora,
