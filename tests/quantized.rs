@@ -1,4 +1,5 @@
-//! MLX-format checkpoints (bf16 and affine 4/8-bit, a mixed per-module config; made by
+//! MLX-format checkpoints (bf16 and affine 4/8-bit, a mixed per-module config, our q4-quality
+//! recipe with bf16 in_proj_a/b beside 4-bit in_proj_qkv/z; made by
 //! `mlx_lm.convert` in `cargo xtask fixtures`): logits and greedy ids vs transformers on the
 //! dequantized weights, logits vs mlx-lm's own forward.
 
@@ -15,7 +16,7 @@ use qwen35_wgpu::{
     AdapterError, GenerateParams, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session, SessionOptions,
 };
 
-const FIXTURES: [&str; 4] = ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed"];
+const FIXTURES: [&str; 5] = ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed", "mlx_q4_quality"];
 const PROMPTS: usize = 2;
 
 fn load(name: &str) -> Option<Arc<Model>> {
@@ -316,7 +317,8 @@ fn an_mlx_directory_saved_here_is_mlx_lms() {
 
 /// The quality recipe: in_proj_a/b stay bf16 inside the GDN's concatenated input projection
 /// (chunks of their own beside the 4-bit rows), the sensitive projections and the embedding go
-/// to 8 bits, and the saved directory records exactly that per module.
+/// to 8 bits; saved, it is byte for byte mlx-lm's conversion with that recipe, and the config
+/// records it per module. (Its logits: `mlx_q4_quality` in the parity tests above.)
 #[test]
 fn the_quality_recipe_mixes_precisions_as_it_says() {
     let Some(ctx) = gpu() else { return };
@@ -341,6 +343,13 @@ fn the_quality_recipe_mixes_precisions_as_it_says() {
     assert_eq!((bits(a.qkv.dtype), bits(a.o_proj.dtype)), (8, 8));
     let dir = std::env::temp_dir().join(format!("qwen35-mlx-save-quality-{}", std::process::id()));
     save_mlx(&src, &dir, QuantizeRecipe::Q4Quality).expect("save");
+    // mlx-lm's conversion with the same recipe as a predicate (make_mlx.py quality_predicate).
+    let ours = tensors_of(&dir.join("model.safetensors"));
+    let theirs = tensors_of(&fixture_model("mlx_q4_quality").join("model.safetensors"));
+    assert_eq!(ours.keys().collect::<Vec<_>>(), theirs.keys().collect::<Vec<_>>(), "tensor names");
+    for (name, t) in &theirs {
+        assert!(ours[name] == *t, "{name}: differs from mlx-lm's q4-quality conversion");
+    }
     let cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).expect("config")).expect("json");
     let q = &cfg["quantization"];

@@ -177,12 +177,24 @@ def mixed_predicate(path, module):
     return affine(4, 64)
 
 
+def quality_predicate(path, module):
+    """The engine's q4-quality recipe (QuantizeRecipe::Q4Quality) as an mlx-lm predicate: the GDN
+    gates in_proj_a/b kept in bf16, the GDN out_proj, the attention projections and the embedding
+    at 8-bit g64, the rest 4-bit g64. Projections of one input group then differ in precision."""
+    if path.endswith("in_proj_a") or path.endswith("in_proj_b"):
+        return False
+    if any(path.endswith(s) for s in ("linear_attn.out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens")):
+        return affine(8, 64)
+    return affine(4, 64)
+
+
 # Committed MLX checkpoints: None is unquantized bf16, else (bits, group_size, predicate).
 MLX_MODELS = {
     "mlx_bf16": None,
     "mlx_q4_g64": (4, 64, None),
     "mlx_q8_g32": (8, 32, None),
     "mlx_mixed": (4, 64, mixed_predicate),
+    "mlx_q4_quality": (4, 64, quality_predicate),
 }
 
 # Norm weights mlx-lm's qwen3_5 sanitize stores as 1 + w (not linear_attn.norm, which is plain w).
