@@ -256,3 +256,28 @@ fn malformed_quantized_checkpoints_are_typed_errors_naming_the_tensor() {
     ));
     assert!(matches!(&e, ModelError::UnsupportedDtype { name, .. } if *name == scales), "{e}");
 }
+
+#[test]
+fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
+    let Some(ctx) = gpu() else { return };
+    let with = |tag: &str, edit: &dyn Fn(&mut serde_json::Value)| {
+        let dir = scratch_copy(&fixture_model("ct_w4a16_g64"), tag);
+        let path = dir.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+        edit(&mut cfg);
+        std::fs::write(&path, cfg.to_string()).expect("write");
+        Model::load(ctx.clone(), &dir).err().expect("must fail")
+    };
+    let q = "quantization_config";
+    let e = with("ct-fp8", &|c| c[q]["format"] = "float-quantized".into());
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("float-quantized")), "{e}");
+    let e = with("ct-asym", &|c| c[q]["config_groups"]["group_0"]["weights"]["symmetric"] = false.into());
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("symmetric")), "{e}");
+    let e = with("ct-w4a8", &|c| {
+        c[q]["config_groups"]["group_0"]["input_activations"] = serde_json::json!({"num_bits": 8, "type": "int"})
+    });
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("activation")), "{e}");
+    let e = with("ct-bits", &|c| c[q]["config_groups"]["group_0"]["weights"]["num_bits"] = 3.into());
+    assert!(matches!(&e, ModelError::BadConfig { field, .. } if field.ends_with("num_bits")), "{e}");
+}

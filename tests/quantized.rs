@@ -17,6 +17,10 @@ use qwen35_wgpu::{
 };
 
 const FIXTURES: [&str; 5] = ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed", "mlx_q4_quality"];
+/// With a compressed-tensors W4A16 (pack-quantized, group 64, in_proj_a/b ignored) checkpoint,
+/// whose reference is transformers on that checkpoint itself (decompressed by compressed-tensors).
+const WITH_TRANSFORMERS: [&str; 6] =
+    ["mlx_bf16", "mlx_q4_g64", "mlx_q8_g32", "mlx_mixed", "mlx_q4_quality", "ct_w4a16_g64"];
 const PROMPTS: usize = 2;
 
 fn load(name: &str) -> Option<Arc<Model>> {
@@ -45,6 +49,11 @@ fn mlx_checkpoints_load_quantized_as_their_config_says() {
     let Mixer::Gdn(g) = &mixed.layers[0].mixer else { panic!("layer 0 is GDN") };
     assert_eq!(affine(g.in_proj.dtype), Some((8, 64)), "mixed: layer 0 at 8-bit");
     assert_eq!(affine(g.out_proj.dtype), Some((8, 32)), "mixed: out_proj override");
+    let ct = load("ct_w4a16_g64").expect("compressed-tensors");
+    assert_eq!(affine(ct.layers[0].mlp.down_proj.dtype), Some((4, 64)), "W4A16 group 64");
+    let Mixer::Gdn(g) = &ct.layers[0].mixer else { panic!("layer 0 is GDN") };
+    let parts: Vec<Option<(u32, u32)>> = g.in_proj.chunks.iter().map(|c| affine(c.dtype)).collect();
+    assert_eq!(parts, [Some((4, 64)), None], "qkv|z packed, the ignored in_proj_b|a in bf16");
     let bf16 = load("mlx_bf16").expect("bf16");
     assert_eq!(bf16.embed.dtype, Dtype::BF16);
     // 4-bit codes, one (scale, bias) word per 64 weights: well under a third of bf16's bytes.
@@ -53,7 +62,7 @@ fn mlx_checkpoints_load_quantized_as_their_config_says() {
 
 #[test]
 fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
-    for name in FIXTURES {
+    for name in WITH_TRANSFORMERS {
         let Some(model) = load(name) else {
             return;
         };
@@ -76,7 +85,7 @@ fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
 
 #[test]
 fn mlx_greedy_continuations_match_transformers_on_the_dequantized_weights() {
-    for name in FIXTURES {
+    for name in WITH_TRANSFORMERS {
         let Some(model) = load(name) else {
             return;
         };

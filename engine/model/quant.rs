@@ -1,8 +1,14 @@
-//! The `quantization` section of an MLX `config.json` (also written as `quantization_config`):
-//! a default `{group_size, bits, mode}` and per-module overrides keyed by the module path
-//! (`language_model.model.layers.0.mlp.up_proj`), an object or `false` (kept in 16-bit). Other
-//! quantization methods (a `quant_method` key: GPTQ, AWQ, FP8, compressed-tensors, bitsandbytes)
-//! are recognised and refused by name.
+//! The quantization section of a `config.json`:
+//! * MLX (`quantization`, also written as `quantization_config`): a default `{group_size, bits,
+//!   mode}` and per-module overrides keyed by the module path
+//!   (`language_model.model.layers.0.mlp.up_proj`), an object or `false` (kept in 16-bit);
+//! * compressed-tensors `pack-quantized` integer weights, symmetric, grouped, no activation
+//!   quantization (W4A16/W8A16 as llm-compressor writes them): `quantization_config` with
+//!   `quant_method: "compressed-tensors"` and one weight scheme in `config_groups`; the modules
+//!   that carry `weight_packed` are quantized, the rest (`ignore`) are not.
+//!
+//! Other methods (GPTQ, AWQ, FP8, bitsandbytes, other compressed-tensors formats) are refused by
+//! name.
 
 use std::collections::HashMap;
 
@@ -23,6 +29,70 @@ pub struct QuantSpec {
 pub struct QuantConfig {
     default: Option<QuantSpec>,
     modules: HashMap<String, Option<QuantSpec>>,
+    /// compressed-tensors: the weight scheme of every module with `weight_packed`.
+    compressed: Option<QuantSpec>,
+}
+
+/// compressed-tensors' `quantization_config`: one symmetric, grouped integer weight scheme.
+fn compressed_tensors(obj: &serde_json::Map<String, serde_json::Value>) -> Result<QuantSpec, ModelError> {
+    let field = "quantization_config";
+    let format = obj.get("format").and_then(|f| f.as_str()).unwrap_or("");
+    if format != "pack-quantized" {
+        return Err(ModelError::Unsupported {
+            what: format!("{field}.format {format:?} of compressed-tensors (pack-quantized integer weights load)"),
+        });
+    }
+    let groups = obj.get("config_groups").and_then(|g| g.as_object()).filter(|g| !g.is_empty()).ok_or_else(|| {
+        bad(format!("{field}.config_groups"), "an object of schemes", format!("{:?}", obj.get("config_groups")))
+    })?;
+    let mut found: Option<QuantSpec> = None;
+    for (name, g) in groups {
+        let at = format!("{field}.config_groups.{name}");
+        if g.get("input_activations").is_some_and(|a| !a.is_null()) {
+            return Err(ModelError::Unsupported { what: format!("{at}.input_activations (activation quantization)") });
+        }
+        let w = g
+            .get("weights")
+            .and_then(|w| w.as_object())
+            .ok_or_else(|| bad(format!("{at}.weights"), "an object", "nothing".into()))?;
+        let text = |k: &str| w.get(k).and_then(|v| v.as_str()).unwrap_or("").to_string();
+        if text("type") != "int" {
+            return Err(ModelError::Unsupported {
+                what: format!("{at}.weights.type {:?} (integer weights load)", text("type")),
+            });
+        }
+        if w.get("symmetric").and_then(|v| v.as_bool()) != Some(true) {
+            return Err(ModelError::Unsupported { what: format!("{at}.weights.symmetric false (zero points)") });
+        }
+        if text("strategy") != "group" {
+            return Err(ModelError::Unsupported {
+                what: format!("{at}.weights.strategy {:?} (groups of 32, 64 or 128 load)", text("strategy")),
+            });
+        }
+        let int = |k: &str| w.get(k).and_then(|v| v.as_u64()).and_then(|v| u32::try_from(v).ok());
+        let (bits, group) = match (int("num_bits"), int("group_size")) {
+            (Some(b), Some(g)) => (b, g),
+            _ => return Err(bad(format!("{at}.weights"), "num_bits and group_size", format!("{w:?}"))),
+        };
+        if !Affine::BITS.contains(&bits) {
+            return Err(bad(format!("{at}.weights.num_bits"), &format!("one of {:?}", Affine::BITS), bits.to_string()));
+        }
+        if !Affine::GROUPS.contains(&group) {
+            return Err(bad(
+                format!("{at}.weights.group_size"),
+                &format!("one of {:?}", Affine::GROUPS),
+                group.to_string(),
+            ));
+        }
+        let spec = QuantSpec { bits, group };
+        if found.is_some_and(|f| f != spec) {
+            return Err(ModelError::Unsupported {
+                what: format!("{field}.config_groups with different weight schemes"),
+            });
+        }
+        found = Some(spec);
+    }
+    found.ok_or_else(|| bad(format!("{field}.config_groups"), "a weight scheme", "none".into()))
 }
 
 fn bad(field: String, expected: &str, found: String) -> ModelError {
@@ -62,8 +132,11 @@ impl QuantConfig {
         };
         let obj = section.as_object().ok_or_else(|| bad(field.to_string(), "an object", section.to_string()))?;
         if let Some(method) = obj.get("quant_method") {
+            if method.as_str() == Some("compressed-tensors") {
+                return Ok(Some(QuantConfig { compressed: Some(compressed_tensors(obj)?), ..Default::default() }));
+            }
             return Err(ModelError::Unsupported {
-                what: format!("{field}.quant_method {method} (MLX affine 4/8-bit checkpoints load; GPTQ, AWQ, FP8, compressed-tensors and bitsandbytes do not)"),
+                what: format!("{field}.quant_method {method} (MLX affine and compressed-tensors pack-quantized checkpoints load; GPTQ, AWQ, FP8 and bitsandbytes do not)"),
             });
         }
         let mut out = QuantConfig::default();
@@ -86,6 +159,11 @@ impl QuantConfig {
             }
         }
         Ok(Some(out))
+    }
+
+    /// The compressed-tensors weight scheme, for a checkpoint of that format.
+    pub fn compressed(&self) -> Option<QuantSpec> {
+        self.compressed
     }
 
     /// What the section says of the module at `path`: `Some(spec)` quantized, `None` kept in

@@ -10,7 +10,9 @@
 //!   that Qwen 3.5 keeps as offsets already shifted by +1 (every norm but `linear_attn.norm`),
 //!   which the loader shifts back;
 //! * affine-quantized matrices (MLX: `weight` u32 codes, `scales`, `biases`; bits and group
-//!   from `config.json` `quantization`, checked against the shapes) stay quantized on the GPU;
+//!   from `config.json` `quantization`, checked against the shapes; compressed-tensors
+//!   `weight_packed` + `weight_scale`, the affine form with a bias of `−2^(bits−1)·scale`) stay
+//!   quantized on the GPU;
 //! * `A_log` and `dt_bias` are packed into one `[2, Hv]` f32 vector;
 //! * matrices keep their dtype; small vectors are widened to f32 (exact);
 //! * projections that read the same input are stored as one weight, rows concatenated in a fixed
@@ -221,9 +223,72 @@ impl Loader<'_> {
         Ok(Some(Affine { bits: spec.bits, group: spec.group, scales: scale_type }))
     }
 
+    /// A compressed-tensors `pack-quantized` matrix (`weight_packed`, `weight_scale`): codes
+    /// `u = q + 2^(bits−1)` packed like MLX's, so `w = s·(u − 2^(bits−1))` is the affine form with
+    /// `bias = −2^(bits−1)·s` (exact in the scale's dtype).
+    fn read_compressed(&self, module: &str, rows: usize, cols: usize) -> Result<Option<MatrixData>, ModelError> {
+        let packed = format!("{module}.weight_packed");
+        if self.ckpt.get(&packed).is_none() {
+            return Ok(None);
+        }
+        let spec = self.quant.and_then(|q| q.compressed()).ok_or_else(|| ModelError::BadConfig {
+            field: "quantization_config".into(),
+            expected: format!("a compressed-tensors weight scheme ({packed} is in the checkpoint)"),
+            found: "none".into(),
+        })?;
+        if !cols.is_multiple_of(spec.group as usize) {
+            return Err(ModelError::BadConfig {
+                field: "quantization_config.config_groups.weights.group_size".into(),
+                expected: format!("a divisor of the input width {cols} of {module}"),
+                found: spec.group.to_string(),
+            });
+        }
+        if self.ckpt.get(&format!("{module}.weight_zero_point")).is_some() {
+            return Err(ModelError::Unsupported { what: format!("{module}.weight_zero_point (asymmetric weights)") });
+        }
+        let w = self.checked(&packed, &[rows, cols * spec.bits as usize / 32])?;
+        if w.dtype != "I32" && w.dtype != "U32" {
+            return Err(ModelError::UnsupportedDtype { name: packed, found: w.dtype.clone() });
+        }
+        let scale_name = format!("{module}.weight_scale");
+        let s = self.checked(&scale_name, &[rows, cols / spec.group as usize])?;
+        let half = match s.dtype.as_str() {
+            "BF16" => HalfType::BF16,
+            "F16" => HalfType::F16,
+            _ => return Err(ModelError::UnsupportedDtype { name: scale_name, found: s.dtype.clone() }),
+        };
+        if let Some(shape) = self.ckpt.get(&format!("{module}.weight_shape")) {
+            let dims = self.ckpt.read(shape)?;
+            let want: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
+            let want32: Vec<u8> = [rows as i32, cols as i32].iter().flat_map(|d| d.to_le_bytes()).collect();
+            if dims != want && dims != want32 {
+                return Err(ModelError::ShapeMismatch {
+                    name: format!("{module}.weight_shape"),
+                    expected: vec![rows, cols],
+                    found: vec![dims.len()],
+                });
+            }
+        }
+        let words: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ckpt.read(w)?);
+        let scales: Vec<u16> = bytemuck::pod_collect_to_vec(&self.ckpt.read(s)?);
+        let offset = -((1u32 << (spec.bits - 1)) as f32);
+        let biases = scales
+            .iter()
+            .map(|&v| match half {
+                HalfType::BF16 => half::bf16::from_f32(offset * half::bf16::from_bits(v).to_f32()).to_bits(),
+                HalfType::F16 => half::f16::from_f32(offset * half::f16::from_bits(v).to_f32()).to_bits(),
+            })
+            .collect();
+        let format = Affine { bits: spec.bits, group: spec.group, scales: half };
+        Ok(Some(MatrixData::Affine(AffineData { format, words, scales, biases })))
+    }
+
     /// The `[rows, cols]` matrix `full` in its dtype, shapes checked.
     fn read_matrix(&self, full: &str, rows: usize, cols: usize) -> Result<MatrixData, ModelError> {
         let module = full.strip_suffix(".weight").unwrap_or(full);
+        if let Some(data) = self.read_compressed(module, rows, cols)? {
+            return Ok(data);
+        }
         if let Some(a) = self.affine(full, cols)? {
             let groups = cols / a.group as usize;
             let w = self.checked(full, &[rows, cols * a.bits as usize / 32])?;

@@ -12,6 +12,15 @@ Run through `cargo xtask fixtures`, in stages over two venvs (torch and mlx cann
                         and an f32 HF checkpoint of exactly the weights mlx-lm holds (dequantized,
                         with its qwen3_5 sanitize undone) under target/mlx-deq/<name>/
   --stage transformers  (fixtures venv) transformers in f32 on each dequantized checkpoint
+  --stage compressed    (fixtures venv) a compressed-tensors W4A16 checkpoint of the HF source made with
+                        compressed-tensors' own machinery, as llm-compressor makes RedHatAI's Qwen 3.5
+                        W4A16 (apply_quantization_config; int4 symmetric group 64 scales from each
+                        group's min/max by calculate_qparams, llm-compressor's min-max observer;
+                        ModelCompressor compress_model, save_pretrained, update_config), format
+                        pack-quantized, lm_head and every GDN in_proj_a / in_proj_b ignored (bf16),
+                        into tests/fixtures/models/ct_w4a16_g64; the reference is transformers loading
+                        that directory itself (its compressed-tensors integration) in f32, checked to
+                        hold exactly s * (u - 8) and to match the same model on our own unpacking
   --stage peft          (fixtures venv) a PEFT LoRA adapter made on the HF source (module names
                         model.layers.N...) for mlx_q4_g64, and transformers + peft references on the
                         dequantized f32 mlx_q4_g64 (needs PYTHONHASHSEED=0, as make_adapters.py)
@@ -52,6 +61,13 @@ Outputs (committed):
       prompt{i}.generated      [N] i64      its greedy continuation through the cache
       prompt{i}.mlx_logits     [T, V] f32   mlx-lm's logits (bf16 compute, cast to f32)
       prompt{i}.mlx_generated  [N] i64      mlx-lm's greedy continuation (generate_step)
+
+  tests/fixtures/models/ct_w4a16_g64/    model.safetensors + config.json, as compressed-tensors wrote
+      them: each quantized Linear as <module>.weight_packed [out, in/8] i32 (eight 4-bit u = q + 8 a
+      word, input 8c+j in bits 4j..4j+3), .weight_scale [out, in/64] bf16, .weight_shape [2] i64,
+      w = scale * (u - 8); lm_head (tied) and in_proj_a / in_proj_b as plain bf16 .weight
+  tests/fixtures/reference/ct_w4a16_g64.safetensors
+      prompt{i}.ids / .logits / .generated   transformers f32 on that checkpoint (no mlx_* entries)
 
   tests/fixtures/adapters/mlx_q4_lora/       adapter_config.json + adapter_model.safetensors (peft)
   tests/fixtures/adapters/mlx_q4_mlx_lora/   adapter_config.json + adapters.safetensors (mlx-lm)
@@ -440,6 +456,217 @@ def stage_transformers(p):
     print(json.dumps(summary, indent=1))
 
 
+# The compressed-tensors fixture (--stage compressed): W4A16, int4 symmetric, group 64, pack-quantized,
+# as llm-compressor publishes Qwen 3.5 (RedHatAI's W4A16), with lm_head and the GDN gates in_proj_a /
+# in_proj_b left in bf16 (so one projection group mixes int4 and bf16).
+CT_NAME = "ct_w4a16_g64"
+CT_GROUP_SIZE = 64
+CT_IGNORE = ["lm_head", "re:.*in_proj_[ab]$"]
+
+
+def ct_quantization_config():
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationScheme
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group",
+                               group_size=CT_GROUP_SIZE, dynamic=False)
+    return QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)},
+                              ignore=CT_IGNORE)
+
+
+def unpack_int4(packed, n_in):
+    """Our own reading of pack-quantized 4-bit (not compressed-tensors' unpack_from_int32): int32 word c
+    of a row holds inputs 8c..8c+7, input 8c+j in bits 4j..4j+3 (low bits first), each stored as the
+    unsigned u = q + 8 (q in [-8, 7]). Returns u as int64 [out, n_in]."""
+    import torch
+
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    u = (words[..., None] >> (4 * torch.arange(8))) & 0xF
+    return u.reshape(packed.shape[0], -1)[:, :n_in]
+
+
+def manual_dequant(tensors, module):
+    """w = s * (u - 8) in f32 from the checkpoint's weight_packed / weight_scale / weight_shape."""
+    import torch
+
+    out_f, in_f = tensors[f"{module}.weight_shape"].tolist()
+    u = unpack_int4(tensors[f"{module}.weight_packed"], in_f)
+    s = tensors[f"{module}.weight_scale"].float().repeat_interleave(CT_GROUP_SIZE, dim=1)
+    return s * (u.float() - 8.0)
+
+
+def stage_compressed(p):
+    """compressed-tensors' own machinery on the bf16 source, as llm-compressor's QuantizationModifier
+    (RTN, the min-max weight observer) and its save_pretrained wrapper do it: apply_quantization_config,
+    per-group scales from min/max by calculate_qparams, then ModelCompressor.from_pretrained_model /
+    compress_model / save_pretrained / update_config. The reference is transformers itself loading that
+    directory (its compressed-tensors integration decompressing the packed weights), in f32."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import torch
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import update_offload_parameter
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from make_fixtures import greedy_with_cache
+    from safetensors.torch import load_file, save_file
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.set_num_threads(2)
+    out = os.path.join(p["models"], CT_NAME)
+    if os.path.exists(out):
+        shutil.rmtree(out)
+
+    # 1. Quantize as llm-compressor does: the model in its own dtype (bf16), the config applied, the
+    # weight qparams observed (min-max over each group of 64 inputs), then frozen.
+    model = Qwen3_5ForCausalLM.from_pretrained(p["source"], dtype=torch.bfloat16)
+    apply_quantization_config(model, ct_quantization_config())
+    quantized = {}
+    with torch.no_grad():
+        for name, m in model.named_modules():
+            scheme = getattr(m, "quantization_scheme", None)
+            if scheme is None:
+                continue
+            args = scheme.weights
+            groups = m.weight.unflatten(-1, (-1, args.group_size))  # [out, in / g, g]
+            scale, zero_point = calculate_qparams(groups.amin(-1), groups.amax(-1), args)
+            update_offload_parameter(m, "weight_scale", scale)
+            update_offload_parameter(m, "weight_zero_point", zero_point)
+            m.quantization_status = QuantizationStatus.FROZEN
+            quantized[name] = (m.weight.detach().clone(), scale.detach().clone())
+    ignored = sorted(n for n, m in model.named_modules()
+                     if isinstance(m, torch.nn.Linear) and n not in quantized)
+    expected_ignored = sorted(["lm_head"] + [f"model.layers.{i}.linear_attn.in_proj_{ab}"
+                                             for i, t in enumerate(SOURCE_TEXT["layer_types"])
+                                             if t == "linear_attention" for ab in "ab"])
+    if ignored != expected_ignored:
+        raise SystemExit(f"unquantized Linear modules {ignored}, expected {expected_ignored}")
+    compressor = ModelCompressor.from_pretrained_model(model)
+    if compressor.quantization_config.format != "pack-quantized":
+        raise SystemExit(f"inferred format {compressor.quantization_config.format}, expected pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for extra in ("generation_config.json",):
+        if os.path.exists(os.path.join(out, extra)):
+            os.remove(os.path.join(out, extra))
+    del model
+    files = sorted(os.listdir(out))
+    if files != ["config.json", "model.safetensors"]:
+        raise SystemExit(f"{out}: unexpected files {files}")
+    print(f"wrote {out}: {sum(os.path.getsize(os.path.join(out, f)) for f in files)} bytes")
+
+    # 2. The files, read by our own unpacking: every quantized module has exactly weight_packed (int32
+    # [out, in / 8]), weight_scale (bf16 [out, in / 64]), weight_shape (i64 [2]); u = q + 8 takes both
+    # ends 0 and 15; s * (u - 8) is within about s / 2 of the source weight; and q is
+    # what compressed-tensors' quantize gives (clamp(round(w / s), -8, 7) in bf16).
+    tensors = load_file(os.path.join(out, "model.safetensors"))
+    source = load_file(os.path.join(p["source"], "model.safetensors"))
+    u_seen = torch.zeros(16, dtype=torch.bool)
+    for name, (w, scale) in quantized.items():
+        keys = sorted(k for k in tensors if k.startswith(f"{name}."))
+        if keys != [f"{name}.{s}" for s in ("weight_packed", "weight_scale", "weight_shape")]:
+            raise SystemExit(f"{name}: tensors {keys}")
+        packed, s, shape = (tensors[f"{name}.{k}"] for k in ("weight_packed", "weight_scale", "weight_shape"))
+        if (packed.dtype, s.dtype, shape.dtype) != (torch.int32, torch.bfloat16, torch.int64) \
+                or tuple(packed.shape) != (w.shape[0], w.shape[1] // 8) \
+                or tuple(s.shape) != (w.shape[0], w.shape[1] // CT_GROUP_SIZE) or shape.tolist() != list(w.shape):
+            raise SystemExit(f"{name}: packed {packed.dtype} {tuple(packed.shape)}, scale {s.dtype} "
+                             f"{tuple(s.shape)}, shape {shape.dtype} {shape.tolist()} for weight {tuple(w.shape)}")
+        if not torch.equal(s, scale):
+            raise SystemExit(f"{name}: saved scales differ from the observed ones")
+        u = unpack_int4(packed, w.shape[1])
+        u_seen[u.unique()] = True
+        q_lib = torch.clamp(w / scale.repeat_interleave(CT_GROUP_SIZE, dim=1), -8, 7).round()
+        if not torch.equal(u - 8, q_lib.to(torch.int64)):
+            raise SystemExit(f"{name}: unpacked values differ from compressed-tensors' quantization")
+        s_full = s.float().repeat_interleave(CT_GROUP_SIZE, dim=1)
+        err = ((s_full * (u.float() - 8) - w.float()).abs() / s_full).max().item()
+        # half a step, and at the group's max (w / s = 7.5 clamped to 7) up to 7.5 (1 + 2^-8) - 7 with
+        # the bf16 scale max / 7.5 rounded down
+        if err > 0.53:
+            raise SystemExit(f"{name}: |s (u - 8) - w| up to {err:.3f} s")
+    if not bool(u_seen.all()):
+        raise SystemExit(f"unpacked u values seen {u_seen.nonzero().flatten().tolist()}, expected all of 0..15")
+    plain = sorted(k for k in tensors if not k.rsplit(".", 1)[0] in quantized)
+    for k in plain:
+        if not torch.equal(tensors[k], source[k]):
+            raise SystemExit(f"{k}: differs from the source")
+    if len(plain) + len(quantized) != len(source):
+        raise SystemExit(f"{len(plain)} plain + {len(quantized)} quantized tensors, source has {len(source)}")
+
+    # 3. transformers on the compressed checkpoint, f32: it builds the compressed modules, loads the
+    # packed tensors into them and decompresses on the first forward (compressed-tensors' pre-hook).
+    model, info = Qwen3_5ForCausalLM.from_pretrained(
+        out, dtype=torch.float32, attn_implementation="eager", output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        raise SystemExit(f"{out}: missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
+    model.eval()
+    modules = dict(model.named_modules())
+    for name in quantized:  # it really holds the packed weights before the first forward
+        m = modules[name]
+        if "weight" in dict(m.named_parameters(recurse=False)) or not torch.equal(m.weight_packed, tensors[f"{name}.weight_packed"]):
+            raise SystemExit(f"{name}: transformers did not load the packed weight")
+    manual = {name: manual_dequant(tensors, name) for name in quantized}
+    ref, ct_logits = {}, []
+    for i, ids in enumerate(prompts()):
+        ids = torch.from_numpy(ids)
+        with torch.no_grad():
+            logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+        gen = greedy_with_cache(model, ids[None])
+        if not torch.equal(gen, greedy_with_cache(model, ids[None])):
+            raise SystemExit(f"{CT_NAME}/prompt{i}: greedy ids differ between two runs")
+        ref[f"prompt{i}.ids"] = ids
+        ref[f"prompt{i}.logits"] = logits
+        ref[f"prompt{i}.generated"] = gen
+        ct_logits.append(logits)
+    worst = 0.0
+    for name in quantized:  # decompressed by the hook: dense f32, exactly s * (u - 8)
+        w = modules[name].weight
+        if w.dtype != torch.float32:
+            raise SystemExit(f"{name}: decompressed weight is {w.dtype}")
+        worst = max(worst, (w - manual[name]).abs().max().item())
+    print(f"transformers' decompressed weights vs our s * (u - 8) in f32: max |diff| {worst:.3e}")
+    if worst != 0.0:
+        raise SystemExit("transformers' decompressed weights are not s * (u - 8)")
+    del model
+    # transformers' other route, dequantize=True (its own load operation dequantizes each module while
+    # loading) is not the reference: it multiplies in the checkpoint's scale dtype, so its f32 weights
+    # are bf16(s * (u - 8)), not s * (u - 8). Checked as such, and how far its logits are reported.
+    from transformers import CompressedTensorsConfig
+
+    model = Qwen3_5ForCausalLM.from_pretrained(out, dtype=torch.float32, attn_implementation="eager",
+                                               quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    modules = dict(model.named_modules())
+    for name in quantized:
+        if not torch.equal(modules[name].weight, manual[name].bfloat16().float()):
+            raise SystemExit(f"{name}: transformers' dequantize=True weight is not bf16(s * (u - 8))")
+    w_diff = max((modules[n].weight - manual[n]).abs().max().item() for n in quantized)
+    with torch.no_grad():
+        l_diff = max((model(input_ids=torch.from_numpy(ids)[None], use_cache=False).logits[0].float()
+                      - ct_logits[i]).abs().max().item() for i, ids in enumerate(prompts()))
+    print(f"dequantize=True route (weights bf16(s * (u - 8))): weights max |diff| {w_diff:.3e}, "
+          f"logits max |diff| {l_diff:.3e} from the reference")
+    del model
+    save_file(ref, os.path.join(p["reference"], f"{CT_NAME}.safetensors"))
+    print(f"wrote {os.path.join(p['reference'], f'{CT_NAME}.safetensors')}")
+
+    # 4. The same forward on our own dequantization: the bf16 source in f32 with every quantized
+    # weight replaced by s * (u - 8) (the unquantized tensors were checked equal to the source's).
+    model = Qwen3_5ForCausalLM.from_pretrained(p["source"], dtype=torch.float32, attn_implementation="eager").eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in manual.items():
+            params[f"{name}.weight"].copy_(w)
+    summary = {}
+    for i, ids in enumerate(prompts()):
+        with torch.no_grad():
+            logits = model(input_ids=torch.from_numpy(ids)[None], use_cache=False).logits[0].float()
+        diff = (logits - ct_logits[i]).abs().max().item()
+        if diff > F32_TOLERANCE:
+            raise SystemExit(f"{CT_NAME}/prompt{i}: transformers on the checkpoint vs our dequantization differ by {diff}")
+        summary[f"{CT_NAME}/prompt{i}"] = dict(generated=ref[f"prompt{i}.generated"].tolist(), manual_diff=diff)
+    print(json.dumps(summary, indent=1))
+
+
 def load_deq(p, name):
     """transformers in f32 (eager) on the dequantized checkpoint of an MLX fixture."""
     import torch
@@ -707,8 +934,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True, help="repository root")
     ap.add_argument("--stage", required=True, choices=["source", "convert", "reference", "transformers", "peft",
-                                                       "mlx-lora", "mlx-lora-reference", "learn", "bench",
-                                                       "bench-4b"])
+                                                       "compressed", "mlx-lora", "mlx-lora-reference", "learn",
+                                                       "bench", "bench-4b"])
     args = ap.parse_args()
     p = paths(args.root)
     if args.stage == "bench":
@@ -718,7 +945,8 @@ def main():
         stage_bench_4b(args.root)
         return
     stages = {"source": stage_source, "convert": stage_convert, "reference": stage_reference,
-              "transformers": stage_transformers, "peft": stage_peft, "mlx-lora": stage_mlx_lora,
+              "transformers": stage_transformers, "compressed": stage_compressed, "peft": stage_peft,
+              "mlx-lora": stage_mlx_lora,
               "mlx-lora-reference": stage_mlx_lora_reference, "learn": stage_learn}
     stages[args.stage](p)
 

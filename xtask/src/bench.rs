@@ -114,7 +114,7 @@ fn quantized_run(root: &Path, model: &Path, sizes: &Sizes) -> Result<Value> {
 fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Value, sizes: &Sizes) -> Result<String> {
     let [q4, q8] = mlx_checkpoints(root, mlx_python, model)?;
     let runs = [
-        ("bf16 (checkpoint)", engine.clone()),
+        ("bf16 (checkpoint; GPU MB include the adapter's two resident copies)", engine.clone()),
         ("q8 (mlx-lm 8-bit g64)", quantized_run(root, &q8, sizes)?),
         ("q4 (mlx-lm 4-bit g64)", quantized_run(root, &q4, sizes)?),
     ];
@@ -166,7 +166,7 @@ fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Valu
         verdict(q4_bytes / base_bytes <= 0.32),
         q4_decode,
         med(&engine["decode_tok_s"]),
-        verdict(q4_decode > med(&engine["decode_tok_s"]))
+        verdict_noisy(q4_decode > med(&engine["decode_tok_s"]), overlap(&runs[2].1["decode_tok_s"], &engine["decode_tok_s"]))
     ));
     let mut quality = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     quality.current_dir(root).args(["run", "--release", "--example", "quality"]);

@@ -34,8 +34,15 @@ cargo xtask <command>
 ";
 
 /// Pinned oracle versions (the fixtures committed were made with these).
-const PY_PINS: &[&str] =
-    &["torch==2.15.0", "transformers==5.23.0", "peft==0.21.2", "safetensors==0.8.0", "tokenizers==0.23.3", "numpy"];
+const PY_PINS: &[&str] = &[
+    "torch==2.15.0",
+    "transformers==5.23.0",
+    "peft==0.21.2",
+    "safetensors==0.8.0",
+    "tokenizers==0.23.3",
+    "compressed-tensors==0.20.1",
+    "numpy",
+];
 
 /// Pinned MLX oracle versions (the MLX fixtures committed were made with these). mlx-cpu is mlx's
 /// CPU backend, a separate wheel on Linux only; transformers is mlx-lm's own dependency.
@@ -210,7 +217,8 @@ fn python(scripts: &[&str]) -> Result<()> {
 
 /// The MLX fixtures: make_mlx.py's stages, each in the venv that has its library (torch builds the
 /// source, the transformers references and the PEFT adapter, mlx-lm converts and runs the MLX
-/// checkpoints and makes the MLX adapter). After make_adapters.py, which empties the adapters folder.
+/// checkpoints and makes the MLX adapter; compressed-tensors, in the torch venv, writes the W4A16
+/// pack-quantized checkpoint). After make_adapters.py, which empties the adapters folder.
 fn mlx_fixtures() -> Result<()> {
     let root = root();
     let (torch, mlx) = (venv()?, mlx_venv()?);
@@ -219,6 +227,7 @@ fn mlx_fixtures() -> Result<()> {
         (&mlx, "convert"),
         (&mlx, "reference"),
         (&torch, "transformers"),
+        (&torch, "compressed"),
         (&torch, "peft"),
         (&mlx, "mlx-lora"),
         (&torch, "mlx-lora-reference"),
