@@ -102,6 +102,12 @@ fn unreadable_and_malformed_files_are_typed_errors() {
 
     std::fs::write(&file, b"\x05").expect("write");
     assert!(matches!(Checkpoint::open_dir(&dir), Err(ModelError::BadSafetensors { .. })));
+
+    let dir = scratch_copy(&fixture_model(BASE), "gguf");
+    std::fs::remove_file(dir.join("model.safetensors")).expect("rm");
+    std::fs::write(dir.join("model-Q4_K_M.gguf"), b"GGUF").expect("write");
+    let e = Checkpoint::open_dir(&dir).err().expect("a GGUF directory must fail");
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.starts_with("GGUF")), "{e}");
 }
 
 #[test]

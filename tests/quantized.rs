@@ -238,6 +238,17 @@ fn lora_adapters_apply_on_a_quantized_base() {
                     vocab,
                 );
             }
+            if name == "mlx_q4_mlx_lora" {
+                // mlx-lm itself with the adapter, in its dtypes (MLX_LOGITS_REL's bf16 noise).
+                let mut s = session(&model);
+                s.set_adapter(Some((adapter.clone(), 1.0))).expect("adapter");
+                let (logits, _) = s.feed_debug(&ids).expect("forward");
+                let (_, want) = r.f32(&format!("prompt{p}.mlx_logits"));
+                for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+                    let (rel, _) = rel_and_max(o, w);
+                    assert!(rel <= MLX_LOGITS_REL, "{name} prompt{p} position {pos}: rel {rel:.3e} vs mlx-lm");
+                }
+            }
             let want = r.ids(&format!("prompt{p}.generated"));
             let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
             for fused in [false, true] {

@@ -67,6 +67,17 @@ impl Checkpoint {
         } else if single.is_file() {
             vec![single]
         } else {
+            let gguf = std::fs::read_dir(dir)
+                .map(|entries| entries.flatten().any(|e| e.path().extension().is_some_and(|x| x == "gguf")))
+                .unwrap_or(false);
+            if gguf {
+                return Err(ModelError::Unsupported {
+                    what: format!(
+                        "GGUF files in {} (safetensors checkpoints load: Hugging Face, MLX, compressed-tensors)",
+                        dir.display()
+                    ),
+                });
+            }
             return Err(ModelError::NoWeights { dir: dir.to_path_buf() });
         };
         Self::open_files(&files)
