@@ -421,6 +421,19 @@ fn affine_linear_layers_match_reference() {
     }
 }
 
+/// The embedding gather of a few ids (repeated, first and last rows) from `gw`, a table split
+/// across bindings holding `table`, is exactly those rows.
+fn check_embed(ctx: &GpuContext, gw: &GpuWeight, table: &[f32], what: &str) {
+    let h = gw.cols;
+    assert!(gw.chunks.len() > 1, "{what}: a split table");
+    let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
+    let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
+    let hb = upload(ctx, &vec![0.0; ids.len() * h]);
+    run(ctx, |rec| embed(rec, gw, &idb, ids.len(), &hb));
+    let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
+    assert_eq!(read(ctx, &hb, ids.len() * h), want, "{what}");
+}
+
 #[test]
 fn affine_embedding_gathers_the_dequantized_rows() {
     let Some(ctx) = ctx() else { return };
@@ -429,13 +442,7 @@ fn affine_embedding_gathers_the_dequantized_rows() {
         let (v, h) = (37, 128);
         let (data, table) = affine_weights(a, v, h, 77 + bits as u64);
         let gw = GpuWeight::upload_affine(&ctx, "embed", v, h, &data, (5 * a.row_bytes(h)) as u64).expect("table");
-        assert!(gw.chunks.len() > 1);
-        let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
-        let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
-        let hb = upload(&ctx, &vec![0.0; ids.len() * h]);
-        run(&ctx, |rec| embed(rec, &gw, &idb, ids.len(), &hb));
-        let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
-        assert_eq!(read(&ctx, &hb, ids.len() * h), want, "embed {a:?}: the decoder's fma, exactly");
+        check_embed(&ctx, &gw, &table, &format!("embed {a:?}: the decoder's fma, exactly"));
     }
 }
 
@@ -799,13 +806,7 @@ fn embed_and_swiglu_match_reference() {
         let (v, h) = (37, 19);
         let (bytes, table) = weight_bytes(&rand(v * h, 9, 1.0), dtype);
         let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (5 * dtype.row_bytes(h)) as u64).expect("table");
-        assert!(gw.chunks.len() > 1);
-        let ids: Vec<u32> = vec![0, 36, 5, 5, 17, 10];
-        let idb = ctx.upload("ids", bytemuck::cast_slice(&ids)).expect("ids");
-        let hb = upload(&ctx, &vec![0.0; ids.len() * h]);
-        run(&ctx, |rec| embed(rec, &gw, &idb, ids.len(), &hb));
-        let want: Vec<f32> = ids.iter().flat_map(|&i| table[i as usize * h..(i as usize + 1) * h].to_vec()).collect();
-        assert_eq!(read(&ctx, &hb, ids.len() * h), want, "embed {dtype:?} must be exact");
+        check_embed(&ctx, &gw, &table, &format!("embed {dtype:?} must be exact"));
     }
     for n in [1, 63, 64, 1000] {
         let g = rand(n, 21, 4.0);

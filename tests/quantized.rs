@@ -32,6 +32,15 @@ fn session(model: &Arc<Model>) -> Session {
     Session::new(model.clone(), SessionOptions { max_context: 64, max_batch: 16 }).expect("session")
 }
 
+/// Every position of `ours` vs `want` (rows of `vocab` logits): ‖ours − want‖ / ‖want‖ ≤ `rel` and
+/// max |ours − want| ≤ `abs`.
+fn assert_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize, rel: f32, abs: f32) {
+    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (r, m) = rel_and_max(o, w);
+        assert!(r <= rel && m <= abs, "{what} position {pos}: rel {r:.3e} (≤ {rel}), max abs {m:.3e} (≤ {abs})");
+    }
+}
+
 #[test]
 fn mlx_checkpoints_load_quantized_as_their_config_says() {
     let Some(q4) = load("mlx_q4_g64") else {
@@ -72,13 +81,7 @@ fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
             let ids = r.ids(&format!("prompt{p}.ids"));
             let (_, want) = r.f32(&format!("prompt{p}.logits"));
             let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
-            for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-                let (rel, max) = rel_and_max(o, w);
-                assert!(
-                    rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
-                    "{name} prompt{p} position {pos}: rel {rel:.3e}, max abs {max:.3e}"
-                );
-            }
+            assert_rows(&format!("{name} prompt{p}"), &logits.data, &want, vocab, LOGITS_REL, LOGITS_MAX_ABS);
         }
     }
 }
@@ -116,13 +119,14 @@ fn mlx_prefill_logits_agree_with_mlx_lm() {
             let ids = r.ids(&format!("prompt{p}.ids"));
             let (_, want) = r.f32(&format!("prompt{p}.mlx_logits"));
             let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
-            for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-                let (rel, max) = rel_and_max(o, w);
-                assert!(
-                    rel <= MLX_LOGITS_REL,
-                    "{name} prompt{p} position {pos}: rel {rel:.3e} (max abs {max:.3e}) vs mlx-lm"
-                );
-            }
+            assert_rows(
+                &format!("{name} prompt{p} vs mlx-lm"),
+                &logits.data,
+                &want,
+                vocab,
+                MLX_LOGITS_REL,
+                f32::INFINITY,
+            );
         }
     }
 }
@@ -203,13 +207,6 @@ fn a_checkpoint_quantized_at_load_runs_as_mlx_lms_conversion() {
     }
 }
 
-fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
-    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let (rel, max) = rel_and_max(o, w);
-        assert!(rel <= LOGITS_REL && max <= LOGITS_MAX_ABS, "{what} position {pos}: rel {rel:.3e}, max abs {max:.3e}");
-    }
-}
-
 /// A PEFT adapter (scales 1 and 0.5) and an MLX adapter (`mlx_lm.lora`'s files: transposed
 /// factors, an absolute scale) on the 4-bit base, unmerged, vs transformers + peft on the
 /// dequantized base: logits and greedy ids (fused and unfused decode).
@@ -231,11 +228,13 @@ fn lora_adapters_apply_on_a_quantized_base() {
                 let mut s = session(&model);
                 s.set_adapter(Some((adapter.clone(), scale))).expect("adapter");
                 let (logits, _) = s.feed_debug(&ids).expect("forward");
-                check_logits(
+                assert_rows(
                     &format!("{name} scale {scale} prompt{p}"),
                     &logits.data,
                     &r.f32(&format!("prompt{p}.{key}")).1,
                     vocab,
+                    LOGITS_REL,
+                    LOGITS_MAX_ABS,
                 );
             }
             if name == "mlx_q4_mlx_lora" {
@@ -244,10 +243,14 @@ fn lora_adapters_apply_on_a_quantized_base() {
                 s.set_adapter(Some((adapter.clone(), 1.0))).expect("adapter");
                 let (logits, _) = s.feed_debug(&ids).expect("forward");
                 let (_, want) = r.f32(&format!("prompt{p}.mlx_logits"));
-                for (pos, (o, w)) in logits.data.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-                    let (rel, _) = rel_and_max(o, w);
-                    assert!(rel <= MLX_LOGITS_REL, "{name} prompt{p} position {pos}: rel {rel:.3e} vs mlx-lm");
-                }
+                assert_rows(
+                    &format!("{name} prompt{p} vs mlx-lm"),
+                    &logits.data,
+                    &want,
+                    vocab,
+                    MLX_LOGITS_REL,
+                    f32::INFINITY,
+                );
             }
             let want = r.ids(&format!("prompt{p}.generated"));
             let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };

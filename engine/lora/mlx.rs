@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 
 use crate::error::AdapterError;
-use crate::lora::peft::{read_values, ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig};
+use crate::lora::peft::{
+    both_keys, layer_projection, read_values, ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig,
+};
 use crate::lora::Proj;
 use crate::model::{Checkpoint, TextConfig};
 
@@ -115,26 +117,8 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
                 AdapterError::Unsupported { feature: feature.into(), key: key.into() }
             });
         };
-        let layer: usize = cap["layer"]
-            .parse()
-            .map_err(|_| AdapterError::UnknownKey { key: key.into(), why: "layer index is not a number".into() })?;
         let path = &cap["path"];
-        let proj = Proj::from_path(path).ok_or_else(|| AdapterError::UnknownKey {
-            key: key.into(),
-            why: format!("Qwen 3.5 has no projection {path:?}"),
-        })?;
-        if layer >= model.num_layers() {
-            return Err(AdapterError::LayerOutOfRange { key: key.into(), layer, layers: model.num_layers() });
-        }
-        let ty = model.layer_types[layer];
-        if proj.layer_type().is_some_and(|t| t != ty) {
-            return Err(AdapterError::WrongTarget {
-                key: key.into(),
-                layer,
-                layer_type: format!("{ty:?}"),
-                projection: proj.path().into(),
-            });
-        }
+        let (layer, proj) = layer_projection(key, &cap["layer"], path, model)?;
         if let Some(keys) = &config.keys {
             if !keys.iter().any(|k| k == path) {
                 return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
@@ -144,16 +128,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     }
     let mut deltas = Vec::with_capacity(pairs.len());
     for ((layer, proj), [a_key, b_key]) in pairs {
-        let (a_key, b_key) = match (a_key, b_key) {
-            (Some(a), Some(b)) => (a, b),
-            (Some(a), None) => {
-                return Err(AdapterError::MissingPair { missing: a.replace("lora_a", "lora_b"), key: a })
-            }
-            (None, Some(b)) => {
-                return Err(AdapterError::MissingPair { missing: b.replace("lora_b", "lora_a"), key: b })
-            }
-            (None, None) => unreachable!("a pair entry is made by one of its keys"),
-        };
+        let (a_key, b_key) = both_keys(a_key, b_key, ["lora_a", "lora_b"])?;
         let (fan_in, fan_out) = proj.dims(model);
         let shape = |k: &str| ckpt.get(k).map(|e| e.shape.clone()).unwrap_or_default();
         let a_shape = shape(&a_key);

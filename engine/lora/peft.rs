@@ -408,6 +408,50 @@ fn classify_other(key: &str) -> Option<AdapterError> {
     })
 }
 
+/// The layer and projection a LoRA key names (its layer index and module path as captured),
+/// checked against the model: a layer it has, a projection that layer type has.
+pub(crate) fn layer_projection(
+    key: &str,
+    layer: &str,
+    path: &str,
+    model: &TextConfig,
+) -> Result<(usize, Proj), AdapterError> {
+    let layer: usize = layer
+        .parse()
+        .map_err(|_| AdapterError::UnknownKey { key: key.into(), why: "layer index is not a number".into() })?;
+    let proj = Proj::from_path(path).ok_or_else(|| AdapterError::UnknownKey {
+        key: key.into(),
+        why: format!("Qwen 3.5 has no projection {path:?}"),
+    })?;
+    if layer >= model.num_layers() {
+        return Err(AdapterError::LayerOutOfRange { key: key.into(), layer, layers: model.num_layers() });
+    }
+    let ty = model.layer_types[layer];
+    if proj.layer_type().is_some_and(|t| t != ty) {
+        return Err(AdapterError::WrongTarget {
+            key: key.into(),
+            layer,
+            layer_type: format!("{ty:?}"),
+            projection: proj.path().into(),
+        });
+    }
+    Ok((layer, proj))
+}
+
+/// Both keys of a pair (`names`: how the A and B keys spell their factor), or the one missing.
+pub(crate) fn both_keys(
+    a: Option<String>,
+    b: Option<String>,
+    [a_name, b_name]: [&str; 2],
+) -> Result<(String, String), AdapterError> {
+    match (a, b) {
+        (Some(a), Some(b)) => Ok((a, b)),
+        (Some(a), None) => Err(AdapterError::MissingPair { missing: a.replace(a_name, b_name), key: a }),
+        (None, Some(b)) => Err(AdapterError::MissingPair { missing: b.replace(b_name, a_name), key: b }),
+        (None, None) => Err(AdapterError::Empty { path: PathBuf::new() }),
+    }
+}
+
 /// A module's name and its `[lora_A, lora_B]` keys as found.
 type KeyPair = (String, [Option<String>; 2]);
 
@@ -439,25 +483,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
             }
         };
         let module = &cap["module"];
-        let layer: usize = cap["layer"]
-            .parse()
-            .map_err(|_| AdapterError::UnknownKey { key: key.into(), why: "layer index is not a number".into() })?;
-        let proj = Proj::from_path(&cap["path"]).ok_or_else(|| AdapterError::UnknownKey {
-            key: key.into(),
-            why: format!("Qwen 3.5 has no projection {:?}", &cap["path"]),
-        })?;
-        if layer >= model.num_layers() {
-            return Err(AdapterError::LayerOutOfRange { key: key.into(), layer, layers: model.num_layers() });
-        }
-        let ty = model.layer_types[layer];
-        if proj.layer_type().is_some_and(|t| t != ty) {
-            return Err(AdapterError::WrongTarget {
-                key: key.into(),
-                layer,
-                layer_type: format!("{ty:?}"),
-                projection: proj.path().into(),
-            });
-        }
+        let (layer, proj) = layer_projection(key, &cap["layer"], &cap["path"], model)?;
         if let Some(why) = config.excludes(module, layer) {
             return Err(AdapterError::NotTargeted { key: key.into(), why });
         }
@@ -467,16 +493,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     }
     let mut deltas = Vec::with_capacity(pairs.len());
     for ((layer, proj), (module, [a_key, b_key])) in pairs {
-        let (a_key, b_key) = match (a_key, b_key) {
-            (Some(a), Some(b)) => (a, b),
-            (Some(a), None) => {
-                return Err(AdapterError::MissingPair { missing: a.replace("lora_A", "lora_B"), key: a })
-            }
-            (None, Some(b)) => {
-                return Err(AdapterError::MissingPair { missing: b.replace("lora_B", "lora_A"), key: b })
-            }
-            (None, None) => unreachable!("a pair entry is made by one of its keys"),
-        };
+        let (a_key, b_key) = both_keys(a_key, b_key, ["lora_A", "lora_B"])?;
         let (fan_in, fan_out) = proj.dims(model);
         let a_entry =
             ckpt.get(&a_key).ok_or_else(|| AdapterError::MissingPair { key: b_key.clone(), missing: a_key.clone() })?;
