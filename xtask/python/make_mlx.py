@@ -414,10 +414,34 @@ def stage_reference(p):
         print(f"wrote {deq}")
 
 
+def checked_reference(model, mlx, name, i, ids, tensors):
+    """Prompt i's reference by transformers on `model` (full-prefill logits, greedy ids through the
+    cache, checked to repeat) into `tensors`, beside mlx-lm's outputs from `mlx`; stops if
+    transformers and mlx-lm with every parameter in f32 differ by more than F32_TOLERANCE.
+    Returns the logits and that f32 difference."""
+    import torch
+    from make_fixtures import greedy_with_cache
+
+    ids = torch.from_numpy(ids)
+    with torch.no_grad():
+        logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
+    f32_diff = float((logits - mlx[f"prompt{i}.mlx_f32_logits"]).abs().max())
+    if f32_diff > F32_TOLERANCE:
+        raise SystemExit(f"{name}/prompt{i}: transformers vs mlx-lm in f32 differ by {f32_diff}")
+    gen = greedy_with_cache(model, ids[None])
+    if not torch.equal(gen, greedy_with_cache(model, ids[None])):
+        raise SystemExit(f"{name}/prompt{i}: greedy ids differ between two runs")
+    tensors[f"prompt{i}.ids"] = ids
+    tensors[f"prompt{i}.logits"] = logits
+    tensors[f"prompt{i}.generated"] = gen
+    tensors[f"prompt{i}.mlx_logits"] = mlx[f"prompt{i}.mlx_logits"]
+    tensors[f"prompt{i}.mlx_generated"] = mlx[f"prompt{i}.mlx_generated"]
+    return logits, f32_diff
+
+
 def stage_transformers(p):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
-    from make_fixtures import greedy_with_cache
     from safetensors.torch import load_file, save_file
     from transformers import Qwen3_5ForCausalLM
 
@@ -433,22 +457,9 @@ def stage_transformers(p):
         mlx = load_file(os.path.join(deq, "mlx.safetensors"))
         tensors, diffs = {}, []
         for i, ids in enumerate(prompts()):
-            ids = torch.from_numpy(ids)
-            with torch.no_grad():
-                logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
-            f32_diff = float((logits - mlx[f"prompt{i}.mlx_f32_logits"]).abs().max())
-            if f32_diff > F32_TOLERANCE:
-                raise SystemExit(f"{name}/prompt{i}: transformers vs mlx-lm in f32 differ by {f32_diff}")
-            gen = greedy_with_cache(model, ids[None])
-            if not torch.equal(gen, greedy_with_cache(model, ids[None])):
-                raise SystemExit(f"{name}/prompt{i}: greedy ids differ between two runs")
-            tensors[f"prompt{i}.ids"] = ids
-            tensors[f"prompt{i}.logits"] = logits
-            tensors[f"prompt{i}.generated"] = gen
-            tensors[f"prompt{i}.mlx_logits"] = mlx[f"prompt{i}.mlx_logits"]
-            tensors[f"prompt{i}.mlx_generated"] = mlx[f"prompt{i}.mlx_generated"]
+            logits, f32_diff = checked_reference(model, mlx, name, i, ids, tensors)
             diffs.append(float((logits - mlx[f"prompt{i}.mlx_logits"]).abs().max()))
-            summary[f"{name}/prompt{i}"] = dict(generated=gen.tolist(),
+            summary[f"{name}/prompt{i}"] = dict(generated=tensors[f"prompt{i}.generated"].tolist(),
                                                 mlx_generated=mlx[f"prompt{i}.mlx_generated"].tolist(),
                                                 f32_diff=f32_diff)
         save_file(tensors, os.path.join(p["reference"], f"{name}.safetensors"))
@@ -823,7 +834,6 @@ def stage_mlx_lora(p):
 def stage_mlx_lora_reference(p):
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import torch
-    from make_fixtures import greedy_with_cache
     from peft import LoraConfig, get_peft_model
     from safetensors.torch import load_file, save_file
 
@@ -858,20 +868,8 @@ def stage_mlx_lora_reference(p):
     base_ref = load_file(os.path.join(p["reference"], f"{ADAPTER_BASE}.safetensors"))
     tensors = {}
     for i, ids in enumerate(prompts()):
-        ids = torch.from_numpy(ids)
-        with torch.no_grad():
-            logits = model(input_ids=ids[None], use_cache=False).logits[0].float().contiguous()
-        f32_diff = float((logits - mlx[f"prompt{i}.mlx_f32_logits"]).abs().max())
-        if f32_diff > F32_TOLERANCE:
-            raise SystemExit(f"{MLX_ADAPTER}/prompt{i}: transformers + peft vs mlx-lm in f32 differ by {f32_diff}")
-        gen = greedy_with_cache(model, ids[None])
-        if not torch.equal(gen, greedy_with_cache(model, ids[None])):
-            raise SystemExit(f"{MLX_ADAPTER}/prompt{i}: greedy ids differ between two runs")
-        tensors[f"prompt{i}.ids"] = ids
-        tensors[f"prompt{i}.logits"] = logits
-        tensors[f"prompt{i}.generated"] = gen
-        tensors[f"prompt{i}.mlx_logits"] = mlx[f"prompt{i}.mlx_logits"]
-        tensors[f"prompt{i}.mlx_generated"] = mlx[f"prompt{i}.mlx_generated"]
+        logits, f32_diff = checked_reference(model, mlx, MLX_ADAPTER, i, ids, tensors)
+        gen = tensors[f"prompt{i}.generated"]
         native = float((logits - mlx[f"prompt{i}.mlx_logits"]).abs().max())
         effect = float((logits - base_ref[f"prompt{i}.logits"]).abs().max())
         print(f"{MLX_ADAPTER}/prompt{i}: f32 diff {f32_diff:.2e}, max |mlx native - transformers| {native:.4f}, "
