@@ -69,21 +69,25 @@ fn mlx_checkpoints_load_quantized_as_their_config_says() {
     assert!(q4.embed.bytes() * 3 < bf16.embed.bytes(), "{} vs {}", q4.embed.bytes(), bf16.embed.bytes());
 }
 
-#[test]
-fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
-    for name in WITH_TRANSFORMERS {
+/// Prefill logits of every prompt of each fixture in `names` vs the reference's `key` tensor.
+fn check_prefill(names: &[&str], key: &str, rel: f32, abs: f32) {
+    for &name in names {
         let Some(model) = load(name) else {
             return;
         };
         let r = Reference::load(name);
-        let vocab = model.config.vocab_size;
         for p in 0..PROMPTS {
             let ids = r.ids(&format!("prompt{p}.ids"));
-            let (_, want) = r.f32(&format!("prompt{p}.logits"));
+            let (_, want) = r.f32(&format!("prompt{p}.{key}"));
             let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
-            assert_rows(&format!("{name} prompt{p}"), &logits.data, &want, vocab, LOGITS_REL, LOGITS_MAX_ABS);
+            assert_rows(&format!("{name} prompt{p} vs {key}"), &logits.data, &want, model.config.vocab_size, rel, abs);
         }
     }
+}
+
+#[test]
+fn mlx_prefill_logits_match_transformers_on_the_dequantized_weights() {
+    check_prefill(&WITH_TRANSFORMERS, "logits", LOGITS_REL, LOGITS_MAX_ABS);
 }
 
 #[test]
@@ -109,26 +113,7 @@ fn mlx_greedy_continuations_match_transformers_on_the_dequantized_weights() {
 
 #[test]
 fn mlx_prefill_logits_agree_with_mlx_lm() {
-    for name in FIXTURES {
-        let Some(model) = load(name) else {
-            return;
-        };
-        let r = Reference::load(name);
-        let vocab = model.config.vocab_size;
-        for p in 0..PROMPTS {
-            let ids = r.ids(&format!("prompt{p}.ids"));
-            let (_, want) = r.f32(&format!("prompt{p}.mlx_logits"));
-            let (logits, _) = session(&model).feed_debug(&ids).expect("forward");
-            assert_rows(
-                &format!("{name} prompt{p} vs mlx-lm"),
-                &logits.data,
-                &want,
-                vocab,
-                MLX_LOGITS_REL,
-                f32::INFINITY,
-            );
-        }
-    }
+    check_prefill(&FIXTURES, "mlx_logits", MLX_LOGITS_REL, f32::INFINITY);
 }
 
 /// Load-time quantization of the bf16 source the MLX fixtures were converted from gives, tensor

@@ -98,6 +98,15 @@ impl Dtype {
 }
 
 impl HalfType {
+    /// Parse a safetensors dtype string (`BF16`, `F16`); `None` for any other.
+    pub fn from_safetensors(s: &str) -> Option<Self> {
+        match s {
+            "BF16" => Some(HalfType::BF16),
+            "F16" => Some(HalfType::F16),
+            _ => None,
+        }
+    }
+
     /// Widen one value.
     pub fn to_f32(self, bits: u16) -> f32 {
         match self {

@@ -112,6 +112,18 @@ impl Checkpoint {
         self.tensors.keys().map(String::as_str)
     }
 
+    /// The prefix of the text model's tensors: `model.language_model.` (a Hugging Face VLM
+    /// save), `language_model.model.` (MLX) or `model.` (a text-only save).
+    pub fn text_prefix(&self) -> &'static str {
+        if self.names().any(|n| n.starts_with("model.language_model.")) {
+            "model.language_model."
+        } else if self.names().any(|n| n.starts_with("language_model.model.")) {
+            "language_model.model."
+        } else {
+            "model."
+        }
+    }
+
     /// Read a tensor's raw little-endian bytes.
     pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
         let (path, data_start) = &self.files[entry.file];

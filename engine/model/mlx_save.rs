@@ -81,15 +81,12 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
         return Err(ModelError::Unsupported { what: "re-quantizing a checkpoint that is already quantized".into() });
     }
     let ckpt = Checkpoint::open_dir(src)?;
-    let prefix = if ckpt.names().any(|n| n.starts_with("model.language_model.")) {
-        "model.language_model."
-    } else if ckpt.names().any(|n| n.starts_with("language_model.model.")) {
+    let prefix = ckpt.text_prefix();
+    if prefix == "language_model.model." {
         return Err(ModelError::Unsupported {
             what: "an MLX checkpoint as the source (save from the Hugging Face one)".into(),
         });
-    } else {
-        "model."
-    };
+    }
     let mut names: Vec<&str> = ckpt.names().collect();
     names.sort_unstable();
     // (name, dtype, shape, bytes) of every tensor to write.

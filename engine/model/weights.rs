@@ -206,11 +206,8 @@ impl Loader<'_> {
                 found: spec.group.to_string(),
             });
         }
-        let scale_type = match s.dtype.as_str() {
-            "BF16" => HalfType::BF16,
-            "F16" => HalfType::F16,
-            _ => return Err(ModelError::UnsupportedDtype { name: scales, found: s.dtype.clone() }),
-        };
+        let scale_type = HalfType::from_safetensors(&s.dtype)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: scales.clone(), found: s.dtype.clone() })?;
         let b = self.entry(&biases)?;
         if b.dtype != s.dtype {
             return Err(ModelError::DtypeMismatch {
@@ -252,11 +249,8 @@ impl Loader<'_> {
         }
         let scale_name = format!("{module}.weight_scale");
         let s = self.checked(&scale_name, &[rows, cols / spec.group as usize])?;
-        let half = match s.dtype.as_str() {
-            "BF16" => HalfType::BF16,
-            "F16" => HalfType::F16,
-            _ => return Err(ModelError::UnsupportedDtype { name: scale_name, found: s.dtype.clone() }),
-        };
+        let half = HalfType::from_safetensors(&s.dtype)
+            .ok_or_else(|| ModelError::UnsupportedDtype { name: scale_name.clone(), found: s.dtype.clone() })?;
         if let Some(shape) = self.ckpt.get(&format!("{module}.weight_shape")) {
             let dims = self.ckpt.read(shape)?;
             let want: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
@@ -384,13 +378,7 @@ impl Model {
             .map_err(|e| ModelError::BadJson { file: "config.json".into(), message: e.to_string() })?;
         let quant = QuantConfig::from_config(&top)?;
         let ckpt = Checkpoint::open_dir(dir)?;
-        let prefix = if ckpt.names().any(|n| n.starts_with("model.language_model.")) {
-            "model.language_model."
-        } else if ckpt.names().any(|n| n.starts_with("language_model.model.")) {
-            "language_model.model."
-        } else {
-            "model."
-        };
+        let prefix = ckpt.text_prefix();
         // The MLX layout shows in the conv weights' shape ([C, K, 1]); with K = 1 both layouts
         // read alike and the MLX prefix decides.
         let c = &config;
