@@ -11,7 +11,7 @@ use crate::learn::{FeedbackEvent, LearnOptions, LearnReport, TrainSpec};
 use crate::lora::AdapterInfo;
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
-use crate::text::{ChatMessage, TextError, TextTokenizer};
+use crate::text::{ChatDelta, ChatReply, ChatRequest, ReplyParser, TextError, TextTokenizer};
 
 /// The id of a resident adapter.
 pub type AdapterId = String;
@@ -224,17 +224,21 @@ pub trait LlmBackend {
         self.generate_stream(prompt, params, &mut |_| true)
     }
 
-    /// Render `messages` with the model's chat template (with the generation prompt) and
-    /// generate the reply, streaming deltas.
+    /// Render `request` with the model's chat template (tools, `enable_thinking` and other
+    /// template variables, `continue_final_message`) and generate the reply, streaming it split
+    /// into reasoning, content and complete tool calls (`on_delta` returns `false` to stop).
+    /// Generation stops at EOS, `max_tokens` or the first of `params.stop`.
     fn chat(
         &mut self,
-        messages: &[ChatMessage],
+        request: &ChatRequest,
         params: &GenerateParams,
-        on_text: &mut dyn FnMut(&str) -> bool,
-    ) -> Result<String, BackendError> {
+        on_delta: &mut dyn FnMut(ChatDelta<'_>) -> bool,
+    ) -> Result<ChatReply, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
-        let prompt = tok.apply_chat_template(messages)?;
-        self.generate_stream(&prompt, params, on_text)
+        let prompt = tok.render_chat(request)?;
+        let mut parser = ReplyParser::new(&prompt, request.tools.as_deref());
+        self.generate_stream(&prompt, params, &mut |delta| parser.push(delta, on_delta))?;
+        Ok(parser.finish(on_delta))
     }
 
     /// An embedding of `ids`: the mean over positions of the model's final (normalised) hidden

@@ -38,5 +38,5 @@ pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, Tr
 pub use lora::{AdapterInfo, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
 pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};
-pub use text::{ChatMessage, TextError, TextTokenizer};
+pub use text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
 pub use wgpu_backend::WgpuBackend;

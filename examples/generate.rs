@@ -1,9 +1,15 @@
-//! Chat with a model: render the question with the model's chat template, stream the answer.
+//! Chat with a model: render the conversation with the model's chat template, stream the answer.
 //!
-//! `cargo run --release --example generate -- [--model DIR] [--adapter DIR[:SCALE]] [--prompt TEXT]
-//!  [--quantize q8|q4|q4-quality] [--max-tokens N] [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
+//! `cargo run --release --example generate -- [--model DIR] [--adapter DIR[:SCALE]]
+//!  [--prompt TEXT | --messages FILE.json] [--tools FILE.json] [--template-var K=JSON]…
+//!  [--print-prompt] [--quantize q8|q4|q4-quality] [--max-tokens N]
+//!  [--temperature T --top-k K --top-p P --seed S] [--repetition-penalty R] [--stop S]`
 //!
-//! Defaults to the embedded demo model. The answer streams to stdout; timings go to stderr.
+//! Defaults to the embedded demo model. `--messages` is a JSON list of messages as transformers
+//! takes them (`role`, `content` as text or typed parts, `reasoning_content`, `tool_calls`,
+//! `tool_call_id`, `name`); `--tools` a JSON list of tool definitions; `--template-var
+//! enable_thinking=false` turns Qwen 3.5's thinking off. The answer streams to stdout (reasoning
+//! in brackets, then the content, then each tool call as JSON); timings go to stderr.
 
 use std::io::Write;
 use std::path::PathBuf;
@@ -11,7 +17,10 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, LoadOptions, QuantizeRecipe, SessionOptions, WgpuBackend};
+use qwen35_wgpu::{
+    ChatDelta, ChatMessage, ChatRequest, GenerateParams, LlmBackend, LoadOptions, QuantizeRecipe, SessionOptions,
+    TextTokenizer, WgpuBackend,
+};
 
 #[derive(Parser)]
 struct Args {
@@ -29,6 +38,18 @@ struct Args {
     /// The user's message.
     #[arg(long, default_value = "What color is the sky?")]
     prompt: String,
+    /// The conversation, a JSON file holding a list of messages (instead of --prompt).
+    #[arg(long)]
+    messages: Option<PathBuf>,
+    /// Tool definitions, a JSON file holding a list of JSON schemas.
+    #[arg(long)]
+    tools: Option<PathBuf>,
+    /// A template variable, `NAME=JSON` (e.g. `enable_thinking=false`); repeatable.
+    #[arg(long = "template-var", value_parser = parse_var)]
+    template_vars: Vec<(String, serde_json::Value)>,
+    /// Print the rendered prompt and exit.
+    #[arg(long)]
+    print_prompt: bool,
     /// Most new tokens.
     #[arg(long, default_value_t = 64)]
     max_tokens: usize,
@@ -57,6 +78,12 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let dir =
         args.model.clone().unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/assets/demo"));
+    let request = request(&args)?;
+    if args.print_prompt {
+        let tok = TextTokenizer::from_dir(&dir)?;
+        print!("{}", tok.render_chat(&request)?);
+        return Ok(());
+    }
     let mut backend = WgpuBackend::new(SessionOptions { max_context: 1024, max_batch: 128 })?;
     eprintln!("adapter: {} ({:?})", backend.context().info.name, backend.context().info.backend);
     let t = Instant::now();
@@ -82,15 +109,57 @@ fn main() -> Result<()> {
     };
     let t = Instant::now();
     let mut deltas = 0;
-    backend.chat(&[ChatMessage::new("user", &args.prompt)], &params, &mut |d| {
+    let mut last = None;
+    let reply = backend.chat(&request, &params, &mut |d| {
         deltas += 1;
-        print!("{d}");
+        let kind = match d {
+            ChatDelta::Reasoning(_) => 0,
+            ChatDelta::Content(_) => 1,
+            ChatDelta::ToolCall(_) => 2,
+        };
+        if last != Some(kind) && last.is_some() {
+            println!();
+        }
+        last = Some(kind);
+        match d {
+            ChatDelta::Reasoning(r) => print!("[{r}]"),
+            ChatDelta::Content(c) => print!("{c}"),
+            ChatDelta::ToolCall(call) => print!("{}", serde_json::to_string(call).unwrap_or_default()),
+        }
         let _ = std::io::stdout().flush();
         true
     })?;
     println!();
+    eprintln!("{} tool calls, {} bytes generated", reply.tool_calls.len(), reply.text.len());
     eprintln!("{deltas} text deltas in {:.0} ms", t.elapsed().as_secs_f64() * 1e3);
     Ok(())
+}
+
+fn request(args: &Args) -> Result<ChatRequest> {
+    let read = |path: &PathBuf| -> Result<serde_json::Value> {
+        let text = std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))
+    };
+    let messages: Vec<ChatMessage> = match &args.messages {
+        Some(path) => serde_json::from_value(read(path)?).with_context(|| format!("messages in {}", path.display()))?,
+        None => vec![ChatMessage::new("user", &args.prompt)],
+    };
+    let mut request = ChatRequest::new(messages);
+    if let Some(path) = &args.tools {
+        let tools: Vec<serde_json::Value> =
+            serde_json::from_value(read(path)?).with_context(|| format!("tools in {}", path.display()))?;
+        request = request.with_tools(tools);
+    }
+    for (name, value) in &args.template_vars {
+        request = request.var(name, value.clone());
+    }
+    Ok(request)
+}
+
+fn parse_var(s: &str) -> Result<(String, serde_json::Value), String> {
+    let (name, value) = s.split_once('=').ok_or_else(|| format!("expected NAME=JSON, found {s:?}"))?;
+    let value = serde_json::from_str(value).map_err(|e| format!("{name}: {value:?} is not JSON ({e})"))?;
+    Ok((name.to_string(), value))
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {

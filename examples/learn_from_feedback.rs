@@ -12,8 +12,8 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Parser;
 use qwen35_wgpu::{
-    ChatMessage, FeedbackEvent, GenerateParams, LearnOptions, LlmBackend, SessionOptions, Signal, TrainSpec,
-    WgpuBackend,
+    ChatMessage, ChatRequest, FeedbackEvent, GenerateParams, LearnOptions, LlmBackend, SessionOptions, Signal,
+    TrainSpec, WgpuBackend,
 };
 
 #[derive(Parser)]
@@ -40,7 +40,7 @@ struct Args {
 
 fn answer(b: &mut WgpuBackend, q: &str) -> Result<String> {
     let params = GenerateParams { max_tokens: 32, ..Default::default() };
-    Ok(b.chat(&[ChatMessage::new("user", q)], &params, &mut |_| true)?)
+    Ok(b.chat(&ChatRequest::new(vec![ChatMessage::new("user", q)]), &params, &mut |_| true)?.text)
 }
 
 fn main() -> Result<()> {

@@ -4,7 +4,9 @@
 mod common;
 
 use common::{gpu, root};
-use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, SessionOptions, TextTokenizer, WgpuBackend};
+use qwen35_wgpu::{
+    ChatDelta, ChatMessage, ChatRequest, GenerateParams, LlmBackend, SessionOptions, TextTokenizer, WgpuBackend,
+};
 
 fn demo_dir() -> std::path::PathBuf {
     root().join("examples/assets/demo")
@@ -71,15 +73,18 @@ fn greedy_text_matches_transformers_for_base_and_each_adapter() {
             let got_ids = b.generate_ids(&ids(&row["prompt_ids"]), &params).expect("ids");
             assert_eq!(got_ids, ids(&row["generated_ids"]), "{variant}: {q}");
             let mut streamed = String::new();
-            let text = b
-                .chat(&[ChatMessage::new("user", q)], &params, &mut |d| {
-                    streamed.push_str(d);
+            let reply = b
+                .chat(&ChatRequest::new(vec![ChatMessage::new("user", q)]), &params, &mut |d| {
+                    if let ChatDelta::Content(c) = d {
+                        streamed.push_str(c);
+                    }
                     true
                 })
                 .expect("chat");
-            assert_eq!(text, row["text"].as_str().expect("text"), "{variant}: {q}");
-            assert_eq!(streamed, text, "{variant}: streamed deltas");
-            texts.push((variant.clone(), q.to_string(), text));
+            assert_eq!(reply.text, row["text"].as_str().expect("text"), "{variant}: {q}");
+            assert_eq!(reply.content, reply.text.trim(), "{variant}: no reasoning or tool calls in the demo");
+            assert_eq!(streamed, reply.content, "{variant}: streamed deltas");
+            texts.push((variant.clone(), q.to_string(), reply.text));
         }
     }
     for (v, q, t) in &texts {
@@ -101,6 +106,7 @@ fn stop_strings_end_the_text_before_them() {
     let cut = full.find(' ').expect("a space in the answer");
     let stop = full[cut..cut + 2].to_string();
     let params = GenerateParams { max_tokens: 32, stop: vec![stop], ..Default::default() };
-    let text = b.chat(&[ChatMessage::new("user", row["question"].as_str().expect("q"))], &params, &mut |_| true);
-    assert_eq!(text.expect("chat"), full[..cut]);
+    let request = ChatRequest::new(vec![ChatMessage::new("user", row["question"].as_str().expect("q"))]);
+    let reply = b.chat(&request, &params, &mut |_| true);
+    assert_eq!(reply.expect("chat").text, full[..cut]);
 }

@@ -198,7 +198,8 @@ fn demo() -> Option<WgpuBackend> {
 
 fn greedy(b: &mut WgpuBackend, question: &str) -> String {
     let params = qwen35_wgpu::GenerateParams { max_tokens: 24, ..Default::default() };
-    b.chat(&[qwen35_wgpu::ChatMessage::new("user", question)], &params, &mut |_| true).expect("chat")
+    let request = qwen35_wgpu::ChatRequest::new(vec![qwen35_wgpu::ChatMessage::new("user", question)]);
+    b.chat(&request, &params, &mut |_| true).expect("chat").text
 }
 
 /// Mean cross-entropy of `ev.response` given `ev.prompt`, from the engine's forward logits

@@ -1,62 +1,427 @@
-//! Chat templates as transformers renders them: Jinja with `trim_blocks` and `lstrip_blocks`,
-//! loop controls, `raise_exception`, `tojson`, and Python's string methods (minijinja-contrib's
-//! pycompat), so a real Qwen 3.5 directory works with its own template.
+//! Chat templates as transformers renders them (`apply_chat_template` → `render_jinja_template`):
+//! Jinja with `trim_blocks` and `lstrip_blocks`, loop controls, `raise_exception`,
+//! `strftime_now`, the `{% generation %}` block, `tojson` as `json.dumps(ensure_ascii=False)`
+//! and Python's `str()` for printed values, Python's string methods (minijinja-contrib's
+//! pycompat), `tools`/`documents` defined as none when not given, the tokenizer's special
+//! tokens and any template variable (`enable_thinking`, …), `continue_final_message`.
 
-use minijinja::{context, Environment, Error, ErrorKind};
-use serde::Serialize;
+use minijinja::value::{Kwargs, Rest, Value};
+use minijinja::{Environment, Error, ErrorKind};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value as Json};
 
+use super::python::{py_str, strftime, tojson};
 use super::TextError;
 
-/// One chat message.
-#[derive(Clone, Debug, Serialize)]
+/// One chat message, as transformers takes it (a dict): `None` fields are left out.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ChatMessage {
-    /// `"system"`, `"user"`, `"assistant"`, …
+    /// `"system"`, `"user"`, `"assistant"`, `"tool"`.
     pub role: String,
-    /// The text.
-    pub content: String,
+    /// The text, or a list of typed parts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<Content>,
+    /// An assistant message's reasoning (what the model wrote inside `<think>`); also read from
+    /// `thinking` or `reasoning`, as transformers does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// The tool calls of an assistant message.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCall>,
+    /// The call a `tool` message answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+    /// The tool's or the participant's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// Any other field, passed to the template as given.
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
+}
+
+/// A message's content.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Typed parts (`{"type": "text", "text": …}`); image, video and audio parts are refused.
+    Parts(Vec<ContentPart>),
+}
+
+/// One part of a list-valued content.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ContentPart {
+    /// `"text"` (or `"image"`, `"image_url"`, `"video"`, … which a text model refuses).
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    /// The text of a text part.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub text: Option<String>,
+    /// Any other field.
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
+}
+
+/// A tool call, as OpenAI's API and transformers' templates write it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ToolCall {
+    /// The call's id, if the caller gave one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// Always `"function"`.
+    #[serde(rename = "type", default = "function_kind")]
+    pub kind: String,
+    /// The function and its arguments.
+    pub function: FunctionCall,
+}
+
+fn function_kind() -> String {
+    "function".into()
+}
+
+/// The function of a [`ToolCall`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct FunctionCall {
+    /// The function's name.
+    pub name: String,
+    /// The arguments: a JSON object (a string holding a JSON object, as OpenAI's API sends it,
+    /// is parsed before rendering, as vLLM does, since templates iterate the arguments).
+    #[serde(default)]
+    pub arguments: Json,
+}
+
+impl ToolCall {
+    /// A call of `name` with `arguments` (a JSON object).
+    pub fn new(name: &str, arguments: Json) -> Self {
+        Self { id: None, kind: function_kind(), function: FunctionCall { name: name.into(), arguments } }
+    }
 }
 
 impl ChatMessage {
-    /// A message.
+    /// A message with text content.
     pub fn new(role: &str, content: &str) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self { role: role.into(), content: Some(Content::Text(content.into())), ..Default::default() }
     }
+
+    /// An assistant message with reasoning, content and tool calls (what a [`super::ChatReply`]
+    /// holds), to put a reply back into the conversation.
+    pub fn assistant(reasoning: Option<&str>, content: &str, tool_calls: Vec<ToolCall>) -> Self {
+        Self {
+            role: "assistant".into(),
+            content: Some(Content::Text(content.into())),
+            reasoning_content: reasoning.map(String::from),
+            tool_calls,
+            ..Default::default()
+        }
+    }
+
+    /// A tool's result.
+    pub fn tool(content: &str, tool_call_id: Option<&str>) -> Self {
+        Self {
+            role: "tool".into(),
+            content: Some(Content::Text(content.into())),
+            tool_call_id: tool_call_id.map(String::from),
+            ..Default::default()
+        }
+    }
+}
+
+/// Everything a chat template renders: `apply_chat_template`'s arguments.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<ChatMessage>,
+    /// Tool definitions (JSON schemas, OpenAI's `{"type": "function", "function": {…}}`).
+    pub tools: Option<Vec<Json>>,
+    /// Documents for retrieval templates (objects).
+    pub documents: Option<Vec<Json>>,
+    /// End with the header of a new assistant turn (`true` from [`ChatRequest::new`]).
+    pub add_generation_prompt: bool,
+    /// Leave the final message open so the model continues it: the field to continue
+    /// (`"content"`, or `"reasoning_content"`), as transformers' `continue_final_message`.
+    pub continue_final_message: Option<String>,
+    /// Template variables (`enable_thinking`, `add_vision_id`, …); they override the tokenizer's
+    /// special tokens of the same name.
+    pub vars: Map<String, Json>,
+}
+
+impl ChatRequest {
+    /// `messages` with the generation prompt, no tools, no variables.
+    pub fn new(messages: Vec<ChatMessage>) -> Self {
+        Self {
+            messages,
+            tools: None,
+            documents: None,
+            add_generation_prompt: true,
+            continue_final_message: None,
+            vars: Map::new(),
+        }
+    }
+
+    /// Set `enable_thinking` (Qwen 3 / 3.5: `false` ends the prompt with an empty think block).
+    pub fn thinking(self, on: bool) -> Self {
+        self.var("enable_thinking", Json::Bool(on))
+    }
+
+    /// Offer `tools`.
+    pub fn with_tools(mut self, tools: Vec<Json>) -> Self {
+        self.tools = Some(tools);
+        self
+    }
+
+    /// Set template variable `name`.
+    pub fn var(mut self, name: &str, value: Json) -> Self {
+        self.vars.insert(name.into(), value);
+        self
+    }
+
+    /// Continue the final message's content instead of starting a new turn.
+    pub fn continue_final(mut self) -> Self {
+        self.add_generation_prompt = false;
+        self.continue_final_message = Some("content".into());
+        self
+    }
+}
+
+/// The tokenizer's named special tokens (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
+/// `pad_token`, `cls_token`, `mask_token`), passed to the template when set.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SpecialTokens(pub Vec<(String, String)>);
+
+/// The names transformers passes itself; a template variable of the same name is refused.
+const RESERVED: [&str; 4] = ["messages", "tools", "documents", "add_generation_prompt"];
+
+/// Where a reasoning field may be found, the first being the one templates read.
+const REASONING_FIELDS: [&str; 3] = ["reasoning_content", "thinking", "reasoning"];
+
+/// What `render_jinja_template` appends to the continued field.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+/// Instructions one render may run (minijinja fuel): a hostile template cannot spin forever.
+/// Qwen 3.5's template spends ~400 per message.
+const TEMPLATE_FUEL: u64 = 50_000_000;
+
+/// The largest template source accepted.
+pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
+
+fn template_error(e: Error) -> TextError {
+    let mut message = e.to_string();
+    let mut source = std::error::Error::source(&e);
+    while let Some(s) = source {
+        message.push_str(&format!(": {s}"));
+        source = s.source();
+    }
+    TextError::Template(message)
 }
 
 /// A compiled chat template.
 pub struct ChatTemplate {
     env: Environment<'static>,
+    source: String,
+}
+
+/// `{% generation %}` / `{% endgeneration %}` (transformers' `AssistantTracker` extension, which
+/// only marks the assistant's tokens) become a block with the same whitespace control that
+/// renders its body unchanged.
+fn without_generation_tags(source: &str) -> String {
+    let open = regex::Regex::new(r"\{%([-+]?)\s*generation\s*([-+]?)%\}");
+    let close = regex::Regex::new(r"\{%([-+]?)\s*endgeneration\s*([-+]?)%\}");
+    match (open, close) {
+        (Ok(open), Ok(close)) => {
+            let s = open.replace_all(source, "{%${1} if true ${2}%}");
+            close.replace_all(&s, "{%${1} endif ${2}%}").into_owned()
+        }
+        _ => source.to_string(),
+    }
 }
 
 impl ChatTemplate {
     /// Compile a template source.
     pub fn new(source: String) -> Result<Self, TextError> {
+        if source.len() > MAX_TEMPLATE_BYTES {
+            return Err(TextError::Template(format!(
+                "the template is {} bytes, more than the {MAX_TEMPLATE_BYTES} accepted",
+                source.len()
+            )));
+        }
         let mut env = Environment::new();
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
+        env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_formatter(|out, _state, value| {
+            out.write_str(&py_str(value)).map_err(|_| Error::new(ErrorKind::WriteFailure, "writing the output"))
+        });
+        env.add_filter("tojson", |value: Value, args: Rest<Value>, kwargs: Kwargs| tojson(&value, &args, kwargs));
+        env.add_filter("string", |value: Value| py_str(&value));
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });
-        env.add_template_owned("chat", source).map_err(|e| TextError::Template(e.to_string()))?;
-        Ok(Self { env })
+        env.add_function("strftime_now", |format: String| -> Result<String, Error> {
+            let now = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs() as i64)
+                .unwrap_or(0);
+            strftime(&format, now)
+        });
+        env.add_template_owned("chat", without_generation_tags(&source)).map_err(template_error)?;
+        Ok(Self { env, source })
     }
 
-    /// Render `messages`.
-    pub fn render(
-        &self,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-        bos_token: Option<&str>,
-        eos_token: Option<&str>,
-    ) -> Result<String, TextError> {
-        let t = self.env.get_template("chat").map_err(|e| TextError::Template(e.to_string()))?;
-        t.render(context! {
-            messages => messages,
-            add_generation_prompt => add_generation_prompt,
-            bos_token => bos_token.unwrap_or(""),
-            eos_token => eos_token.unwrap_or(""),
-        })
-        .map_err(|e| TextError::Template(e.to_string()))
+    /// Render `messages` with the generation prompt and no variables (see
+    /// [`ChatTemplate::render_request`]).
+    pub fn render(&self, messages: &[ChatMessage], special: &SpecialTokens) -> Result<String, TextError> {
+        self.render_request(&ChatRequest::new(messages.to_vec()), special)
+    }
+
+    /// Render a request as `tokenizer.apply_chat_template(messages, tools=…, documents=…,
+    /// add_generation_prompt=…, continue_final_message=…, tokenize=False, **vars)` does.
+    pub fn render_request(&self, req: &ChatRequest, special: &SpecialTokens) -> Result<String, TextError> {
+        if req.messages.is_empty() {
+            return Err(TextError::BadRequest("the conversation has no messages".into()));
+        }
+        if req.continue_final_message.is_some() && req.add_generation_prompt {
+            return Err(TextError::BadRequest(
+                "continue_final_message and add_generation_prompt cannot both be set".into(),
+            ));
+        }
+        if let Some(name) = RESERVED.iter().find(|n| req.vars.contains_key(**n)) {
+            return Err(TextError::BadRequest(format!("template variable {name:?} is set by the request itself")));
+        }
+        for (what, list) in [("tools", &req.tools), ("documents", &req.documents)] {
+            if let Some(bad) = list.iter().flatten().find(|t| !t.is_object()) {
+                return Err(TextError::BadRequest(format!("each of {what} must be a JSON object, found {bad}")));
+            }
+        }
+        let mut chat = req.messages.iter().map(message_json).collect::<Result<Vec<_>, _>>()?;
+        let continued = match &req.continue_final_message {
+            Some(field) => Some(mark_continued(&mut chat, field, &self.source)?),
+            None => None,
+        };
+        let mut ctx = Map::new();
+        for (name, token) in &special.0 {
+            ctx.insert(name.clone(), Json::String(token.clone()));
+        }
+        for (name, value) in &req.vars {
+            ctx.insert(name.clone(), value.clone());
+        }
+        ctx.insert("messages".into(), Json::Array(chat));
+        ctx.insert("tools".into(), req.tools.clone().map_or(Json::Null, Json::Array));
+        ctx.insert("documents".into(), req.documents.clone().map_or(Json::Null, Json::Array));
+        ctx.insert("add_generation_prompt".into(), Json::Bool(req.add_generation_prompt));
+        let t = self.env.get_template("chat").map_err(template_error)?;
+        let rendered = t.render(Value::from_serialize(&ctx)).map_err(template_error)?;
+        match continued {
+            Some(final_message) => cut_at_continue_tag(rendered, &final_message),
+            None => Ok(rendered),
+        }
+    }
+}
+
+/// A message as the template sees it: the dict transformers builds (None fields dropped, the
+/// reasoning under each of its names, tool-call arguments as objects); media parts refused.
+fn message_json(m: &ChatMessage) -> Result<Json, TextError> {
+    if let Some(Content::Parts(parts)) = &m.content {
+        for p in parts {
+            let media = ["image", "image_url", "video", "video_url", "input_audio", "audio"];
+            let kind = p.kind.as_deref().unwrap_or("");
+            if media.contains(&kind) || media.iter().any(|k| p.extra.contains_key(*k)) {
+                return Err(TextError::Unsupported {
+                    feature: format!(
+                        "{} content parts (this is a text model)",
+                        if kind.is_empty() { "media" } else { kind }
+                    ),
+                });
+            }
+        }
+    }
+    let mut v = serde_json::to_value(m).map_err(|e| TextError::BadRequest(e.to_string()))?;
+    let Json::Object(obj) = &mut v else {
+        return Err(TextError::BadRequest("a message must be a JSON object".into()));
+    };
+    obj.retain(|_, value| !value.is_null());
+    if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
+        for call in calls {
+            if let Some(args) = call.pointer_mut("/function/arguments") {
+                if let Json::String(s) = args {
+                    if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
+                        *args = parsed;
+                    }
+                }
+            }
+        }
+    }
+    let reasoning = REASONING_FIELDS.iter().find_map(|f| obj.get(*f).cloned());
+    if let Some(r) = reasoning {
+        let mut aliased = Map::new();
+        aliased.insert("thinking".into(), r.clone());
+        for (k, val) in std::mem::take(obj) {
+            aliased.insert(k, val);
+        }
+        aliased.insert("reasoning_content".into(), r);
+        *obj = aliased;
+    }
+    Ok(v)
+}
+
+/// transformers' `continue_final_message`: append the tag to the continued field of the final
+/// message (the last text part of a list); returns the original text to find again.
+fn mark_continued(chat: &mut [Json], field: &str, source: &str) -> Result<String, TextError> {
+    let last = chat
+        .last_mut()
+        .and_then(Json::as_object_mut)
+        .ok_or_else(|| TextError::BadRequest("continue_final_message is set but the conversation is empty".into()))?;
+    let final_message = last.get(field).cloned().ok_or_else(|| {
+        TextError::BadRequest(format!("continue_final_message: the final message has no {field:?} to continue"))
+    })?;
+    let fields: Vec<String> = if REASONING_FIELDS.contains(&field) {
+        REASONING_FIELDS.iter().filter(|f| last.get(**f) == Some(&final_message)).map(|f| f.to_string()).collect()
+    } else {
+        vec![field.to_string()]
+    };
+    if !fields.iter().any(|f| source.contains(f.as_str())) {
+        return Err(TextError::BadRequest(format!(
+            "continue_final_message is set to {field:?} but the chat template does not read that field"
+        )));
+    }
+    match final_message {
+        Json::Array(mut parts) => {
+            let text = parts
+                .iter_mut()
+                .rev()
+                .find_map(|p| p.get_mut("text"))
+                .and_then(|t| t.as_str().map(String::from).map(|s| (t, s)));
+            let Some((slot, text)) = text else {
+                return Err(TextError::BadRequest(
+                    "continue_final_message: the final message has no text part to continue".into(),
+                ));
+            };
+            *slot = Json::String(format!("{text}{CONTINUE_TAG}"));
+            last.insert(field.to_string(), Json::Array(parts));
+            Ok(text)
+        }
+        Json::String(text) => {
+            for f in &fields {
+                last.insert(f.clone(), Json::String(format!("{text}{CONTINUE_TAG}")));
+            }
+            Ok(text)
+        }
+        other => Err(TextError::BadRequest(format!("continue_final_message: {field:?} is {other}, not text"))),
+    }
+}
+
+fn cut_at_continue_tag(rendered: String, final_message: &str) -> Result<String, TextError> {
+    let tag = CONTINUE_TAG.trim();
+    if !rendered.contains(final_message.trim()) || !rendered.contains(tag) {
+        return Err(TextError::BadRequest(
+            "continue_final_message is set but the final message does not appear in the rendered chat".into(),
+        ));
+    }
+    let at = rendered.rfind(tag).unwrap_or(rendered.len());
+    if rendered[at..].starts_with(CONTINUE_TAG) {
+        Ok(rendered[..at].to_string())
+    } else {
+        Ok(rendered[..at].trim_end().to_string())
     }
 }

@@ -1,13 +1,19 @@
 //! Text in, text out: the checkpoint's own tokenizer (`tokenizer.json`, through the `tokenizers`
-//! crate) and chat template (`chat_template.jinja` or `tokenizer_config.json`, through
-//! `minijinja` with Python-compatible string methods), plus streaming decode that never splits a
-//! UTF-8 character across deltas.
+//! crate) and chat template (`chat_template.jinja` or `tokenizer_config.json`, rendered as
+//! transformers renders it), streaming decode that never splits a UTF-8 character across
+//! deltas, and the reply split into reasoning, content and tool calls.
 
 mod chat;
+mod python;
+mod reply;
 
 use std::path::Path;
 
-pub use chat::{ChatMessage, ChatTemplate};
+pub use chat::{
+    ChatMessage, ChatRequest, ChatTemplate, Content, ContentPart, FunctionCall, SpecialTokens, ToolCall,
+    MAX_TEMPLATE_BYTES,
+};
+pub use reply::{ChatDelta, ChatReply, ReplyParser};
 
 /// Errors of the text layer.
 #[derive(Debug, thiserror::Error)]
@@ -31,6 +37,16 @@ pub enum TextError {
     /// The chat template failed to parse or render.
     #[error("chat template error: {0}")]
     Template(String),
+    /// A chat request the template cannot take (no messages, a reserved variable, a tool that is
+    /// not an object, `continue_final_message` with nothing to continue, …).
+    #[error("chat request: {0}")]
+    BadRequest(String),
+    /// Input this text model cannot take (image, video or audio content).
+    #[error("not supported: {feature}")]
+    Unsupported {
+        /// What was asked for.
+        feature: String,
+    },
     /// The directory has no chat template.
     #[error("no chat template in {0} (neither chat_template.jinja nor tokenizer_config.json's chat_template)")]
     NoTemplate(std::path::PathBuf),
@@ -40,8 +56,8 @@ pub enum TextError {
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
     template: Option<ChatTemplate>,
+    special: SpecialTokens,
     eos_token: Option<String>,
-    bos_token: Option<String>,
 }
 
 fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
@@ -88,12 +104,13 @@ impl TextTokenizer {
             }
         };
         let template = source.map(ChatTemplate::new).transpose()?;
-        Ok(Self {
-            inner,
-            template,
-            eos_token: token_string(config.get("eos_token")),
-            bos_token: token_string(config.get("bos_token")),
-        })
+        let special = SpecialTokens(
+            ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
+                .iter()
+                .filter_map(|name| token_string(config.get(*name)).map(|t| (name.to_string(), t)))
+                .collect(),
+        );
+        Ok(Self { inner, template, eos_token: token_string(config.get("eos_token")), special })
     }
 
     /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
@@ -126,10 +143,27 @@ impl TextTokenizer {
         self.template.as_ref()
     }
 
-    /// Render `messages` with the checkpoint's chat template (with the generation prompt).
+    /// The special tokens the chat template sees (`bos_token`, `eos_token`, …).
+    pub fn special_tokens(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    /// The EOS token string of `tokenizer_config.json`, if any.
+    pub fn eos_token(&self) -> Option<&str> {
+        self.eos_token.as_deref()
+    }
+
+    /// Render `messages` with the checkpoint's chat template (with the generation prompt, no
+    /// tools, no template variables).
     pub fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        self.render_chat(&ChatRequest::new(messages.to_vec()))
+    }
+
+    /// Render a chat request (tools, template variables such as `enable_thinking`,
+    /// `continue_final_message`) with the checkpoint's chat template.
+    pub fn render_chat(&self, request: &ChatRequest) -> Result<String, TextError> {
         let t = self.template.as_ref().ok_or_else(|| TextError::NoTemplate(Path::new("<model>").to_path_buf()))?;
-        t.render(messages, true, self.bos_token.as_deref(), self.eos_token.as_deref())
+        t.render_request(request, &self.special)
     }
 
     /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a

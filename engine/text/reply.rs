@@ -1,0 +1,428 @@
+//! The generated text of a chat turn split the way Qwen's templates write an assistant message:
+//! `<think>\n{reasoning}\n</think>\n\n{content}` and tool calls as
+//! `<tool_call>\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n</function>\n</tool_call>`.
+//! Streamed: deltas of reasoning and content never contain a piece of a tag, and a tool call is
+//! reported once it is complete. Parameter values become JSON by the tool's schema (`string`
+//! parameters stay text; others are parsed as JSON, or Python's `True`/`False`/`None`, which the
+//! template's `| string` writes), without a schema by trying JSON first.
+
+use std::collections::HashMap;
+
+use serde_json::{Map, Value as Json};
+
+use super::chat::ToolCall;
+
+/// A piece of the reply, in order.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ChatDelta<'a> {
+    /// Reasoning text (inside `<think>`).
+    Reasoning(&'a str),
+    /// Answer text.
+    Content(&'a str),
+    /// A complete tool call.
+    ToolCall(&'a ToolCall),
+}
+
+/// A whole reply.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ChatReply {
+    /// The reasoning, trimmed (`None` when the model wrote none).
+    pub reasoning_content: Option<String>,
+    /// The answer, trimmed.
+    pub content: String,
+    /// The tool calls, in order.
+    pub tool_calls: Vec<ToolCall>,
+    /// The generated text as it came (up to a stop string, which is not included).
+    pub text: String,
+}
+
+const THINK_OPEN: &str = "<think>";
+const THINK_CLOSE: &str = "</think>";
+const CALL_OPEN: &str = "<tool_call>";
+const CALL_CLOSE: &str = "</tool_call>";
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Mode {
+    /// Before any visible content: `<think>` may still open reasoning.
+    Start,
+    Reasoning,
+    Content,
+    Call,
+}
+
+/// Splits streamed text into [`ChatDelta`]s (see the module docs).
+pub struct ReplyParser {
+    mode: Mode,
+    /// Text not yet classified: a possible tag prefix, or whitespace that only counts if more
+    /// text follows.
+    pending: String,
+    reply: ChatReply,
+    reasoning: String,
+    /// Tool-call body being collected.
+    call: String,
+    /// The whitespace dropped before a tool call (restored if the call is kept as text).
+    gap: String,
+    /// Whether the content has had visible text (leading whitespace is dropped).
+    content_started: bool,
+    reasoning_started: bool,
+    /// Parameter types by function name, from the tools' JSON schemas.
+    types: HashMap<String, HashMap<String, String>>,
+}
+
+fn is_prefix_of_any(tail: &str, tags: &[&str]) -> bool {
+    tags.iter().any(|t| t.starts_with(tail))
+}
+
+/// The length of the longest suffix of `s` that is a proper prefix of one of `tags`.
+fn partial_tag_len(s: &str, tags: &[&str]) -> usize {
+    let longest = tags.iter().map(|t| t.len()).max().unwrap_or(0);
+    (1..longest.min(s.len() + 1))
+        .rev()
+        .find(|&n| s.is_char_boundary(s.len() - n) && is_prefix_of_any(&s[s.len() - n..], tags))
+        .unwrap_or(0)
+}
+
+impl ReplyParser {
+    /// A parser for the text generated after `prompt`: when the prompt ends inside an open
+    /// `<think>` (Qwen 3.5 with thinking on), the reply starts as reasoning. `tools` are the
+    /// request's tool definitions, whose parameter types guide the argument conversion.
+    pub fn new(prompt: &str, tools: Option<&[Json]>) -> Self {
+        let open = prompt.rfind(THINK_OPEN);
+        let in_think = open.is_some_and(|at| !prompt[at..].contains(THINK_CLOSE));
+        let mut types = HashMap::new();
+        for tool in tools.unwrap_or(&[]) {
+            let f = tool.get("function").unwrap_or(tool);
+            let Some(name) = f.get("name").and_then(Json::as_str) else { continue };
+            let props = f.pointer("/parameters/properties").and_then(Json::as_object);
+            let params = props
+                .map(|p| {
+                    p.iter()
+                        .filter_map(|(k, v)| v.get("type").and_then(Json::as_str).map(|t| (k.clone(), t.to_string())))
+                        .collect()
+                })
+                .unwrap_or_default();
+            types.insert(name.to_string(), params);
+        }
+        Self {
+            mode: if in_think { Mode::Reasoning } else { Mode::Start },
+            pending: String::new(),
+            reply: ChatReply::default(),
+            reasoning: String::new(),
+            call: String::new(),
+            gap: String::new(),
+            content_started: false,
+            reasoning_started: false,
+            types,
+        }
+    }
+
+    /// Add generated text; `emit` receives the deltas it completes and returns `false` to stop
+    /// (then so does this).
+    pub fn push(&mut self, text: &str, emit: &mut dyn FnMut(ChatDelta<'_>) -> bool) -> bool {
+        self.reply.text.push_str(text);
+        self.pending.push_str(text);
+        self.drain(false, emit)
+    }
+
+    /// End of generation: flush what is held back and return the whole reply. An unfinished tool
+    /// call is kept as content text.
+    pub fn finish(mut self, emit: &mut dyn FnMut(ChatDelta<'_>) -> bool) -> ChatReply {
+        self.drain(true, emit);
+        if self.mode == Mode::Call {
+            let raw = format!("{}{CALL_OPEN}{}", self.gap, self.call);
+            self.content(&raw, true, emit);
+        }
+        if self.reasoning_started || !self.reasoning.is_empty() {
+            self.reply.reasoning_content = Some(self.reasoning.trim().to_string());
+        }
+        self.reply.content = self.reply.content.trim().to_string();
+        self.reply
+    }
+
+    fn drain(&mut self, end: bool, emit: &mut dyn FnMut(ChatDelta<'_>) -> bool) -> bool {
+        loop {
+            let text = std::mem::take(&mut self.pending);
+            let go_on = match self.mode {
+                Mode::Start => {
+                    let rest = text.trim_start();
+                    if rest.is_empty() && !end {
+                        self.pending = text;
+                        return true;
+                    }
+                    if let Some(after) = rest.strip_prefix(THINK_OPEN) {
+                        self.mode = Mode::Reasoning;
+                        self.pending = after.to_string();
+                        continue;
+                    }
+                    if !end && THINK_OPEN.starts_with(rest) {
+                        self.pending = text;
+                        return true;
+                    }
+                    self.mode = Mode::Content;
+                    self.pending = text;
+                    continue;
+                }
+                Mode::Reasoning => match text.find(THINK_CLOSE) {
+                    Some(at) => {
+                        let go = self.reasoning_text(&text[..at], true, emit);
+                        self.mode = Mode::Content;
+                        self.pending = text[at + THINK_CLOSE.len()..].to_string();
+                        if !go {
+                            return false;
+                        }
+                        continue;
+                    }
+                    None => {
+                        let keep = if end { 0 } else { partial_tag_len(&text, &[THINK_CLOSE]) };
+                        let (now, later) = text.split_at(text.len() - keep);
+                        self.pending = later.to_string();
+                        self.reasoning_text(now, end, emit)
+                    }
+                },
+                Mode::Content => match text.find(CALL_OPEN) {
+                    Some(at) => {
+                        let go = self.content(&text[..at], true, emit);
+                        self.mode = Mode::Call;
+                        self.pending = text[at + CALL_OPEN.len()..].to_string();
+                        if !go {
+                            return false;
+                        }
+                        continue;
+                    }
+                    None => {
+                        let keep = if end { 0 } else { partial_tag_len(&text, &[CALL_OPEN]) };
+                        let (now, later) = text.split_at(text.len() - keep);
+                        self.pending = later.to_string();
+                        self.content(now, end, emit)
+                    }
+                },
+                Mode::Call => match text.find(CALL_CLOSE) {
+                    Some(at) => {
+                        self.call.push_str(&text[..at]);
+                        let body = std::mem::take(&mut self.call);
+                        self.pending = text[at + CALL_CLOSE.len()..].to_string();
+                        self.mode = Mode::Content;
+                        let go = match self.parse_call(&body) {
+                            Some(call) => {
+                                self.reply.tool_calls.push(call);
+                                self.reply.tool_calls.last().is_none_or(|c| emit(ChatDelta::ToolCall(c)))
+                            }
+                            None => {
+                                let raw = format!("{}{CALL_OPEN}{body}{CALL_CLOSE}", std::mem::take(&mut self.gap));
+                                self.content(&raw, true, emit)
+                            }
+                        };
+                        if !go {
+                            return false;
+                        }
+                        continue;
+                    }
+                    None => {
+                        let keep = partial_tag_len(&text, &[CALL_CLOSE]);
+                        let (now, later) = text.split_at(text.len() - keep);
+                        self.call.push_str(now);
+                        self.pending = later.to_string();
+                        if end {
+                            self.call.push_str(&std::mem::take(&mut self.pending));
+                        }
+                        true
+                    }
+                },
+            };
+            return go_on;
+        }
+    }
+
+    /// Reasoning text: leading whitespace dropped, trailing whitespace held until more text
+    /// follows (the template trims the reasoning).
+    fn reasoning_text(&mut self, text: &str, flush_end: bool, emit: &mut dyn FnMut(ChatDelta<'_>) -> bool) -> bool {
+        let text = if self.reasoning_started { text } else { text.trim_start() };
+        let body = text.trim_end();
+        let tail = &text[body.len()..];
+        self.reasoning_started |= !body.is_empty() || flush_end;
+        if body.is_empty() {
+            if !flush_end {
+                self.pending.insert_str(0, tail);
+            }
+            return true;
+        }
+        self.reasoning.push_str(body);
+        let go = emit(ChatDelta::Reasoning(body));
+        if !flush_end {
+            self.pending.insert_str(0, tail);
+        }
+        go
+    }
+
+    /// Content text, with the same whitespace rules as the reasoning.
+    fn content(&mut self, text: &str, flush_end: bool, emit: &mut dyn FnMut(ChatDelta<'_>) -> bool) -> bool {
+        let text = if self.content_started { text } else { text.trim_start() };
+        let body = text.trim_end();
+        let tail = &text[body.len()..];
+        if body.is_empty() {
+            if flush_end {
+                self.gap = tail.to_string();
+            } else {
+                self.pending.insert_str(0, tail);
+            }
+            return true;
+        }
+        self.content_started = true;
+        self.reply.content.push_str(body);
+        let go = emit(ChatDelta::Content(body));
+        if flush_end {
+            // Whitespace before a tool call or at the end is the template's, not the answer's,
+            // unless the call turns out to be text.
+            self.gap = tail.to_string();
+        } else {
+            self.pending.insert_str(0, tail);
+        }
+        go
+    }
+
+    /// `\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n`.
+    fn parse_call(&self, body: &str) -> Option<ToolCall> {
+        let rest = body.trim().strip_prefix("<function=")?;
+        let close = rest.find('>')?;
+        let name = rest[..close].trim().to_string();
+        let mut rest = &rest[close + 1..];
+        let end = rest.rfind("</function>")?;
+        rest = &rest[..end];
+        let types = self.types.get(&name);
+        let mut args = Map::new();
+        while let Some(at) = rest.find("<parameter=") {
+            let after = &rest[at + "<parameter=".len()..];
+            let close = after.find('>')?;
+            let pname = after[..close].trim().to_string();
+            let value_start = &after[close + 1..];
+            let stop = value_start.find("</parameter>")?;
+            let mut value = &value_start[..stop];
+            value = value.strip_prefix('\n').unwrap_or(value);
+            value = value.strip_suffix('\n').unwrap_or(value);
+            let ty = types.and_then(|t| t.get(&pname)).map(String::as_str);
+            args.insert(pname, parameter_value(value, ty));
+            rest = &value_start[stop + "</parameter>".len()..];
+        }
+        if !rest.trim().is_empty() {
+            return None;
+        }
+        Some(ToolCall::new(&name, Json::Object(args)))
+    }
+}
+
+/// A parameter's text as JSON: `string` parameters as written; other types (or no schema) as
+/// JSON when the text is JSON, Python's `True`/`False`/`None` as such, else the text.
+fn parameter_value(text: &str, ty: Option<&str>) -> Json {
+    if ty == Some("string") {
+        return Json::String(text.to_string());
+    }
+    match text.trim() {
+        "True" => return Json::Bool(true),
+        "False" => return Json::Bool(false),
+        "None" => return Json::Null,
+        _ => {}
+    }
+    match serde_json::from_str::<Json>(text) {
+        Ok(v) if ty.is_some() || !v.is_string() => v,
+        _ => Json::String(text.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use serde_json::json;
+
+    use super::{ChatDelta, ChatReply, ReplyParser};
+    use crate::text::ToolCall;
+
+    /// Feed `text` in pieces of every size 1..=len and check the stream and the reply.
+    fn parse_every_split(prompt: &str, text: &str) -> ChatReply {
+        let whole = {
+            let p = ReplyParser::new(prompt, None);
+            let mut p = p;
+            p.push(text, &mut |_| true);
+            p.finish(&mut |_| true)
+        };
+        for size in 1..=text.len().min(12) {
+            let mut p = ReplyParser::new(prompt, None);
+            let (mut reasoning, mut content, mut calls) = (String::new(), String::new(), Vec::new());
+            let mut sink = |d: ChatDelta<'_>| {
+                match d {
+                    ChatDelta::Reasoning(r) => {
+                        assert!(!r.contains('<') || !r.contains("think>"), "tag in {r:?}");
+                        reasoning.push_str(r)
+                    }
+                    ChatDelta::Content(c) => {
+                        assert!(!c.contains("</think"), "tag in {c:?}");
+                        content.push_str(c)
+                    }
+                    ChatDelta::ToolCall(c) => calls.push(c.clone()),
+                }
+                true
+            };
+            let mut start = 0;
+            while start < text.len() {
+                let mut end = (start + size).min(text.len());
+                while !text.is_char_boundary(end) {
+                    end += 1;
+                }
+                p.push(&text[start..end], &mut sink);
+                start = end;
+            }
+            let reply = p.finish(&mut sink);
+            assert_eq!(reply, whole, "split {size}");
+            assert_eq!(
+                reasoning,
+                whole.reasoning_content.clone().unwrap_or_default(),
+                "streamed reasoning, split {size}"
+            );
+            assert_eq!(content, whole.content, "streamed content, split {size}");
+            assert_eq!(calls, whole.tool_calls, "streamed calls, split {size}");
+        }
+        whole
+    }
+
+    #[test]
+    fn reasoning_content_and_calls_are_split_at_any_chunking() {
+        let r = parse_every_split("<|im_start|>assistant\n<think>\n", "Let me see.\nYes.\n</think>\n\nIt is 4.");
+        assert_eq!(r.reasoning_content.as_deref(), Some("Let me see.\nYes."));
+        assert_eq!(r.content, "It is 4.");
+        let r = parse_every_split("<|im_start|>assistant\n<think>\n\n</think>\n\n", "Hello <b>there</b> é!");
+        assert_eq!(r.reasoning_content, None);
+        assert_eq!(r.content, "Hello <b>there</b> é!");
+        let r = parse_every_split(
+            "<|im_start|>assistant\n<think>\n",
+            "Need weather.\n</think>\n\nChecking.\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=now>\n</function>\n</tool_call>",
+        );
+        assert_eq!(r.content, "Checking.");
+        assert_eq!(
+            r.tool_calls,
+            vec![ToolCall::new("get_weather", json!({"city": "Paris", "days": 3})), ToolCall::new("now", json!({}))]
+        );
+        let r = parse_every_split("<|im_start|>assistant\n", "<think>\nhm\n</think>\n\nok");
+        assert_eq!((r.reasoning_content.as_deref(), r.content.as_str()), (Some("hm"), "ok"));
+    }
+
+    #[test]
+    fn unfinished_or_malformed_calls_stay_text() {
+        let r = parse_every_split("", "a <tool_call>\n<function=f>\n<parameter=x>\n1");
+        assert!(r.tool_calls.is_empty());
+        assert_eq!(r.content, "a <tool_call>\n<function=f>\n<parameter=x>\n1");
+        let r = parse_every_split("", "<tool_call>{\"name\": 1}</tool_call>");
+        assert!(r.tool_calls.is_empty());
+        assert_eq!(r.content, "<tool_call>{\"name\": 1}</tool_call>");
+    }
+
+    #[test]
+    fn parameter_values_follow_the_schema() {
+        let tools = [json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+            "properties": {"s": {"type": "string"}, "n": {"type": "number"}, "b": {"type": "boolean"}, "o": {"type": "object"}}}}})];
+        let mut p = ReplyParser::new("", Some(&tools));
+        p.push("<tool_call>\n<function=f>\n<parameter=s>\n42\n</parameter>\n<parameter=n>\n2.5\n</parameter>\n<parameter=b>\nTrue\n</parameter>\n<parameter=o>\n{\"a\": [1, 2]}\n</parameter>\n<parameter=x>\nfree text\n</parameter>\n</function>\n</tool_call>", &mut |_| true);
+        let r = p.finish(&mut |_| true);
+        assert_eq!(
+            r.tool_calls,
+            vec![ToolCall::new("f", json!({"s": "42", "n": 2.5, "b": true, "o": {"a": [1, 2]}, "x": "free text"}))]
+        );
+    }
+}

@@ -1,0 +1,160 @@
+//! Chat templates and reply parsing without a GPU: Qwen 3.5's official template and an
+//! environment template rendered exactly as transformers renders them
+//! (`tests/fixtures/reference/chat.json`, from `xtask/python/make_chat.py`), and the reply parser
+//! inverting what the template writes for an assistant turn.
+
+use std::path::{Path, PathBuf};
+
+use qwen35_wgpu::text::{
+    ChatDelta, ChatMessage, ChatReply, ChatRequest, ChatTemplate, ReplyParser, TextTokenizer, ToolCall,
+};
+use serde_json::{json, Value};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+fn reference() -> Value {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/reference/chat.json")).expect("chat.json");
+    serde_json::from_str(&text).expect("json")
+}
+
+fn template(name: &str) -> ChatTemplate {
+    let source = std::fs::read_to_string(root().join("tests/fixtures/chat").join(name)).expect("template");
+    ChatTemplate::new(source).expect("compiles")
+}
+
+fn request(case: &Value) -> ChatRequest {
+    let messages: Vec<ChatMessage> = serde_json::from_value(case["messages"].clone()).expect("messages");
+    let mut req = ChatRequest::new(messages);
+    req.tools = case["tools"].as_array().cloned();
+    req.documents = case["documents"].as_array().cloned();
+    req.add_generation_prompt = case["add_generation_prompt"].as_bool().expect("flag");
+    req.continue_final_message = match &case["continue_final_message"] {
+        Value::Bool(true) => Some("content".into()),
+        Value::String(field) => Some(field.clone()),
+        _ => None,
+    };
+    req.vars = case["vars"].as_object().cloned().unwrap_or_default();
+    req
+}
+
+#[test]
+fn templates_render_as_transformers_renders_them() {
+    let r = reference();
+    let tok = TextTokenizer::from_dir(&root().join(r["tokenizer"].as_str().expect("dir"))).expect("tokenizer");
+    for case in r["cases"].as_array().expect("cases") {
+        let name = case["name"].as_str().expect("name");
+        let t = template(case["template"].as_str().expect("template"));
+        let got = t.render_request(&request(case), tok.special_tokens());
+        match (&case["prompt"], &case["error"]) {
+            (Value::String(want), _) => assert_eq!(got.expect(name), *want, "{name}"),
+            (_, Value::String(error)) => {
+                let e = got.expect_err(name).to_string();
+                assert!(e.contains(error.as_str()), "{name}: {e:?} should carry {error:?}");
+            }
+            _ => panic!("{name}: no reference"),
+        }
+    }
+}
+
+#[test]
+fn thinking_off_ends_the_prompt_with_an_empty_think_block() {
+    let t = template("qwen35.jinja");
+    let msgs = vec![ChatMessage::new("user", "Hi")];
+    let special = Default::default();
+    let off = t.render_request(&ChatRequest::new(msgs.clone()).thinking(false), &special).expect("off");
+    assert!(off.ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"), "{off:?}");
+    let on = t.render_request(&ChatRequest::new(msgs), &special).expect("on");
+    assert!(on.ends_with("<|im_start|>assistant\n<think>\n"), "{on:?}");
+}
+
+#[test]
+fn bad_requests_are_typed_errors() {
+    let t = template("qwen35.jinja");
+    let special = Default::default();
+    let user = || vec![ChatMessage::new("user", "Hi")];
+    let image: ChatMessage = serde_json::from_value(
+        json!({"role": "user", "content": [{"type": "image", "image": "x.png"}, {"type": "text", "text": "what?"}]}),
+    )
+    .expect("message");
+    let cases = [
+        ("no messages", ChatRequest::new(vec![]), "no messages"),
+        ("image", ChatRequest::new(vec![image]), "image content parts"),
+        ("reserved var", ChatRequest::new(user()).var("messages", json!([])), "set by the request"),
+        ("tool not an object", ChatRequest::new(user()).with_tools(vec![json!("f")]), "must be a JSON object"),
+        (
+            "continue and generate",
+            ChatRequest { continue_final_message: Some("content".into()), ..ChatRequest::new(user()) },
+            "cannot both",
+        ),
+        (
+            "continue a missing field",
+            ChatRequest {
+                add_generation_prompt: false,
+                continue_final_message: Some("nope".into()),
+                ..ChatRequest::new(user())
+            },
+            "no \"nope\"",
+        ),
+    ];
+    for (what, req, want) in cases {
+        let e = t.render_request(&req, &special).expect_err(what).to_string();
+        assert!(e.contains(want), "{what}: {e:?}");
+    }
+    let spin =
+        ChatTemplate::new("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}".into())
+            .expect("compiles");
+    let e = spin.render_request(&ChatRequest::new(user()), &special).expect_err("out of fuel").to_string();
+    assert!(e.to_lowercase().contains("fuel"), "{e}");
+}
+
+fn parse(prompt: &str, text: &str, tools: Option<&[Value]>) -> ChatReply {
+    let mut p = ReplyParser::new(prompt, tools);
+    let mut streamed = Vec::new();
+    for c in text.chars() {
+        p.push(&c.to_string(), &mut |d| {
+            streamed.push(match d {
+                ChatDelta::Reasoning(r) => json!({"r": r}),
+                ChatDelta::Content(c) => json!({"c": c}),
+                ChatDelta::ToolCall(t) => json!({"t": t}),
+            });
+            true
+        });
+    }
+    p.finish(&mut |_| true)
+}
+
+#[test]
+fn the_parser_inverts_what_the_template_writes_for_an_assistant_turn() {
+    let r = reference();
+    let case = r["cases"].as_array().expect("cases").iter().find(|c| c["name"] == "tool_round_trip").expect("case");
+    let prompt = case["prompt"].as_str().expect("prompt");
+    let start = prompt.find("<|im_start|>user\nWeather").expect("user turn");
+    let turn = &prompt[start..];
+    let open = "<|im_start|>assistant\n";
+    let body = &turn[turn.find(open).expect("assistant") + open.len()..];
+    let body = &body[..body.find("<|im_end|>").expect("end")];
+    let tools = case["tools"].as_array().expect("tools");
+    let reply = parse(&prompt[..start], body, Some(tools));
+    let msg = &case["messages"][1];
+    assert_eq!(reply.reasoning_content.as_deref(), msg["reasoning_content"].as_str());
+    assert_eq!(reply.content, msg["content"].as_str().expect("content"));
+    let want: Vec<ToolCall> = msg["tool_calls"]
+        .as_array()
+        .expect("calls")
+        .iter()
+        .map(|c| ToolCall::new(c["function"]["name"].as_str().expect("name"), c["function"]["arguments"].clone()))
+        .collect();
+    assert_eq!(reply.tool_calls, want);
+    // Thinking on: the prompt leaves <think> open, so the reply starts as reasoning.
+    let reply = parse("<|im_start|>assistant\n<think>\n", "Hmm.\n</think>\n\nFour.", None);
+    assert_eq!((reply.reasoning_content.as_deref(), reply.content.as_str()), (Some("Hmm."), "Four."));
+    // And what the parser returns goes back into the conversation as the template expects.
+    let back = ChatMessage::assistant(reply.reasoning_content.as_deref(), &reply.content, reply.tool_calls);
+    let t = template("qwen35.jinja");
+    let req =
+        ChatRequest { add_generation_prompt: false, ..ChatRequest::new(vec![ChatMessage::new("user", "2+2?"), back]) };
+    let text = t.render_request(&req, &Default::default()).expect("render");
+    assert!(text.ends_with("<|im_start|>assistant\n<think>\nHmm.\n</think>\n\nFour.<|im_end|>\n"), "{text:?}");
+}

@@ -1,0 +1,120 @@
+"""Chat-template references: transformers' `apply_chat_template(tokenize=False)` on Qwen 3.5's
+official template (tests/fixtures/chat/qwen35.jinja, from mlx-community/Qwen3.5-35B-A3B-4bit,
+sha256 a4aee8af…) and on an environment template, with the demo model's tokenizer (its special
+tokens). Writes tests/fixtures/reference/chat.json: each case's inputs and the rendered prompt or
+the error transformers raises."""
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+ROOT = Path(__file__).resolve().parents[2]
+CHAT = ROOT / "tests/fixtures/chat"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city — in °C, <b>bold</b> & 'quoted'.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "description": "Name, e.g. Zürich"},
+                "days": {"type": "integer", "minimum": 1, "maximum": 7.5},
+                "units": {"type": "string", "enum": ["c", "f"]},
+            },
+            "required": ["city"],
+        },
+    },
+}
+CLOCK = {"type": "function", "function": {"name": "now", "description": "Current time", "parameters": {"type": "object", "properties": {}}}}
+
+CALL_ARGS = {"city": "Paris", "days": 3, "ratio": 0.5, "metric": True, "tags": ["a", "é"], "opts": {"x": 1e16, "y": None}}
+
+
+def cases():
+    u = lambda t: {"role": "user", "content": t}
+    a = lambda t, **kw: {"role": "assistant", "content": t, **kw}
+    yield "user_default", dict(messages=[u("What is 2+2?")])
+    yield "thinking_off", dict(messages=[u("What is 2+2?")], vars={"enable_thinking": False})
+    yield "thinking_on", dict(messages=[u("Hi")], vars={"enable_thinking": True})
+    yield "multi_turn_reasoning", dict(messages=[
+        {"role": "system", "content": "  Be brief.  "},
+        u("First?"),
+        a("One.", reasoning_content="They ask first."),
+        u("Second?"),
+        a("<think>\ninline thoughts\n</think>\n\nTwo."),
+        u("Third?"),
+    ])
+    yield "reasoning_after_last_query", dict(messages=[u("Q"), a("A", reasoning_content="  R  ")], add_generation_prompt=False)
+    yield "reasoning_aliases", dict(messages=[u("Q"), {"role": "assistant", "content": "A", "thinking": "T"}, u("Q2"), {"role": "assistant", "content": "B", "reasoning": "R2"}], add_generation_prompt=False)
+    yield "tools_offered", dict(messages=[{"role": "system", "content": "You help."}, u("Weather in Paris?")], tools=[WEATHER, CLOCK])
+    yield "tools_no_system", dict(messages=[u("Time?")], tools=[CLOCK], vars={"enable_thinking": False})
+    yield "tool_round_trip", dict(messages=[
+        u("Weather in Paris for 3 days?"),
+        {"role": "assistant", "content": "Let me check.", "reasoning_content": "Need the tool.", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}},
+            {"id": "c2", "type": "function", "function": {"name": "now", "arguments": {}}},
+        ]},
+        {"role": "tool", "tool_call_id": "c1", "content": "{\"temp\": 21}"},
+        {"role": "tool", "tool_call_id": "c2", "content": "12:00"},
+    ], tools=[WEATHER, CLOCK])
+    yield "tool_call_without_content", dict(messages=[
+        u("Time?"),
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function", "function": {"name": "now", "arguments": {}}}]},
+        {"role": "tool", "content": "12:00"},
+        a("It is noon."),
+    ], add_generation_prompt=False)
+    yield "list_content", dict(messages=[
+        {"role": "system", "content": [{"type": "text", "text": "Sys part."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two."}]},
+    ])
+    yield "continue_content", dict(messages=[u("Count to three."), a("One, two,")], add_generation_prompt=False, continue_final_message=True)
+    yield "continue_trailing_space", dict(messages=[u("Say hi."), a("Hi ")], add_generation_prompt=False, continue_final_message=True)
+    yield "continue_reasoning", dict(messages=[u("Q"), a("", reasoning_content="Let me")], add_generation_prompt=False, continue_final_message="reasoning_content")
+    yield "no_generation_prompt", dict(messages=[u("A"), a("B")], add_generation_prompt=False)
+    yield "error_no_user_query", dict(messages=[{"role": "system", "content": "S"}])
+    yield "error_system_not_first", dict(messages=[u("A"), {"role": "system", "content": "S"}])
+    yield "error_bad_role", dict(messages=[u("A"), {"role": "robot", "content": "S"}])
+    yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r")], tools=None)
+    yield "env_tools_docs", dict(template="environment.jinja", messages=[u("hi")], tools=[CLOCK], documents=[{"title": "t", "text": "x"}], add_generation_prompt=False)
+    yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
+
+
+def main():
+    tok = AutoTokenizer.from_pretrained(ROOT / "examples/assets/demo")
+    out = []
+    for name, case in cases():
+        template = (CHAT / case.get("template", "qwen35.jinja")).read_text()
+        row = {
+            "name": name,
+            "template": case.get("template", "qwen35.jinja"),
+            "messages": case["messages"],
+            "tools": case.get("tools"),
+            "documents": case.get("documents"),
+            "vars": case.get("vars", {}),
+            "add_generation_prompt": case.get("add_generation_prompt", True),
+            "continue_final_message": case.get("continue_final_message", False),
+        }
+        try:
+            row["prompt"] = tok.apply_chat_template(
+                case["messages"],
+                tools=row["tools"],
+                documents=row["documents"],
+                chat_template=template,
+                add_generation_prompt=row["add_generation_prompt"],
+                continue_final_message=row["continue_final_message"],
+                tokenize=False,
+                **row["vars"],
+            )
+        except Exception as e:  # the error is the reference
+            row["error"] = str(e)
+        out.append(row)
+    path = ROOT / "tests/fixtures/reference/chat.json"
+    path.write_text(json.dumps({"tokenizer": "examples/assets/demo", "cases": out}, indent=1, ensure_ascii=False) + "\n")
+    print(f"wrote {path}: {len(out)} cases, {sum('error' in r for r in out)} errors")
+
+
+if __name__ == "__main__":
+    main()
