@@ -287,3 +287,139 @@ fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
     let e = with("ct-bits", &|c| c[q]["config_groups"]["group_0"]["weights"]["num_bits"] = 3.into());
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field.ends_with("num_bits")), "{e}");
 }
+
+/// A safetensors file written by hand: the length field, `header` and `data`.
+fn raw_safetensors(len_field: u64, header: &str, data: &[u8]) -> Vec<u8> {
+    let mut out = len_field.to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// The error of opening a directory whose only weights file holds `bytes`.
+fn header_error(tag: &str, bytes: &[u8]) -> String {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-hdr-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("model.safetensors"), bytes).expect("write");
+    let e = Checkpoint::open_dir(&dir).err().unwrap_or_else(|| panic!("{tag}: must be refused"));
+    assert!(matches!(e, ModelError::BadSafetensors { .. }), "{tag}: {e}");
+    e.to_string()
+}
+
+#[test]
+fn safetensors_offsets_must_tile_the_data_section_exactly() {
+    // Two f32 tensors of 2 elements, header padded with spaces to 8 bytes as the writers do.
+    let entry = |name: &str, b: u64, e: u64| format!(r#""{name}":{{"dtype":"F32","shape":[2],"data_offsets":[{b},{e}]}}"#);
+    let header = |entries: &[String]| {
+        let mut h = format!("{{{}}}", entries.join(","));
+        while h.len() % 8 != 0 {
+            h.push(' ');
+        }
+        h.push_str("        ");
+        h
+    };
+    let data: Vec<u8> = (0u8..16).collect();
+    let good = header(&[entry("a", 0, 8), entry("b", 8, 16)]);
+    let dir = std::env::temp_dir().join(format!("qwen35-test-hdr-good-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("model.safetensors"), raw_safetensors(good.len() as u64, &good, &data)).expect("w");
+    let ck = Checkpoint::open_dir(&dir).expect("a well-formed file opens");
+    assert_eq!(ck.read(ck.get("b").expect("b")).expect("read"), data[8..]);
+
+    // The length field one byte short: the JSON still parses (a padding space is cut off), but
+    // the data section would start a byte early and every weight would be shifted.
+    let e = header_error("short", &raw_safetensors(good.len() as u64 - 1, &good, &data));
+    assert!(e.contains("data section"), "{e}");
+    // One byte long: the header takes the first data byte.
+    header_error("long", &raw_safetensors(good.len() as u64 + 1, &good, &data));
+    header_error("zero", &raw_safetensors(0, &good, &data));
+    // Bytes after the last tensor (the file size does not match the header).
+    let mut extra = data.clone();
+    extra.push(0);
+    let e = header_error("trailing", &raw_safetensors(good.len() as u64, &good, &extra));
+    assert!(e.contains("tensors end at byte 16 of a 17-byte data section"), "{e}");
+    // Overlap, a gap, a tensor past the end, a size that is not dtype size × elements.
+    let cases = [
+        ("overlap", vec![entry("a", 0, 8), entry("b", 4, 12)], "overlap"),
+        ("gap", vec![entry("a", 0, 8), entry("b", 12, 20)], "outside"),
+        ("gap2", vec![entry("a", 8, 16)], "gap"),
+        ("past", vec![entry("a", 0, 8), entry("b", 8, 24)], "outside"),
+        ("size", vec![entry("a", 0, 4), entry("b", 4, 16)], "needs 8 bytes"),
+        ("dup", vec![entry("a", 0, 8), entry("a", 8, 16)], "appears twice"),
+    ];
+    for (tag, entries, want) in cases {
+        let h = header(&entries);
+        let e = header_error(tag, &raw_safetensors(h.len() as u64, &h, &data));
+        assert!(e.contains(want), "{tag}: {e}");
+    }
+    // A shape whose element count overflows u64.
+    let h = header(&[r#""a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,16]}"#.to_string()]);
+    let e = header_error("overflow", &raw_safetensors(h.len() as u64, &h, &data));
+    assert!(e.contains("more than 2^64"), "{e}");
+}
+
+#[test]
+fn header_errors_print_sizes_not_file_content() {
+    // The first 8 bytes of a text file read as a length: the error must not echo them (nor
+    // their value as a number), whatever a symlink points at.
+    let text = b"root:x:0:0:root:/root:/bin/bash\n";
+    let field = u64::from_le_bytes(text[..8].try_into().expect("8 bytes"));
+    let e = header_error("text", text);
+    assert!(!e.contains(&field.to_string()) && !e.contains("root"), "{e}");
+    assert!(e.contains(&format!("file of {} bytes", text.len())), "{e}");
+    let mut small = 1000u64.to_le_bytes().to_vec();
+    small.extend_from_slice(b"{}");
+    let e = header_error("past-end", &small);
+    assert!(!e.contains("1000") && e.contains("10-byte file"), "{e}");
+}
+
+#[cfg(unix)]
+#[test]
+fn devices_fifos_and_huge_files_are_refused_before_reading() {
+    let dir = scratch_copy(&fixture_model(BASE), "devices");
+    let config = dir.join("config.json");
+    let weights = dir.join("model.safetensors");
+    let link = |target: &str, at: &Path| {
+        std::fs::remove_file(at).expect("rm");
+        std::os::unix::fs::symlink(target, at).expect("symlink");
+    };
+    // config.json → /dev/zero would read forever, → /dev/null is empty, not missing.
+    for dev in ["/dev/zero", "/dev/null"] {
+        link(dev, &config);
+        let e = TextConfig::from_dir(&dir).expect_err(dev);
+        assert!(
+            matches!(&e, ModelError::NotRegularFile { what, kind, .. } if what == "config.json" && *kind == "a character device"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+    // A FIFO with no writer: opening it would block.
+    std::fs::remove_file(&config).expect("rm");
+    let ok = std::process::Command::new("mkfifo").arg(&config).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = TextConfig::from_dir(&dir).expect_err("fifo");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    // A sparse 1 GiB config.json is refused by its length.
+    std::fs::remove_file(&config).expect("rm");
+    std::fs::File::create(&config).and_then(|f| f.set_len(1 << 30)).expect("sparse");
+    let e = TextConfig::from_dir(&dir).expect_err("sparse");
+    assert!(matches!(&e, ModelError::FileTooLarge { size, .. } if *size == 1 << 30), "{e}");
+    // The weights file as a device or FIFO is named as such, not "no model.safetensors".
+    link("/dev/null", &weights);
+    let e = Checkpoint::open_dir(&dir).err().expect("/dev/null weights");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a character device"), "{e}");
+    std::fs::remove_file(&weights).expect("rm");
+    let ok = std::process::Command::new("mkfifo").arg(&weights).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = Checkpoint::open_dir(&dir).err().expect("fifo weights");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    // A sharded index that is a FIFO.
+    std::fs::remove_file(&weights).expect("rm");
+    let index = dir.join("model.safetensors.index.json");
+    let ok = std::process::Command::new("mkfifo").arg(&index).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = Checkpoint::open_dir(&dir).err().expect("fifo index");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+}

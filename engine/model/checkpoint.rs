@@ -3,11 +3,11 @@
 //! offset is checked against the file length before anything is allocated.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::error::ModelError;
+use crate::io::{open_regular, read_bounded_text, MAX_JSON_BYTES};
 use crate::model::Dtype;
 
 /// Largest safetensors JSON header accepted (the reference implementation's bound).
@@ -28,7 +28,8 @@ pub struct TensorEntry {
 impl TensorEntry {
     /// Elements in the tensor.
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        // Saturating: the header check bounds the bytes of every known dtype, not of the others.
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
 }
 
@@ -44,7 +45,9 @@ impl Checkpoint {
     pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index.is_file() {
+        // `exists` (not `is_file`): a FIFO, device or directory under the name is reported as
+        // such by the reader, not as a missing file.
+        let files: Vec<PathBuf> = if index.exists() {
             let text = read_text(&index)?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::BadJson { file: index.display().to_string(), message: e.to_string() })?;
@@ -64,7 +67,7 @@ impl Checkpoint {
                 }
             }
             names.into_iter().map(|n| dir.join(n)).collect()
-        } else if single.is_file() {
+        } else if single.exists() {
             vec![single]
         } else {
             let gguf = std::fs::read_dir(dir)
@@ -91,7 +94,15 @@ impl Checkpoint {
         for (i, path) in paths.iter().enumerate() {
             let header = read_header(path, i)?;
             files.push((path.clone(), header.data_start));
-            tensors.extend(header.entries);
+            for (name, entry) in header.entries {
+                if tensors.contains_key(&name) {
+                    return Err(ModelError::BadSafetensors {
+                        path: path.clone(),
+                        message: format!("tensor {name} appears twice (in this header or an earlier shard's)"),
+                    });
+                }
+                tensors.insert(name, entry);
+            }
             metadata.extend(header.metadata);
         }
         Ok(Self { files, tensors, metadata })
@@ -128,7 +139,7 @@ impl Checkpoint {
     pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
         let (path, data_start) = &self.files[entry.file];
         let io = |source| ModelError::Io { path: path.clone(), source };
-        let mut f = File::open(path).map_err(io)?;
+        let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
         let mut buf = vec![0u8; (entry.end - entry.begin) as usize];
         f.read_exact(&mut buf).map_err(io)?;
@@ -162,7 +173,7 @@ impl Checkpoint {
 }
 
 fn read_text(path: &Path) -> Result<String, ModelError> {
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })
+    Ok(read_bounded_text(path, MAX_JSON_BYTES, "model.safetensors.index.json")?)
 }
 
 fn dtype_size(dtype: &str) -> Option<u64> {
@@ -181,74 +192,143 @@ struct Header {
     metadata: HashMap<String, String>,
 }
 
+/// One tensor of the header as written: `{"dtype": …, "shape": […], "data_offsets": [b, e]}`
+/// (other fields ignored, as the reference parser does).
+#[derive(serde::Deserialize)]
+struct RawEntry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
+}
+
+/// What the header's JSON object holds, parsed in one pass without an intermediate tree (a
+/// header of a million vision-tower keys costs its entries, not a `serde_json::Value` each).
+struct RawHeader {
+    entries: Vec<(String, RawEntry)>,
+    metadata: HashMap<String, String>,
+}
+
+impl<'de> serde::Deserialize<'de> for RawHeader {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawHeader;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object of tensor entries")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
+                use serde::de::Error;
+                let mut entries = Vec::new();
+                let mut metadata = None;
+                while let Some(name) = map.next_key::<String>()? {
+                    if name == "__metadata__" {
+                        if metadata.is_some() {
+                            return Err(A::Error::custom("__metadata__ appears twice"));
+                        }
+                        // mlx's save_safetensors writes null when there is no metadata.
+                        let m: Option<HashMap<String, String>> = map
+                            .next_value()
+                            .map_err(|e| A::Error::custom(format!("__metadata__ is not a map of strings: {e}")))?;
+                        metadata = Some(m.unwrap_or_default());
+                        continue;
+                    }
+                    let entry: RawEntry = map.next_value().map_err(|e| A::Error::custom(format!("{name}: {e}")))?;
+                    entries.push((name, entry));
+                }
+                Ok(RawHeader { entries, metadata: metadata.unwrap_or_default() })
+            }
+        }
+        d.deserialize_map(V)
+    }
+}
+
 fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
     let io = |source| ModelError::Io { path: path.to_path_buf(), source };
     let bad = |message: String| ModelError::BadSafetensors { path: path.to_path_buf(), message };
-    let mut f = File::open(path).map_err(io)?;
-    let file_len = f.metadata().map_err(io)?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| bad(format!("file of {file_len} bytes is shorter than the 8-byte header length")))?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > MAX_HEADER_BYTES {
-        return Err(bad(format!("header of {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte bound")));
+    let (mut f, file_len) = open_regular(path, "safetensors file")?;
+    // The length field is file content (the first 8 bytes of whatever a symlink points at):
+    // errors print the file's size and the bounds, never the field.
+    if file_len < 8 {
+        return Err(bad(format!("file of {file_len} bytes is shorter than the 8-byte header length")));
     }
-    if header_len + 8 > file_len {
-        return Err(bad(format!("header of {header_len} bytes runs past the end of a {file_len}-byte file")));
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(io)?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len == 0 {
+        return Err(bad("the header length is 0".into()));
+    }
+    if header_len > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header length exceeds the {MAX_HEADER_BYTES}-byte bound (file of {file_len} bytes)"
+        )));
+    }
+    if header_len > file_len - 8 {
+        return Err(bad(format!("the header length runs past the end of the {file_len}-byte file")));
     }
     let mut header = vec![0u8; header_len as usize];
     f.read_exact(&mut header).map_err(io)?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = json.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
+    let raw: RawHeader = serde_json::from_slice(&header).map_err(|e| bad(format!("header is not valid: {e}")))?;
+    drop(header);
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
-    let mut out = Vec::new();
-    let mut metadata = HashMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            // mlx's save_safetensors writes null when there is no metadata.
-            if v.is_null() {
-                continue;
-            }
-            let map = v.as_object().ok_or_else(|| bad("__metadata__ is not an object".into()))?;
-            for (k, v) in map {
-                let v = v.as_str().ok_or_else(|| bad(format!("__metadata__.{k} is not a string")))?;
-                metadata.insert(k.clone(), v.to_string());
-            }
-            continue;
-        }
-        let dtype = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("{name}: no dtype")))?;
-        let shape: Vec<usize> = v
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .ok_or_else(|| bad(format!("{name}: no shape")))?
-            .iter()
-            .map(|d| d.as_u64().map(|x| x as usize))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad(format!("{name}: shape is not a list of integers")))?;
-        let offs = v
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .filter(|o| o.len() == 2)
-            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-            .ok_or_else(|| bad(format!("{name}: data_offsets is not [begin, end]")))?;
-        let (begin, end) = offs;
+    let mut out = Vec::with_capacity(raw.entries.len());
+    for (name, e) in raw.entries {
+        let (begin, end) = e.data_offsets;
         if begin > end || end > data_len {
             return Err(bad(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section")));
         }
+        let shape: Vec<usize> = e
+            .shape
+            .iter()
+            .map(|&d| usize::try_from(d).ok())
+            .collect::<Option<_>>()
+            .ok_or_else(|| bad(format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape)))?;
+        let numel = e.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
         // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
-        // error if the tensor is read.
-        let numel = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-        let want = dtype_size(dtype).map(|size| numel.and_then(|n| n.checked_mul(size)));
-        if want.is_some_and(|w| w != Some(end - begin)) {
-            return Err(bad(format!(
-                "{name}: shape {shape:?} of {dtype} needs {:?} bytes, data_offsets give {}",
-                want.flatten(),
-                end - begin
-            )));
+        // error if the tensor is read; its bytes still take their place in the data section.
+        if let Some(size) = dtype_size(&e.dtype) {
+            let want = numel.and_then(|n| n.checked_mul(size));
+            if want != Some(end - begin) {
+                let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
+                return Err(bad(format!(
+                    "{name}: shape {shape:?} of {} needs {want} bytes, data_offsets give {}",
+                    e.dtype,
+                    end - begin
+                )));
+            }
         }
-        out.push((name.clone(), TensorEntry { dtype: dtype.to_string(), shape, file, begin, end }));
+        let entry = TensorEntry { dtype: e.dtype, shape, file, begin, end };
+        out.push((name, entry));
     }
-    Ok(Header { data_start, entries: out, metadata })
+    check_layout(&out, data_len).map_err(bad)?;
+    Ok(Header { data_start, entries: out, metadata: raw.metadata })
+}
+
+/// The tensors must tile the data section exactly, as the reference parser requires: sorted by
+/// offset, each begins where the previous ends, the first at 0 and the last at the end of the
+/// file. A header length one byte off then fails here instead of loading every weight shifted.
+fn check_layout(entries: &[(String, TensorEntry)], data_len: u64) -> Result<(), String> {
+    let mut spans: Vec<(u64, u64, usize)> =
+        entries.iter().enumerate().map(|(i, (_, e))| (e.begin, e.end, i)).collect();
+    spans.sort_unstable();
+    let mut at = 0u64;
+    for &(begin, end, i) in &spans {
+        if begin != at {
+            let name = &entries[i].0;
+            return Err(if begin < at {
+                format!("{name}: data_offsets [{begin}, {end}] overlap the tensor before it (which ends at {at})")
+            } else {
+                format!("{name}: data_offsets [{begin}, {end}] leave a gap after byte {at}")
+            });
+        }
+        at = end;
+    }
+    if at != data_len {
+        return Err(format!(
+            "the tensors end at byte {at} of a {data_len}-byte data section (header length or file size is off)"
+        ));
+    }
+    Ok(())
 }

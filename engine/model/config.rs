@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ModelError;
+use crate::io::{read_bounded_text, MAX_JSON_BYTES};
 
 /// Largest head_dim the engine runs: `WG × MAX_DIMS` of `attention.wgsl` (the shader's limit,
 /// stated here so the config check needs nothing from the kernels).
@@ -102,8 +103,7 @@ impl TextConfig {
     /// Read and validate `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        Self::from_json(&text)
+        Self::from_json(&read_bounded_text(&path, MAX_JSON_BYTES, "config.json")?)
     }
 
     /// Parse and validate the text of a `config.json`.
