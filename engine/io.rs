@@ -66,16 +66,13 @@ pub fn open_regular(path: &Path, what: &str) -> Result<(File, u64), FileError> {
 /// bytes. `what` names the file in errors (`"config.json"`).
 pub fn read_bounded(path: &Path, limit: u64, what: &str) -> Result<Vec<u8>, FileError> {
     let (file, len) = open_regular(path, what)?;
-    let too_large =
-        |size: u64| FileError::TooLarge { what: what.to_string(), path: path.to_path_buf(), size, limit };
+    let too_large = |size: u64| FileError::TooLarge { what: what.to_string(), path: path.to_path_buf(), size, limit };
     if len > limit {
         return Err(too_large(len));
     }
     let mut buf = Vec::with_capacity(len as usize);
     // One byte past the limit tells a file that grew after the check.
-    file.take(limit + 1)
-        .read_to_end(&mut buf)
-        .map_err(|source| FileError::Io { path: path.to_path_buf(), source })?;
+    file.take(limit + 1).read_to_end(&mut buf).map_err(|source| FileError::Io { path: path.to_path_buf(), source })?;
     if buf.len() as u64 > limit {
         return Err(too_large(buf.len() as u64));
     }

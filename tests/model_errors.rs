@@ -310,7 +310,8 @@ fn header_error(tag: &str, bytes: &[u8]) -> String {
 #[test]
 fn safetensors_offsets_must_tile_the_data_section_exactly() {
     // Two f32 tensors of 2 elements, header padded with spaces to 8 bytes as the writers do.
-    let entry = |name: &str, b: u64, e: u64| format!(r#""{name}":{{"dtype":"F32","shape":[2],"data_offsets":[{b},{e}]}}"#);
+    let entry =
+        |name: &str, b: u64, e: u64| format!(r#""{name}":{{"dtype":"F32","shape":[2],"data_offsets":[{b},{e}]}}"#);
     let header = |entries: &[String]| {
         let mut h = format!("{{{}}}", entries.join(","));
         while h.len() % 8 != 0 {

@@ -92,18 +92,8 @@ impl Checkpoint {
         let mut tensors = HashMap::new();
         let mut metadata = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
-            let header = read_header(path, i)?;
-            files.push((path.clone(), header.data_start));
-            for (name, entry) in header.entries {
-                if tensors.contains_key(&name) {
-                    return Err(ModelError::BadSafetensors {
-                        path: path.clone(),
-                        message: format!("tensor {name} appears twice (in this header or an earlier shard's)"),
-                    });
-                }
-                tensors.insert(name, entry);
-            }
-            metadata.extend(header.metadata);
+            let data_start = read_header(path, i, &mut tensors, &mut metadata)?;
+            files.push((path.clone(), data_start));
         }
         Ok(Self { files, tensors, metadata })
     }
@@ -186,12 +176,6 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
-struct Header {
-    data_start: u64,
-    entries: Vec<(String, TensorEntry)>,
-    metadata: HashMap<String, String>,
-}
-
 /// One tensor of the header as written: `{"dtype": …, "shape": […], "data_offsets": [b, e]}`
 /// (other fields ignored, as the reference parser does).
 #[derive(serde::Deserialize)]
@@ -201,50 +185,100 @@ struct RawEntry {
     data_offsets: (u64, u64),
 }
 
-/// What the header's JSON object holds, parsed in one pass without an intermediate tree (a
-/// header of a million vision-tower keys costs its entries, not a `serde_json::Value` each).
-struct RawHeader {
-    entries: Vec<(String, RawEntry)>,
-    metadata: HashMap<String, String>,
+/// Parses a header's JSON object in one streaming pass straight into the checkpoint's map: no
+/// `serde_json::Value` tree and no copy of the header text (a header of a million vision-tower
+/// keys costs its entries only). Every entry is checked as it arrives.
+struct HeaderSeed<'a> {
+    file: usize,
+    data_len: u64,
+    tensors: &'a mut HashMap<String, TensorEntry>,
+    metadata: &'a mut HashMap<String, String>,
+    /// (begin, end) of every tensor of this file, for the layout check.
+    spans: &'a mut Vec<(u64, u64)>,
 }
 
-impl<'de> serde::Deserialize<'de> for RawHeader {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl<'de> serde::de::Visitor<'de> for V {
-            type Value = RawHeader;
+impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = ();
 
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object of tensor entries")
-            }
-
-            fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<RawHeader, A::Error> {
-                use serde::de::Error;
-                let mut entries = Vec::new();
-                let mut metadata = None;
-                while let Some(name) = map.next_key::<String>()? {
-                    if name == "__metadata__" {
-                        if metadata.is_some() {
-                            return Err(A::Error::custom("__metadata__ appears twice"));
-                        }
-                        // mlx's save_safetensors writes null when there is no metadata.
-                        let m: Option<HashMap<String, String>> = map
-                            .next_value()
-                            .map_err(|e| A::Error::custom(format!("__metadata__ is not a map of strings: {e}")))?;
-                        metadata = Some(m.unwrap_or_default());
-                        continue;
-                    }
-                    let entry: RawEntry = map.next_value().map_err(|e| A::Error::custom(format!("{name}: {e}")))?;
-                    entries.push((name, entry));
-                }
-                Ok(RawHeader { entries, metadata: metadata.unwrap_or_default() })
-            }
-        }
-        d.deserialize_map(V)
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
     }
 }
 
-fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
+impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensor entries")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        use serde::de::Error;
+        let mut seen_metadata = false;
+        while let Some(name) = map.next_key::<String>()? {
+            if name == "__metadata__" {
+                if std::mem::replace(&mut seen_metadata, true) {
+                    return Err(A::Error::custom("__metadata__ appears twice"));
+                }
+                // mlx's save_safetensors writes null when there is no metadata.
+                let m: Option<HashMap<String, String>> = map
+                    .next_value()
+                    .map_err(|e| A::Error::custom(format!("__metadata__ is not a map of strings: {e}")))?;
+                self.metadata.extend(m.unwrap_or_default());
+                continue;
+            }
+            let e: RawEntry = map.next_value().map_err(|e| A::Error::custom(format!("{name}: {e}")))?;
+            let entry = checked_entry(&name, e, self.file, self.data_len).map_err(A::Error::custom)?;
+            if self.tensors.contains_key(&name) {
+                return Err(A::Error::custom(format!(
+                    "tensor {name} appears twice (in this header or an earlier shard's)"
+                )));
+            }
+            self.spans.push((entry.begin, entry.end));
+            self.tensors.insert(name, entry);
+        }
+        Ok(())
+    }
+}
+
+/// The entry after checking its offsets against the data section and its size against dtype
+/// and shape (checked arithmetic).
+fn checked_entry(name: &str, e: RawEntry, file: usize, data_len: u64) -> Result<TensorEntry, String> {
+    let (begin, end) = e.data_offsets;
+    if begin > end || end > data_len {
+        return Err(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section"));
+    }
+    let shape: Vec<usize> = e
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d).ok())
+        .collect::<Option<_>>()
+        .ok_or_else(|| format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape))?;
+    // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
+    // error if the tensor is read; its bytes still take their place in the data section.
+    if let Some(size) = dtype_size(&e.dtype) {
+        let want = e.shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
+        if want != Some(end - begin) {
+            let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
+            return Err(format!(
+                "{name}: shape {shape:?} of {} needs {want} bytes, data_offsets give {}",
+                e.dtype,
+                end - begin
+            ));
+        }
+    }
+    Ok(TensorEntry { dtype: e.dtype, shape, file, begin, end })
+}
+
+/// Read and check the header of file number `file` into `tensors` and `metadata`; returns where
+/// its data section starts.
+fn read_header(
+    path: &Path,
+    file: usize,
+    tensors: &mut HashMap<String, TensorEntry>,
+    metadata: &mut HashMap<String, String>,
+) -> Result<u64, ModelError> {
+    use serde::de::DeserializeSeed;
     let io = |source| ModelError::Io { path: path.to_path_buf(), source };
     let bad = |message: String| ModelError::BadSafetensors { path: path.to_path_buf(), message };
     let (mut f, file_len) = open_regular(path, "safetensors file")?;
@@ -267,68 +301,55 @@ fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
     if header_len > file_len - 8 {
         return Err(bad(format!("the header length runs past the end of the {file_len}-byte file")));
     }
-    let mut header = vec![0u8; header_len as usize];
-    f.read_exact(&mut header).map_err(io)?;
-    let raw: RawHeader = serde_json::from_slice(&header).map_err(|e| bad(format!("header is not valid: {e}")))?;
-    drop(header);
     let data_start = 8 + header_len;
     let data_len = file_len - data_start;
-    let mut out = Vec::with_capacity(raw.entries.len());
-    for (name, e) in raw.entries {
-        let (begin, end) = e.data_offsets;
-        if begin > end || end > data_len {
-            return Err(bad(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section")));
-        }
-        let shape: Vec<usize> = e
-            .shape
-            .iter()
-            .map(|&d| usize::try_from(d).ok())
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad(format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape)))?;
-        let numel = e.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
-        // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
-        // error if the tensor is read; its bytes still take their place in the data section.
-        if let Some(size) = dtype_size(&e.dtype) {
-            let want = numel.and_then(|n| n.checked_mul(size));
-            if want != Some(end - begin) {
-                let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
-                return Err(bad(format!(
-                    "{name}: shape {shape:?} of {} needs {want} bytes, data_offsets give {}",
-                    e.dtype,
-                    end - begin
-                )));
-            }
-        }
-        let entry = TensorEntry { dtype: e.dtype, shape, file, begin, end };
-        out.push((name, entry));
-    }
-    check_layout(&out, data_len).map_err(bad)?;
-    Ok(Header { data_start, entries: out, metadata: raw.metadata })
+    let mut spans = Vec::new();
+    let seed = HeaderSeed { file, data_len, tensors, metadata, spans: &mut spans };
+    // Exactly header_len bytes: the JSON must end there (trailing spaces are the writers' padding).
+    let reader = std::io::BufReader::new((&mut f).take(header_len));
+    let mut de = serde_json::Deserializer::from_reader(reader);
+    seed.deserialize(&mut de).and_then(|()| de.end()).map_err(|e| bad(format!("header is not valid: {e}")))?;
+    check_layout(&mut spans, data_len).map_err(|m| {
+        // Name the tensor at fault (only on this error path: the spans carry no names).
+        let named = tensors.iter().find(|(_, e)| e.file == file && m.at == (e.begin, e.end));
+        bad(match named {
+            Some((name, _)) => format!("{name}: {}", m.message),
+            None => m.message,
+        })
+    })?;
+    Ok(data_start)
+}
+
+/// A layout error and the span it is about.
+struct LayoutError {
+    at: (u64, u64),
+    message: String,
 }
 
 /// The tensors must tile the data section exactly, as the reference parser requires: sorted by
 /// offset, each begins where the previous ends, the first at 0 and the last at the end of the
 /// file. A header length one byte off then fails here instead of loading every weight shifted.
-fn check_layout(entries: &[(String, TensorEntry)], data_len: u64) -> Result<(), String> {
-    let mut spans: Vec<(u64, u64, usize)> =
-        entries.iter().enumerate().map(|(i, (_, e))| (e.begin, e.end, i)).collect();
+fn check_layout(spans: &mut [(u64, u64)], data_len: u64) -> Result<(), LayoutError> {
     spans.sort_unstable();
     let mut at = 0u64;
-    for &(begin, end, i) in &spans {
+    for &(begin, end) in spans.iter() {
         if begin != at {
-            let name = &entries[i].0;
-            return Err(if begin < at {
-                format!("{name}: data_offsets [{begin}, {end}] overlap the tensor before it (which ends at {at})")
+            let message = if begin < at {
+                format!("data_offsets [{begin}, {end}] overlap the tensor before it (which ends at {at})")
             } else {
-                format!("{name}: data_offsets [{begin}, {end}] leave a gap after byte {at}")
-            });
+                format!("data_offsets [{begin}, {end}] leave a gap after byte {at}")
+            };
+            return Err(LayoutError { at: (begin, end), message });
         }
         at = end;
     }
     if at != data_len {
-        return Err(format!(
-            "the tensors end at byte {at} of a {data_len}-byte data section (header length or file size is off)"
-        ));
+        return Err(LayoutError {
+            at: (u64::MAX, u64::MAX),
+            message: format!(
+                "the tensors end at byte {at} of a {data_len}-byte data section (header length or file size is off)"
+            ),
+        });
     }
     Ok(())
 }

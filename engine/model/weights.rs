@@ -23,8 +23,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use crate::error::ModelError;
-use crate::io::{read_bounded_text, MAX_JSON_BYTES};
 use crate::gpu::{Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType};
+use crate::io::{read_bounded_text, MAX_JSON_BYTES};
 use crate::model::quant::QuantConfig;
 use crate::model::quantize::{quantize_bytes, QuantizeRecipe};
 use crate::model::{Checkpoint, Dtype, LayerType, TextConfig};
