@@ -45,6 +45,66 @@ fn config_errors_are_typed() {
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
 
+/// The field and the found value of a `BadConfig`.
+fn bad_config(e: &ModelError) -> (&str, &str) {
+    match e {
+        ModelError::BadConfig { field, found, .. } => (field, found),
+        other => panic!("expected BadConfig, got {other}"),
+    }
+}
+
+#[test]
+fn absurd_config_sizes_are_refused_before_anything_is_allocated() {
+    // Without layer_types, num_hidden_layers alone sized a Vec: 10^12 aborted the process.
+    for layers in [1_000_000_000_000u64, 100_000_000, 1025] {
+        let e = config_error(|c| {
+            c.as_object_mut().expect("object").remove("layer_types");
+            c["num_hidden_layers"] = layers.into();
+        });
+        assert_eq!(bad_config(&e), ("num_hidden_layers", layers.to_string().as_str()), "{e}");
+    }
+    let cases: [(&str, u64); 8] = [
+        ("vocab_size", (1 << 24) + 1),
+        ("hidden_size", 65_537),
+        ("intermediate_size", 1 << 40),
+        ("num_attention_heads", 1 << 20),
+        ("num_key_value_heads", 1 << 33),
+        ("linear_num_value_heads", 1 << 62),
+        ("linear_key_head_dim", 4096),
+        ("linear_value_head_dim", u64::MAX),
+    ];
+    for (field, v) in cases {
+        let e = config_error(|c| c[field] = v.into());
+        assert_eq!(bad_config(&e), (field, v.to_string().as_str()), "{e}");
+    }
+    // Each within its bound, the product not: 2 · V · H alone is 2^41 elements.
+    let e = config_error(|c| {
+        c["vocab_size"] = (1u64 << 24).into();
+        c["hidden_size"] = 65_536.into();
+    });
+    assert_eq!(bad_config(&e).0, "(parameter count)", "{e}");
+}
+
+#[test]
+fn rope_theta_eps_and_rotary_factor_must_be_positive_and_finite() {
+    let rope = |key: &'static str, v: serde_json::Value| move |c: &mut serde_json::Value| c["rope_parameters"][key] = v;
+    for v in [0.0, -10000.0, 1e300] {
+        let e = config_error(rope("rope_theta", v.into()));
+        assert_eq!(bad_config(&e).0, "rope_theta", "{v}: {e}");
+    }
+    for v in [0.0, -0.25, 1.5] {
+        let e = config_error(rope("partial_rotary_factor", v.into()));
+        assert_eq!(bad_config(&e).0, "partial_rotary_factor", "{v}: {e}");
+    }
+    // 1e-50 is positive as f64 and 0 as the f32 the kernels use; 1e300 is infinite as f32.
+    for v in [0.0, -1e-6, 1e-50, 1e300] {
+        let e = config_error(|c| c["rms_norm_eps"] = v.into());
+        assert_eq!(bad_config(&e).0, "rms_norm_eps", "{v}: {e}");
+    }
+    let e = config_error(|c| c["rope_parameters"]["rope_theta"] = "inf".into());
+    assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
+}
+
 #[test]
 fn both_config_forms_give_the_same_dimensions() {
     let vlm = TextConfig::from_dir(&fixture_model("vlm_bf16_sharded")).expect("vlm config");
