@@ -244,8 +244,9 @@ impl TextConfig {
             return Err(bad("rope_theta", "a finite number > 0", rope_theta.to_string()));
         }
         let factor = rope.and_then(|r| r.partial_rotary_factor).or(raw.partial_rotary_factor).unwrap_or(0.25);
-        if !(factor > 0.0 && factor <= 1.0) {
-            return Err(bad("partial_rotary_factor", "a number in (0, 1]", factor.to_string()));
+        // 0 is no rotary dims at all (the kernels run that); NaN fails both comparisons.
+        if !(0.0..=1.0).contains(&factor) {
+            return Err(bad("partial_rotary_factor", "a number in [0, 1]", factor.to_string()));
         }
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
         // Checked as the f32 the kernels use: 1e-50 is positive in f64 and 0 in f32.
