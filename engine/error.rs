@@ -58,6 +58,42 @@ pub enum GpuError {
     },
 }
 
+/// Errors of reading a file handed to the engine ([`crate::io::read_bounded`]): every file is
+/// untrusted, so its type and size are checked before it is opened or read.
+#[derive(Debug, thiserror::Error)]
+pub enum FileError {
+    /// The OS refused (no such file, permissions, a failed read).
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The OS error.
+        source: std::io::Error,
+    },
+    /// The path names a directory, FIFO, device or socket (after following symlinks).
+    #[error("{what} {path} is not a regular file (it is {kind})")]
+    NotRegular {
+        /// Which file (`config.json`, …).
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
+    /// The file is larger than its bound (checked before reading).
+    #[error("{what} {path} has {size} bytes, more than the {limit}-byte bound")]
+    TooLarge {
+        /// Which file.
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// Its length in bytes.
+        size: u64,
+        /// The bound.
+        limit: u64,
+    },
+}
+
 /// Errors while loading a model directory.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
@@ -145,6 +181,28 @@ pub enum ModelError {
         /// This tensor's dtype.
         found: String,
     },
+    /// A file the directory names is a directory, FIFO, device or socket.
+    #[error("{what} {path} is not a regular file (it is {kind})")]
+    NotRegularFile {
+        /// Which file.
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
+    /// A file is larger than the engine reads for its kind.
+    #[error("{what} {path} has {size} bytes, more than the {limit}-byte bound")]
+    FileTooLarge {
+        /// Which file.
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// Its length.
+        size: u64,
+        /// The bound.
+        limit: u64,
+    },
     /// A GPU error while uploading.
     #[error(transparent)]
     Gpu(#[from] GpuError),
@@ -183,6 +241,13 @@ pub enum RunError {
         value: String,
         /// What is allowed.
         expected: &'static str,
+    },
+    /// The model produced NaN or infinite logits (overflowing weights, an adapter or scale of
+    /// absurd magnitude): generation stops instead of choosing tokens from garbage.
+    #[error("non-finite logits at position {position}: the model's output overflowed")]
+    NonFiniteLogits {
+        /// The sequence position (0-based) of the token whose logits were not finite.
+        position: usize,
     },
     /// A GPU error.
     #[error(transparent)]
@@ -336,6 +401,28 @@ pub enum AdapterError {
     /// The scale is not a finite number.
     #[error("adapter scale {0} is not finite")]
     BadScale(f32),
+    /// A file of the adapter is a directory, FIFO, device or socket.
+    #[error("{what} {path} is not a regular file (it is {kind})")]
+    NotRegularFile {
+        /// Which file.
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// What it is instead.
+        kind: &'static str,
+    },
+    /// A file of the adapter is larger than the engine reads for its kind.
+    #[error("{what} {path} has {size} bytes, more than the {limit}-byte bound")]
+    FileTooLarge {
+        /// Which file.
+        what: String,
+        /// The path.
+        path: PathBuf,
+        /// Its length.
+        size: u64,
+        /// The bound.
+        limit: u64,
+    },
     /// A GPU error while uploading.
     #[error(transparent)]
     Gpu(#[from] GpuError),
@@ -385,4 +472,24 @@ pub enum LearnError {
     /// A GPU error.
     #[error(transparent)]
     Gpu(#[from] GpuError),
+}
+
+impl From<FileError> for ModelError {
+    fn from(e: FileError) -> Self {
+        match e {
+            FileError::Io { path, source } => ModelError::Io { path, source },
+            FileError::NotRegular { what, path, kind } => ModelError::NotRegularFile { what, path, kind },
+            FileError::TooLarge { what, path, size, limit } => ModelError::FileTooLarge { what, path, size, limit },
+        }
+    }
+}
+
+impl From<FileError> for AdapterError {
+    fn from(e: FileError) -> Self {
+        match e {
+            FileError::Io { path, source } => AdapterError::Io { path, source },
+            FileError::NotRegular { what, path, kind } => AdapterError::NotRegularFile { what, path, kind },
+            FileError::TooLarge { what, path, size, limit } => AdapterError::FileTooLarge { what, path, size, limit },
+        }
+    }
 }

@@ -22,6 +22,7 @@
 pub mod backend;
 pub mod error;
 pub mod gpu;
+pub mod io;
 pub mod kernels;
 pub mod learn;
 pub mod lora;
@@ -32,7 +33,7 @@ pub mod text;
 mod wgpu_backend;
 
 pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
-pub use error::{AdapterError, GpuError, LearnError, ModelError, RunError};
+pub use error::{AdapterError, FileError, GpuError, LearnError, ModelError, RunError};
 pub use gpu::GpuContext;
 pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
 pub use lora::{AdapterInfo, LoraAdapter, Proj};

@@ -507,6 +507,9 @@ fn gpu_argmax_matches_the_cpu_rule() {
         vec![f32::NEG_INFINITY; 5],
         vec![0.0, -0.0, 0.0],
         vec![3.0, 3.0, -1.0, 3.0],
+        vec![1.0, f32::INFINITY, 2.0],
+        vec![1.0, 2.0, f32::NEG_INFINITY],
+        vec![f32::MAX, -f32::MAX, 0.0],
     ];
     for (i, n) in [255usize, 4096, 4097, 10_000, 248_320].into_iter().enumerate() {
         let mut v = rand(n, 900 + i as u64, 4.0);
@@ -529,8 +532,11 @@ fn gpu_argmax_matches_the_cpu_rule() {
         let parts = ctx.storage_buffer("parts", argmax_scratch_bytes(n), true).expect("parts");
         let ids = upload(&ctx, &[0.0; 4]);
         run(&ctx, |rec| argmax(rec, &lb, &parts, &ids, n));
-        let got = read(&ctx, &ids, 1)[0].to_bits();
-        assert_eq!(got, qwen35_wgpu::runtime::argmax(logits), "case {ci} (n {n})");
+        let got = read(&ctx, &ids, 2);
+        assert_eq!(got[0].to_bits(), qwen35_wgpu::runtime::argmax(logits), "case {ci} (n {n})");
+        // ids[1]: whether any logit is NaN or infinite (generation refuses such a row).
+        let non_finite = logits.iter().any(|l| !l.is_finite());
+        assert_eq!(got[1].to_bits(), non_finite as u32, "case {ci} (n {n}): non-finite flag");
     }
 }
 

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 
 use common::tolerance::GRAD_REL;
 use common::{fixture_model, gpu, rel_and_max, root, Reference};
-use qwen35_wgpu::learn::ModuleGrad;
+use qwen35_wgpu::learn::{ModuleGrad, MAX_LR, MAX_TRAIN_RANK};
 use qwen35_wgpu::{
     BackendError, LearnError, LearnOptions, LlmBackend, LoadOptions, Proj, SessionOptions, Signal, TokenEvent,
     TrainSpec, WgpuBackend,
@@ -187,6 +187,52 @@ fn targets_the_backward_cannot_reach_are_typed_errors() {
         b.learn_tokens(&[supervised(&[1], &[2])], &LearnOptions::default()),
         Err(BackendError::Learn(LearnError::NoTrainableAdapter))
     ));
+}
+
+#[test]
+fn hostile_train_specs_and_options_are_refused_at_create_time() {
+    let Some(mut b) = backend("gva_tied_f32") else { return };
+    let last = b.model_info().expect("model").config.num_layers() - 1;
+    let refused = |b: &mut WgpuBackend, spec: TrainSpec, field: &str| match b.create_trainable_adapter(&spec) {
+        Err(BackendError::Learn(LearnError::BadInput { name, .. })) => assert_eq!(name, field, "{spec:?}"),
+        other => panic!("{spec:?}: expected a BadInput on {field}, got {other:?}"),
+    };
+    // [last, last] was accepted and export then panicked inside safetensors (duplicate keys).
+    refused(&mut b, TrainSpec { layers: Some(vec![last, last]), ..Default::default() }, "layers");
+    refused(&mut b, TrainSpec { layers: Some(vec![]), ..Default::default() }, "layers");
+    refused(&mut b, TrainSpec { layers: Some(vec![last, 10_000]), ..Default::default() }, "layers[1]");
+    refused(&mut b, TrainSpec { layers: Some(vec![usize::MAX]), ..Default::default() }, "layers[0]");
+    // Rank 2^40 aborted on allocation, usize::MAX overflowed.
+    for rank in [1usize << 40, usize::MAX, MAX_TRAIN_RANK + 1, 0] {
+        refused(&mut b, TrainSpec { rank, ..Default::default() }, "rank");
+    }
+    assert!(b.list_adapters().expect("list").is_empty(), "a refused spec leaves nothing resident");
+
+    b.create_trainable_adapter(&TrainSpec::default()).expect("create");
+    let ids = [3u32, 17, 42, 99];
+    let before = logits(&mut b, &ids);
+    let event = [supervised(&[1, 2, 3], &[4, 5])];
+    let opts = LearnOptions::default();
+    let bad_opts = [
+        (LearnOptions { lr: 1e30, ..opts.clone() }, "lr"),
+        (LearnOptions { lr: f32::INFINITY, ..opts.clone() }, "lr"),
+        (LearnOptions { lr: f32::NAN, ..opts.clone() }, "lr"),
+        (LearnOptions { lr: MAX_LR * 2.0, ..opts.clone() }, "lr"),
+        (LearnOptions { weight_decay: 1e30, ..opts.clone() }, "weight_decay"),
+        (LearnOptions { anchor_l2: f32::INFINITY, ..opts.clone() }, "anchor_l2"),
+        (LearnOptions { eps: f32::NAN, ..opts.clone() }, "eps"),
+    ];
+    for (o, field) in bad_opts {
+        match b.learn_tokens(&event, &o) {
+            Err(BackendError::Learn(LearnError::BadInput { name, .. })) => assert_eq!(name, field),
+            other => panic!("{field}: expected a BadInput error, got {other:?}"),
+        }
+    }
+    assert_eq!(b.learn_steps(), Some(0), "no step taken");
+    assert_eq!(logits(&mut b, &ids), before, "the adapter is unchanged");
+    let dir = std::env::temp_dir().join(format!("qwen35-learn-hostile-{}", std::process::id()));
+    b.export_trainable_adapter(&dir).expect("export");
+    std::fs::remove_dir_all(&dir).ok();
 }
 
 fn demo() -> Option<WgpuBackend> {

@@ -2,13 +2,11 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
-use common::{fixture_model, gpu, scratch_copy};
+use common::{damaged_model, fixture_model, gpu, scratch_copy, write_tensors, Tensors};
 use qwen35_wgpu::model::{Checkpoint, Dtype, Mixer};
 use qwen35_wgpu::{Model, ModelError, TextConfig};
-use safetensors::tensor::TensorView;
 
 const BASE: &str = "odd_untied_f32";
 
@@ -45,6 +43,66 @@ fn config_errors_are_typed() {
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
 
+/// The field and the found value of a `BadConfig`.
+fn bad_config(e: &ModelError) -> (&str, &str) {
+    match e {
+        ModelError::BadConfig { field, found, .. } => (field, found),
+        other => panic!("expected BadConfig, got {other}"),
+    }
+}
+
+#[test]
+fn absurd_config_sizes_are_refused_before_anything_is_allocated() {
+    // Without layer_types, num_hidden_layers alone sized a Vec: 10^12 aborted the process.
+    for layers in [1_000_000_000_000u64, 100_000_000, 1025] {
+        let e = config_error(|c| {
+            c.as_object_mut().expect("object").remove("layer_types");
+            c["num_hidden_layers"] = layers.into();
+        });
+        assert_eq!(bad_config(&e), ("num_hidden_layers", layers.to_string().as_str()), "{e}");
+    }
+    let cases: [(&str, u64); 8] = [
+        ("vocab_size", (1 << 24) + 1),
+        ("hidden_size", 65_537),
+        ("intermediate_size", 1 << 40),
+        ("num_attention_heads", 1 << 20),
+        ("num_key_value_heads", 1 << 33),
+        ("linear_num_value_heads", 1 << 62),
+        ("linear_key_head_dim", 4096),
+        ("linear_value_head_dim", u64::MAX),
+    ];
+    for (field, v) in cases {
+        let e = config_error(|c| c[field] = v.into());
+        assert_eq!(bad_config(&e), (field, v.to_string().as_str()), "{e}");
+    }
+    // Each within its bound, the product not: 2 · V · H alone is 2^41 elements.
+    let e = config_error(|c| {
+        c["vocab_size"] = (1u64 << 24).into();
+        c["hidden_size"] = 65_536.into();
+    });
+    assert_eq!(bad_config(&e).0, "(parameter count)", "{e}");
+}
+
+#[test]
+fn rope_theta_eps_and_rotary_factor_must_be_positive_and_finite() {
+    let rope = |key: &'static str, v: serde_json::Value| move |c: &mut serde_json::Value| c["rope_parameters"][key] = v;
+    for v in [0.0, -10000.0, 1e300] {
+        let e = config_error(rope("rope_theta", v.into()));
+        assert_eq!(bad_config(&e).0, "rope_theta", "{v}: {e}");
+    }
+    for v in [-0.25, 1.5, 1e300] {
+        let e = config_error(rope("partial_rotary_factor", v.into()));
+        assert_eq!(bad_config(&e).0, "partial_rotary_factor", "{v}: {e}");
+    }
+    // 1e-50 is positive as f64 and 0 as the f32 the kernels use; 1e300 is infinite as f32.
+    for v in [0.0, -1e-6, 1e-50, 1e300] {
+        let e = config_error(|c| c["rms_norm_eps"] = v.into());
+        assert_eq!(bad_config(&e).0, "rms_norm_eps", "{v}: {e}");
+    }
+    let e = config_error(|c| c["rope_parameters"]["rope_theta"] = "inf".into());
+    assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
+}
+
 #[test]
 fn both_config_forms_give_the_same_dimensions() {
     let vlm = TextConfig::from_dir(&fixture_model("vlm_bf16_sharded")).expect("vlm config");
@@ -56,26 +114,9 @@ fn both_config_forms_give_the_same_dimensions() {
     assert_eq!(text.rotary_dim, 6);
 }
 
-fn write_tensors(path: &Path, tensors: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>) {
-    let views: HashMap<String, TensorView> =
-        tensors.iter().map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).expect("view"))).collect();
-    safetensors::serialize_to_file(views, None, path).expect("write");
-}
-
 /// Rewrite the model file of a copy of the base fixture with `edit` applied to its tensors.
-fn damaged(
-    tag: &str,
-    edit: impl FnOnce(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-) -> std::path::PathBuf {
-    let dir = scratch_copy(&fixture_model(BASE), tag);
-    let file = dir.join("model.safetensors");
-    let bytes = std::fs::read(&file).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
-    let mut tensors: Vec<_> =
-        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
-    edit(&mut tensors);
-    write_tensors(&file, tensors);
-    dir
+fn damaged(tag: &str, edit: impl FnOnce(&mut Tensors)) -> PathBuf {
+    damaged_model(BASE, tag, edit)
 }
 
 #[test]
@@ -162,8 +203,6 @@ fn vision_and_mtp_tensors_are_ignored() {
     });
     Model::load(ctx, &dir).expect("extra mtp.* and model.visual.* tensors are not read");
 }
-
-type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
 
 /// A copy of the MLX 4-bit fixture with `edit` applied to its tensors and `config` to its
 /// config.json.
@@ -286,4 +325,141 @@ fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
     assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("activation")), "{e}");
     let e = with("ct-bits", &|c| c[q]["config_groups"]["group_0"]["weights"]["num_bits"] = 3.into());
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field.ends_with("num_bits")), "{e}");
+}
+
+/// A safetensors file written by hand: the length field, `header` and `data`.
+fn raw_safetensors(len_field: u64, header: &str, data: &[u8]) -> Vec<u8> {
+    let mut out = len_field.to_le_bytes().to_vec();
+    out.extend_from_slice(header.as_bytes());
+    out.extend_from_slice(data);
+    out
+}
+
+/// The error of opening a directory whose only weights file holds `bytes`.
+fn header_error(tag: &str, bytes: &[u8]) -> String {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-hdr-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("model.safetensors"), bytes).expect("write");
+    let e = Checkpoint::open_dir(&dir).err().unwrap_or_else(|| panic!("{tag}: must be refused"));
+    assert!(matches!(e, ModelError::BadSafetensors { .. }), "{tag}: {e}");
+    e.to_string()
+}
+
+#[test]
+fn safetensors_offsets_must_tile_the_data_section_exactly() {
+    // Two f32 tensors of 2 elements, header padded with spaces to 8 bytes as the writers do.
+    let entry =
+        |name: &str, b: u64, e: u64| format!(r#""{name}":{{"dtype":"F32","shape":[2],"data_offsets":[{b},{e}]}}"#);
+    let header = |entries: &[String]| {
+        let mut h = format!("{{{}}}", entries.join(","));
+        while h.len() % 8 != 0 {
+            h.push(' ');
+        }
+        h.push_str("        ");
+        h
+    };
+    let data: Vec<u8> = (0u8..16).collect();
+    let good = header(&[entry("a", 0, 8), entry("b", 8, 16)]);
+    let dir = std::env::temp_dir().join(format!("qwen35-test-hdr-good-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("model.safetensors"), raw_safetensors(good.len() as u64, &good, &data)).expect("w");
+    let ck = Checkpoint::open_dir(&dir).expect("a well-formed file opens");
+    assert_eq!(ck.read(ck.get("b").expect("b")).expect("read"), data[8..]);
+
+    // The length field one byte short: the JSON still parses (a padding space is cut off), but
+    // the data section would start a byte early and every weight would be shifted.
+    let e = header_error("short", &raw_safetensors(good.len() as u64 - 1, &good, &data));
+    assert!(e.contains("data section"), "{e}");
+    // One byte long: the header takes the first data byte.
+    header_error("long", &raw_safetensors(good.len() as u64 + 1, &good, &data));
+    header_error("zero", &raw_safetensors(0, &good, &data));
+    // Bytes after the last tensor (the file size does not match the header).
+    let mut extra = data.clone();
+    extra.push(0);
+    let e = header_error("trailing", &raw_safetensors(good.len() as u64, &good, &extra));
+    assert!(e.contains("tensors end at byte 16 of a 17-byte data section"), "{e}");
+    // Overlap, a gap, a tensor past the end, a size that is not dtype size × elements.
+    let cases = [
+        ("overlap", vec![entry("a", 0, 8), entry("b", 4, 12)], "overlap"),
+        ("gap", vec![entry("a", 0, 8), entry("b", 12, 20)], "outside"),
+        ("gap2", vec![entry("a", 8, 16)], "gap"),
+        ("past", vec![entry("a", 0, 8), entry("b", 8, 24)], "outside"),
+        ("size", vec![entry("a", 0, 4), entry("b", 4, 16)], "needs 8 bytes"),
+        ("dup", vec![entry("a", 0, 8), entry("a", 8, 16)], "appears twice"),
+    ];
+    for (tag, entries, want) in cases {
+        let h = header(&entries);
+        let e = header_error(tag, &raw_safetensors(h.len() as u64, &h, &data));
+        assert!(e.contains(want), "{tag}: {e}");
+    }
+    // A shape whose element count overflows u64.
+    let h = header(&[r#""a":{"dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,16]}"#.to_string()]);
+    let e = header_error("overflow", &raw_safetensors(h.len() as u64, &h, &data));
+    assert!(e.contains("more than 2^64"), "{e}");
+}
+
+#[test]
+fn header_errors_print_sizes_not_file_content() {
+    // The first 8 bytes of a text file read as a length: the error must not echo them (nor
+    // their value as a number), whatever a symlink points at.
+    let text = b"root:x:0:0:root:/root:/bin/bash\n";
+    let field = u64::from_le_bytes(text[..8].try_into().expect("8 bytes"));
+    let e = header_error("text", text);
+    assert!(!e.contains(&field.to_string()) && !e.contains("root"), "{e}");
+    assert!(e.contains(&format!("file of {} bytes", text.len())), "{e}");
+    let mut small = 1000u64.to_le_bytes().to_vec();
+    small.extend_from_slice(b"{}");
+    let e = header_error("past-end", &small);
+    assert!(!e.contains("1000") && e.contains("10-byte file"), "{e}");
+}
+
+#[cfg(unix)]
+#[test]
+fn devices_fifos_and_huge_files_are_refused_before_reading() {
+    let dir = scratch_copy(&fixture_model(BASE), "devices");
+    let config = dir.join("config.json");
+    let weights = dir.join("model.safetensors");
+    let link = |target: &str, at: &Path| {
+        std::fs::remove_file(at).expect("rm");
+        std::os::unix::fs::symlink(target, at).expect("symlink");
+    };
+    // config.json → /dev/zero would read forever, → /dev/null is empty, not missing.
+    for dev in ["/dev/zero", "/dev/null"] {
+        link(dev, &config);
+        let e = TextConfig::from_dir(&dir).expect_err(dev);
+        assert!(
+            matches!(&e, ModelError::NotRegularFile { what, kind, .. } if what == "config.json" && *kind == "a character device"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+    }
+    // A FIFO with no writer: opening it would block.
+    std::fs::remove_file(&config).expect("rm");
+    let ok = std::process::Command::new("mkfifo").arg(&config).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = TextConfig::from_dir(&dir).expect_err("fifo");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    // A sparse 1 GiB config.json is refused by its length.
+    std::fs::remove_file(&config).expect("rm");
+    std::fs::File::create(&config).and_then(|f| f.set_len(1 << 30)).expect("sparse");
+    let e = TextConfig::from_dir(&dir).expect_err("sparse");
+    assert!(matches!(&e, ModelError::FileTooLarge { size, .. } if *size == 1 << 30), "{e}");
+    // The weights file as a device or FIFO is named as such, not "no model.safetensors".
+    link("/dev/null", &weights);
+    let e = Checkpoint::open_dir(&dir).err().expect("/dev/null weights");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a character device"), "{e}");
+    std::fs::remove_file(&weights).expect("rm");
+    let ok = std::process::Command::new("mkfifo").arg(&weights).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = Checkpoint::open_dir(&dir).err().expect("fifo weights");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    // A sharded index that is a FIFO.
+    std::fs::remove_file(&weights).expect("rm");
+    let index = dir.join("model.safetensors.index.json");
+    let ok = std::process::Command::new("mkfifo").arg(&index).status().expect("mkfifo");
+    assert!(ok.success());
+    let e = Checkpoint::open_dir(&dir).err().expect("fifo index");
+    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
 }

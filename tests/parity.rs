@@ -230,7 +230,7 @@ fn greedy_decode_is_one_submit_and_four_bytes_per_token() {
     let used = model.ctx.counters() - before;
     assert_eq!(out.len(), 6);
     assert_eq!(used.submits, 6, "one submit for the prompt, one per further token");
-    assert_eq!(used.read_back, 6 * 4, "only the chosen ids come back");
+    assert_eq!(used.read_back, 6 * 8, "only the chosen ids and their rows' non-finite flags come back");
 }
 
 /// Sampling the way `generate` did before the GPU candidate pass: the whole row read back, the
@@ -278,8 +278,9 @@ fn top_k_sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
             let out = session(&model).generate(&prompt, &params, |_| true).expect("generate");
             let used = ctx.counters() - before;
             assert_eq!(out, sample_by_hand(&model, &prompt, &params), "{name} {params:?}");
-            // k + 8 pairs per token, and the history's logits with a penalty: never a whole row.
-            let pairs = (2 * (top_k + 8) * 4 * out.len()) as u64;
+            // k + 8 pairs and the non-finite flag per token, and the history's logits with a
+            // penalty: never a whole row.
+            let pairs = ((2 * (top_k + 8) + 1) * 4 * out.len()) as u64;
             if repetition_penalty == 1.0 {
                 assert_eq!(used.read_back, pairs, "{name} {params:?}: only the candidates come back");
             } else {

@@ -4,9 +4,13 @@
 // go to the lower index, and between NaNs the higher index wins. The order is associative, so the
 // blocked tree reduction picks exactly what the sequential scan picks.
 //
-// argmax_blocks: workgroup b scans logits[b * block .. (b + 1) * block) and writes its candidate.
+// Both passes also note whether any logit is not finite (NaN or ±inf): generation refuses to
+// choose from such a row, and this is the only look at the logits greedy decoding gets.
+//
+// argmax_blocks: workgroup b scans logits[b * block .. (b + 1) * block) and writes its candidate
+//                (value bits, index, non-finite flag).
 // argmax_final:  one workgroup reduces the block candidates and writes the chosen id into ids[0],
-//                the next step's input (and the word the host reads back).
+//                the next step's input, and the flag into ids[1] (the two words the host reads).
 
 struct Params {
     n: u32,       // logits
@@ -22,9 +26,22 @@ const NAN_BITS: u32 = 0x7fc00000u;
 
 var<workgroup> best_v: array<u32, 256>;
 var<workgroup> best_i: array<u32, 256>;
+var<workgroup> any_bad: atomic<u32>;
+
+// Workgroup memory is not zero-initialised (the context turns that off): clear the flag first.
+fn clear_flag(li: u32) {
+    if (li == 0u) {
+        atomicStore(&any_bad, 0u);
+    }
+    workgroupBarrier();
+}
 
 fn is_nan(bits: u32) -> bool {
     return (bits & 0x7fffffffu) > 0x7f800000u;
+}
+
+fn is_non_finite(bits: u32) -> bool {
+    return (bits & 0x7fffffffu) >= 0x7f800000u;
 }
 
 // Whether candidate a (value bits, index) beats candidate b.
@@ -65,40 +82,54 @@ fn argmax_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation
     let start = wg.x * p.block;
     let end = min(start + p.block, p.n);
     // The empty candidate: a NaN at index 0 loses to every logit and to every later NaN.
+    clear_flag(li);
     var bv = NAN_BITS;
     var bi = 0u;
+    var bad = false;
     for (var i = start + li; i < end; i += WG) {
         let v = src[i];
+        bad = bad || is_non_finite(v);
         if (beats(v, i, bv, bi)) {
             bv = v;
             bi = i;
         }
     }
+    if (bad) {
+        atomicOr(&any_bad, 1u);
+    }
     best_v[li] = bv;
     best_i[li] = bi;
     reduce(li);
     if (li == 0u) {
-        dst[2u * wg.x] = best_v[0];
-        dst[2u * wg.x + 1u] = best_i[0];
+        dst[3u * wg.x] = best_v[0];
+        dst[3u * wg.x + 1u] = best_i[0];
+        dst[3u * wg.x + 2u] = atomicLoad(&any_bad);
     }
 }
 
 @compute @workgroup_size(256)
 fn argmax_final(@builtin(local_invocation_index) li: u32) {
+    clear_flag(li);
     var bv = NAN_BITS;
     var bi = 0u;
+    var bad = 0u;
     for (var i = li; i < p.parts; i += WG) {
-        let v = src[2u * i];
-        let j = src[2u * i + 1u];
+        let v = src[3u * i];
+        let j = src[3u * i + 1u];
+        bad |= src[3u * i + 2u];
         if (beats(v, j, bv, bi)) {
             bv = v;
             bi = j;
         }
+    }
+    if (bad != 0u) {
+        atomicOr(&any_bad, 1u);
     }
     best_v[li] = bv;
     best_i[li] = bi;
     reduce(li);
     if (li == 0u) {
         dst[0] = best_i[0];
+        dst[1] = atomicLoad(&any_bad);
     }
 }

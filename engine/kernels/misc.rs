@@ -84,11 +84,14 @@ pub const ARGMAX_BLOCK: usize = 4096;
 
 /// Bytes of the candidate buffer [`argmax`] needs for `n` logits.
 pub fn argmax_scratch_bytes(n: usize) -> u64 {
-    (n.div_ceil(ARGMAX_BLOCK) * 8) as u64
+    // (value, index, non-finite flag) per block.
+    (n.div_ceil(ARGMAX_BLOCK) * 12) as u64
 }
 
 /// Record the greedy choice over `n` logits (the rule of [`crate::runtime::argmax`], NaN and ties
-/// included): the chosen id lands in `ids[0]`, where the next step's embedding reads it.
+/// included): the chosen id lands in `ids[0]`, where the next step's embedding reads it, and
+/// `ids[1]` becomes 1 when any of the logits is NaN or infinite (0 otherwise). `ids` must hold
+/// two words.
 pub fn argmax(
     rec: &mut Recorder,
     logits: &wgpu::Buffer,

@@ -12,6 +12,10 @@ use crate::learn::ModuleGrad;
 use crate::lora::LoraAdapter;
 use crate::model::TextConfig;
 
+fn path_of(dir: &Path) -> std::path::PathBuf {
+    dir.join("adapter_model.safetensors")
+}
+
 fn export_err(path: &Path, message: impl ToString) -> LearnError {
     LearnError::Export { path: path.to_path_buf(), message: message.to_string() }
 }
@@ -45,6 +49,11 @@ pub(crate) fn export_peft(
         if !modules.contains(&w.proj.name()) {
             modules.push(w.proj.name());
         }
+    }
+    // Two modules of one key would make the safetensors writer panic: refuse them here.
+    let mut keys = std::collections::BTreeSet::new();
+    if let Some((k, ..)) = tensors.iter().find(|(k, ..)| !keys.insert(k.as_str())) {
+        return Err(export_err(&path_of(dir), format!("the adapter holds {k} twice")));
     }
     let Some((first, &r)) = ranks.iter().next() else {
         return Err(export_err(dir, "the adapter has no modules"));

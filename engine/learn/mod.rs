@@ -33,6 +33,21 @@ use crate::runtime::SplitMix64;
 pub const LEARNABLE: [Proj; 7] =
     [Proj::QProj, Proj::KProj, Proj::VProj, Proj::OProj, Proj::GateProj, Proj::UpProj, Proj::DownProj];
 
+/// Largest rank of a new trainable adapter (PEFT fine-tunes use 4 to 256).
+pub const MAX_TRAIN_RANK: usize = 1024;
+
+/// Most elements of one LoRA matrix of a new trainable adapter (2^28: 1 GiB of f32), checked
+/// before A is initialised on the host.
+pub const MAX_LORA_ELEMENTS: usize = 1 << 28;
+
+/// Largest AdamW learning rate: an Adam step moves every weight by about `lr`, and LoRA weights
+/// are of order 1/√in, so a rate above 1 replaces the adapter with noise in one step (1e30 made
+/// every logit non-finite).
+pub const MAX_LR: f32 = 1.0;
+
+/// Largest weight decay and anchor strength (absurd values overflow the update).
+pub const MAX_DECAY: f32 = 1e3;
+
 /// A new trainable adapter.
 #[derive(Clone, Debug)]
 pub struct TrainSpec {
@@ -180,6 +195,14 @@ impl LearnOptions {
             }
         };
         positive("lr", self.lr)?;
+        if self.lr > MAX_LR {
+            return Err(bad("lr", &format!("at most {MAX_LR}"), self.lr));
+        }
+        for (name, v) in [("weight_decay", self.weight_decay), ("anchor_l2", self.anchor_l2)] {
+            if v > MAX_DECAY {
+                return Err(bad(name, &format!("at most {MAX_DECAY}"), v));
+            }
+        }
         positive("eps", self.eps)?;
         unit("beta1", self.beta1)?;
         unit("beta2", self.beta2)?;
@@ -252,8 +275,19 @@ pub(crate) fn check_learnable(config: &TextConfig, layer: usize, proj: Proj) -> 
 pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<ParsedAdapter, LearnError> {
     let last = config.num_layers() - 1;
     let layers = spec.layers.clone().unwrap_or_else(|| vec![last]);
-    if spec.rank == 0 {
-        return Err(bad("rank", "at least 1", spec.rank));
+    if layers.is_empty() {
+        return Err(bad("layers", "at least one layer", "none"));
+    }
+    for (i, &layer) in layers.iter().enumerate() {
+        if layer > last {
+            return Err(bad(format!("layers[{i}]"), &format!("a layer index < {}", last + 1), layer));
+        }
+        if layers[..i].contains(&layer) {
+            return Err(bad("layers", "distinct layer indices", format!("{layer} twice")));
+        }
+    }
+    if spec.rank == 0 || spec.rank > MAX_TRAIN_RANK {
+        return Err(bad("rank", &format!("1..={MAX_TRAIN_RANK}"), spec.rank));
     }
     if !(spec.alpha.is_finite() && spec.alpha > 0.0) {
         return Err(bad("alpha", "a finite number > 0", spec.alpha));
@@ -269,6 +303,14 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
             }
             check_learnable(config, layer, proj)?;
             let (fan_in, fan_out) = proj.dims(config);
+            let elements = spec.rank.checked_mul(fan_in.max(fan_out)).filter(|&n| n <= MAX_LORA_ELEMENTS);
+            if elements.is_none() {
+                return Err(bad(
+                    "rank",
+                    &format!("a rank whose {} LoRA matrices hold at most {MAX_LORA_ELEMENTS} elements", proj.name()),
+                    spec.rank,
+                ));
+            }
             let mut rng = SplitMix64(spec.seed ^ ((layer as u64) << 32) ^ (k as u64 + 1).wrapping_mul(0x9E37_79B9));
             let bound = 1.0 / (fan_in as f64).sqrt();
             let a = (0..spec.rank * fan_in).map(|_| ((rng.next_f64() * 2.0 - 1.0) * bound) as f32).collect();

@@ -3,11 +3,11 @@
 //! offset is checked against the file length before anything is allocated.
 
 use std::collections::HashMap;
-use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use crate::error::ModelError;
+use crate::io::{open_regular, read_bounded_text, MAX_JSON_BYTES};
 use crate::model::Dtype;
 
 /// Largest safetensors JSON header accepted (the reference implementation's bound).
@@ -28,7 +28,8 @@ pub struct TensorEntry {
 impl TensorEntry {
     /// Elements in the tensor.
     pub fn numel(&self) -> usize {
-        self.shape.iter().product()
+        // Saturating: the header check bounds the bytes of every known dtype, not of the others.
+        self.shape.iter().fold(1usize, |n, &d| n.saturating_mul(d))
     }
 }
 
@@ -44,7 +45,9 @@ impl Checkpoint {
     pub fn open_dir(dir: &Path) -> Result<Self, ModelError> {
         let single = dir.join("model.safetensors");
         let index = dir.join("model.safetensors.index.json");
-        let files: Vec<PathBuf> = if index.is_file() {
+        // `exists` (not `is_file`): a FIFO, device or directory under the name is reported as
+        // such by the reader, not as a missing file.
+        let files: Vec<PathBuf> = if index.exists() {
             let text = read_text(&index)?;
             let json: serde_json::Value = serde_json::from_str(&text)
                 .map_err(|e| ModelError::BadJson { file: index.display().to_string(), message: e.to_string() })?;
@@ -64,7 +67,7 @@ impl Checkpoint {
                 }
             }
             names.into_iter().map(|n| dir.join(n)).collect()
-        } else if single.is_file() {
+        } else if single.exists() {
             vec![single]
         } else {
             let gguf = std::fs::read_dir(dir)
@@ -89,10 +92,8 @@ impl Checkpoint {
         let mut tensors = HashMap::new();
         let mut metadata = HashMap::new();
         for (i, path) in paths.iter().enumerate() {
-            let header = read_header(path, i)?;
-            files.push((path.clone(), header.data_start));
-            tensors.extend(header.entries);
-            metadata.extend(header.metadata);
+            let data_start = read_header(path, i, &mut tensors, &mut metadata)?;
+            files.push((path.clone(), data_start));
         }
         Ok(Self { files, tensors, metadata })
     }
@@ -128,7 +129,7 @@ impl Checkpoint {
     pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
         let (path, data_start) = &self.files[entry.file];
         let io = |source| ModelError::Io { path: path.clone(), source };
-        let mut f = File::open(path).map_err(io)?;
+        let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
         let mut buf = vec![0u8; (entry.end - entry.begin) as usize];
         f.read_exact(&mut buf).map_err(io)?;
@@ -162,7 +163,7 @@ impl Checkpoint {
 }
 
 fn read_text(path: &Path) -> Result<String, ModelError> {
-    std::fs::read_to_string(path).map_err(|source| ModelError::Io { path: path.to_path_buf(), source })
+    Ok(read_bounded_text(path, MAX_JSON_BYTES, "model.safetensors.index.json")?)
 }
 
 fn dtype_size(dtype: &str) -> Option<u64> {
@@ -175,80 +176,180 @@ fn dtype_size(dtype: &str) -> Option<u64> {
     })
 }
 
-struct Header {
-    data_start: u64,
-    entries: Vec<(String, TensorEntry)>,
-    metadata: HashMap<String, String>,
+/// One tensor of the header as written: `{"dtype": …, "shape": […], "data_offsets": [b, e]}`
+/// (other fields ignored, as the reference parser does).
+#[derive(serde::Deserialize)]
+struct RawEntry {
+    dtype: String,
+    shape: Vec<u64>,
+    data_offsets: (u64, u64),
 }
 
-fn read_header(path: &Path, file: usize) -> Result<Header, ModelError> {
-    let io = |source| ModelError::Io { path: path.to_path_buf(), source };
-    let bad = |message: String| ModelError::BadSafetensors { path: path.to_path_buf(), message };
-    let mut f = File::open(path).map_err(io)?;
-    let file_len = f.metadata().map_err(io)?.len();
-    let mut n = [0u8; 8];
-    f.read_exact(&mut n)
-        .map_err(|_| bad(format!("file of {file_len} bytes is shorter than the 8-byte header length")))?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > MAX_HEADER_BYTES {
-        return Err(bad(format!("header of {header_len} bytes exceeds the {MAX_HEADER_BYTES}-byte bound")));
+/// Parses a header's JSON object in one streaming pass straight into the checkpoint's map: no
+/// `serde_json::Value` tree and no copy of the header text (a header of a million vision-tower
+/// keys costs its entries only). Every entry is checked as it arrives.
+struct HeaderSeed<'a> {
+    file: usize,
+    data_len: u64,
+    tensors: &'a mut HashMap<String, TensorEntry>,
+    metadata: &'a mut HashMap<String, String>,
+    /// (begin, end) of every tensor of this file, for the layout check.
+    spans: &'a mut Vec<(u64, u64)>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for HeaderSeed<'_> {
+    type Value = ();
+
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_map(self)
     }
-    if header_len + 8 > file_len {
-        return Err(bad(format!("header of {header_len} bytes runs past the end of a {file_len}-byte file")));
+}
+
+impl<'de> serde::de::Visitor<'de> for HeaderSeed<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON object of tensor entries")
     }
-    let mut header = vec![0u8; header_len as usize];
-    f.read_exact(&mut header).map_err(io)?;
-    let json: serde_json::Value =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let obj = json.as_object().ok_or_else(|| bad("header is not a JSON object".into()))?;
-    let data_start = 8 + header_len;
-    let data_len = file_len - data_start;
-    let mut out = Vec::new();
-    let mut metadata = HashMap::new();
-    for (name, v) in obj {
-        if name == "__metadata__" {
-            // mlx's save_safetensors writes null when there is no metadata.
-            if v.is_null() {
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        use serde::de::Error;
+        let mut seen_metadata = false;
+        while let Some(name) = map.next_key::<String>()? {
+            if name == "__metadata__" {
+                if std::mem::replace(&mut seen_metadata, true) {
+                    return Err(A::Error::custom("__metadata__ appears twice"));
+                }
+                // mlx's save_safetensors writes null when there is no metadata.
+                let m: Option<HashMap<String, String>> = map
+                    .next_value()
+                    .map_err(|e| A::Error::custom(format!("__metadata__ is not a map of strings: {e}")))?;
+                self.metadata.extend(m.unwrap_or_default());
                 continue;
             }
-            let map = v.as_object().ok_or_else(|| bad("__metadata__ is not an object".into()))?;
-            for (k, v) in map {
-                let v = v.as_str().ok_or_else(|| bad(format!("__metadata__.{k} is not a string")))?;
-                metadata.insert(k.clone(), v.to_string());
+            let e: RawEntry = map.next_value().map_err(|e| A::Error::custom(format!("{name}: {e}")))?;
+            let entry = checked_entry(&name, e, self.file, self.data_len).map_err(A::Error::custom)?;
+            if self.tensors.contains_key(&name) {
+                return Err(A::Error::custom(format!(
+                    "tensor {name} appears twice (in this header or an earlier shard's)"
+                )));
             }
-            continue;
+            self.spans.push((entry.begin, entry.end));
+            self.tensors.insert(name, entry);
         }
-        let dtype = v.get("dtype").and_then(|d| d.as_str()).ok_or_else(|| bad(format!("{name}: no dtype")))?;
-        let shape: Vec<usize> = v
-            .get("shape")
-            .and_then(|s| s.as_array())
-            .ok_or_else(|| bad(format!("{name}: no shape")))?
-            .iter()
-            .map(|d| d.as_u64().map(|x| x as usize))
-            .collect::<Option<_>>()
-            .ok_or_else(|| bad(format!("{name}: shape is not a list of integers")))?;
-        let offs = v
-            .get("data_offsets")
-            .and_then(|o| o.as_array())
-            .filter(|o| o.len() == 2)
-            .and_then(|o| Some((o[0].as_u64()?, o[1].as_u64()?)))
-            .ok_or_else(|| bad(format!("{name}: data_offsets is not [begin, end]")))?;
-        let (begin, end) = offs;
-        if begin > end || end > data_len {
-            return Err(bad(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section")));
-        }
-        // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
-        // error if the tensor is read.
-        let numel = shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d as u64));
-        let want = dtype_size(dtype).map(|size| numel.and_then(|n| n.checked_mul(size)));
-        if want.is_some_and(|w| w != Some(end - begin)) {
-            return Err(bad(format!(
-                "{name}: shape {shape:?} of {dtype} needs {:?} bytes, data_offsets give {}",
-                want.flatten(),
-                end - begin
-            )));
-        }
-        out.push((name.clone(), TensorEntry { dtype: dtype.to_string(), shape, file, begin, end }));
+        Ok(())
     }
-    Ok(Header { data_start, entries: out, metadata })
+}
+
+/// The entry after checking its offsets against the data section and its size against dtype
+/// and shape (checked arithmetic).
+fn checked_entry(name: &str, e: RawEntry, file: usize, data_len: u64) -> Result<TensorEntry, String> {
+    let (begin, end) = e.data_offsets;
+    if begin > end || end > data_len {
+        return Err(format!("{name}: data_offsets [{begin}, {end}] outside the {data_len}-byte data section"));
+    }
+    let shape: Vec<usize> = e
+        .shape
+        .iter()
+        .map(|&d| usize::try_from(d).ok())
+        .collect::<Option<_>>()
+        .ok_or_else(|| format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape))?;
+    // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
+    // error if the tensor is read; its bytes still take their place in the data section.
+    if let Some(size) = dtype_size(&e.dtype) {
+        let want = e.shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
+        if want != Some(end - begin) {
+            let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
+            return Err(format!(
+                "{name}: shape {shape:?} of {} needs {want} bytes, data_offsets give {}",
+                e.dtype,
+                end - begin
+            ));
+        }
+    }
+    Ok(TensorEntry { dtype: e.dtype, shape, file, begin, end })
+}
+
+/// Read and check the header of file number `file` into `tensors` and `metadata`; returns where
+/// its data section starts.
+fn read_header(
+    path: &Path,
+    file: usize,
+    tensors: &mut HashMap<String, TensorEntry>,
+    metadata: &mut HashMap<String, String>,
+) -> Result<u64, ModelError> {
+    use serde::de::DeserializeSeed;
+    let io = |source| ModelError::Io { path: path.to_path_buf(), source };
+    let bad = |message: String| ModelError::BadSafetensors { path: path.to_path_buf(), message };
+    let (mut f, file_len) = open_regular(path, "safetensors file")?;
+    // The length field is file content (the first 8 bytes of whatever a symlink points at):
+    // errors print the file's size and the bounds, never the field.
+    if file_len < 8 {
+        return Err(bad(format!("file of {file_len} bytes is shorter than the 8-byte header length")));
+    }
+    let mut n = [0u8; 8];
+    f.read_exact(&mut n).map_err(io)?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len == 0 {
+        return Err(bad("the header length is 0".into()));
+    }
+    if header_len > MAX_HEADER_BYTES {
+        return Err(bad(format!(
+            "the header length exceeds the {MAX_HEADER_BYTES}-byte bound (file of {file_len} bytes)"
+        )));
+    }
+    if header_len > file_len - 8 {
+        return Err(bad(format!("the header length runs past the end of the {file_len}-byte file")));
+    }
+    let data_start = 8 + header_len;
+    let data_len = file_len - data_start;
+    let mut spans = Vec::new();
+    let seed = HeaderSeed { file, data_len, tensors, metadata, spans: &mut spans };
+    // Exactly header_len bytes: the JSON must end there (trailing spaces are the writers' padding).
+    let reader = std::io::BufReader::new((&mut f).take(header_len));
+    let mut de = serde_json::Deserializer::from_reader(reader);
+    seed.deserialize(&mut de).and_then(|()| de.end()).map_err(|e| bad(format!("header is not valid: {e}")))?;
+    check_layout(&mut spans, data_len).map_err(|m| {
+        // Name the tensor at fault (only on this error path: the spans carry no names).
+        let named = tensors.iter().find(|(_, e)| e.file == file && m.at == (e.begin, e.end));
+        bad(match named {
+            Some((name, _)) => format!("{name}: {}", m.message),
+            None => m.message,
+        })
+    })?;
+    Ok(data_start)
+}
+
+/// A layout error and the span it is about.
+struct LayoutError {
+    at: (u64, u64),
+    message: String,
+}
+
+/// The tensors must tile the data section exactly, as the reference parser requires: sorted by
+/// offset, each begins where the previous ends, the first at 0 and the last at the end of the
+/// file. A header length one byte off then fails here instead of loading every weight shifted.
+fn check_layout(spans: &mut [(u64, u64)], data_len: u64) -> Result<(), LayoutError> {
+    spans.sort_unstable();
+    let mut at = 0u64;
+    for &(begin, end) in spans.iter() {
+        if begin != at {
+            let message = if begin < at {
+                format!("data_offsets [{begin}, {end}] overlap the tensor before it (which ends at {at})")
+            } else {
+                format!("data_offsets [{begin}, {end}] leave a gap after byte {at}")
+            };
+            return Err(LayoutError { at: (begin, end), message });
+        }
+        at = end;
+    }
+    if at != data_len {
+        return Err(LayoutError {
+            at: (u64::MAX, u64::MAX),
+            message: format!(
+                "the tensors end at byte {at} of a {data_len}-byte data section (header length or file size is off)"
+            ),
+        });
+    }
+    Ok(())
 }

@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use crate::error::ModelError;
+use crate::io::{read_bounded_text, MAX_JSON_BYTES};
 
 /// Largest head_dim the engine runs: `WG × MAX_DIMS` of `attention.wgsl` (the shader's limit,
 /// stated here so the config check needs nothing from the kernels).
@@ -14,6 +15,30 @@ pub const MAX_HEAD_DIM: usize = 512;
 
 /// Largest GDN conv kernel width the engine runs: `MAX_K` of `gdn_conv.wgsl`.
 pub const MAX_CONV_K: usize = 8;
+
+/// Most decoder layers (Qwen 3.5 checkpoints have 24 to 64). Every bound below is checked before
+/// anything is allocated from the config, so a hostile `config.json` gives a typed error, not an
+/// allocation abort.
+pub const MAX_LAYERS: usize = 1024;
+
+/// Largest hidden size (Qwen 3.5: 1,024 to 5,120).
+pub const MAX_HIDDEN: usize = 65_536;
+
+/// Largest vocabulary (Qwen 3.5: 248,320); token ids then also fit the GPU kernels' indices.
+pub const MAX_VOCAB: usize = 1 << 24;
+
+/// Largest MLP width (Qwen 3.5: 3,584 to 17,408).
+pub const MAX_INTERMEDIATE: usize = 1 << 20;
+
+/// Most heads of any kind (attention, KV, GDN key and value heads).
+pub const MAX_HEADS: usize = 1024;
+
+/// Largest GDN key or value head dim (Qwen 3.5: 128).
+pub const MAX_LINEAR_HEAD_DIM: usize = 1024;
+
+/// Most weight elements the config may describe (2^40, a trillion: far above any dense model
+/// this engine runs, far below what overflows a byte count).
+pub const MAX_PARAMS: u64 = 1 << 40;
 
 /// The token mixer of a layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -102,8 +127,7 @@ impl TextConfig {
     /// Read and validate `dir/config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
-        Self::from_json(&text)
+        Self::from_json(&read_bounded_text(&path, MAX_JSON_BYTES, "config.json")?)
     }
 
     /// Parse and validate the text of a `config.json`.
@@ -166,6 +190,22 @@ impl TextConfig {
                 return Err(bad(name, "a positive integer", "0".into()));
             }
         }
+        for (name, v, max) in [
+            ("vocab_size", raw.vocab_size, MAX_VOCAB),
+            ("hidden_size", raw.hidden_size, MAX_HIDDEN),
+            ("intermediate_size", raw.intermediate_size, MAX_INTERMEDIATE),
+            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
+            ("num_attention_heads", raw.num_attention_heads, MAX_HEADS),
+            ("num_key_value_heads", raw.num_key_value_heads, MAX_HEADS),
+            ("linear_num_key_heads", raw.linear_num_key_heads, MAX_HEADS),
+            ("linear_num_value_heads", raw.linear_num_value_heads, MAX_HEADS),
+            ("linear_key_head_dim", raw.linear_key_head_dim, MAX_LINEAR_HEAD_DIM),
+            ("linear_value_head_dim", raw.linear_value_head_dim, MAX_LINEAR_HEAD_DIM),
+        ] {
+            if v > max {
+                return Err(bad(name, &format!("at most {max}"), v.to_string()));
+            }
+        }
         if !raw.num_attention_heads.is_multiple_of(raw.num_key_value_heads) {
             return Err(bad(
                 "num_key_value_heads",
@@ -200,7 +240,19 @@ impl TextConfig {
             .and_then(|r| r.rope_theta)
             .or(raw.rope_theta)
             .ok_or_else(|| bad("rope_parameters.rope_theta", "a number", "nothing".into()))?;
+        if !(rope_theta.is_finite() && rope_theta > 0.0 && (rope_theta as f32).is_finite()) {
+            return Err(bad("rope_theta", "a finite number > 0", rope_theta.to_string()));
+        }
         let factor = rope.and_then(|r| r.partial_rotary_factor).or(raw.partial_rotary_factor).unwrap_or(0.25);
+        // 0 is no rotary dims at all (the kernels run that); NaN fails both comparisons.
+        if !(0.0..=1.0).contains(&factor) {
+            return Err(bad("partial_rotary_factor", "a number in [0, 1]", factor.to_string()));
+        }
+        let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
+        // Checked as the f32 the kernels use: 1e-50 is positive in f64 and 0 in f32.
+        if !(rms_norm_eps.is_finite() && (rms_norm_eps as f32) > 0.0 && (rms_norm_eps as f32).is_finite()) {
+            return Err(bad("rms_norm_eps", "a finite number > 0 (as f32)", rms_norm_eps.to_string()));
+        }
         let rotary_dim = (raw.head_dim as f64 * factor) as usize;
         if !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
             return Err(bad(
@@ -235,7 +287,7 @@ impl TextConfig {
                     .collect()
             }
         };
-        Ok(Self {
+        let config = Self {
             vocab_size: raw.vocab_size,
             hidden_size: raw.hidden_size,
             intermediate_size: raw.intermediate_size,
@@ -245,7 +297,7 @@ impl TextConfig {
             head_dim: raw.head_dim,
             rotary_dim,
             rope_theta,
-            rms_norm_eps: raw.rms_norm_eps.unwrap_or(1e-6) as f32,
+            rms_norm_eps: rms_norm_eps as f32,
             conv_kernel: raw.linear_conv_kernel_dim,
             linear_key_heads: raw.linear_num_key_heads,
             linear_value_heads: raw.linear_num_value_heads,
@@ -253,7 +305,38 @@ impl TextConfig {
             linear_value_dim: raw.linear_value_head_dim,
             tie_word_embeddings: top_tie.or(raw.tie_word_embeddings).unwrap_or(false),
             eos_token_ids: raw.eos_token_id.as_ref().map(parse_ids).unwrap_or_default(),
-        })
+        };
+        let params = config.weight_elements();
+        if params.is_none_or(|p| p > MAX_PARAMS) {
+            let found = params.map_or("more than 2^64".to_string(), |p| p.to_string());
+            return Err(bad("(parameter count)", &format!("at most {MAX_PARAMS} weight elements"), found));
+        }
+        Ok(config)
+    }
+
+    /// Weight elements of the text model (embedding, lm_head counted even when tied, every
+    /// projection), with checked arithmetic: `None` on overflow.
+    pub fn weight_elements(&self) -> Option<u64> {
+        let m = |a: usize, b: usize| (a as u64).checked_mul(b as u64);
+        let h = self.hidden_size;
+        let embed = m(self.vocab_size, h)?.checked_mul(2)?;
+        let mlp = m(self.intermediate_size, h)?.checked_mul(3)?;
+        let attn_width = m(self.num_heads, self.head_dim)?;
+        let kv_width = m(self.num_kv_heads, self.head_dim)?;
+        // q (with its gate), k, v and o.
+        let attn = attn_width.checked_mul(3)?.checked_add(kv_width.checked_mul(2)?)?.checked_mul(h as u64)?;
+        let key = m(self.linear_key_heads, self.linear_key_dim)?;
+        let value = m(self.linear_value_heads, self.linear_value_dim)?;
+        // in_proj_qkv (2·Kd + Vd), z (Vd), b and a (Hv each), out_proj (Vd).
+        let gdn_rows =
+            key.checked_mul(2)?.checked_add(value.checked_mul(3)?)?.checked_add(2 * self.linear_value_heads as u64)?;
+        let gdn = gdn_rows.checked_mul(h as u64)?;
+        let mut total = embed;
+        for t in &self.layer_types {
+            let mixer = if *t == LayerType::Full { attn } else { gdn };
+            total = total.checked_add(mixer)?.checked_add(mlp)?;
+        }
+        Some(total)
     }
 
     /// Layers.
@@ -280,8 +363,10 @@ impl TextConfig {
 /// An `eos_token_id` value: an integer or a list of integers.
 pub fn parse_ids(v: &serde_json::Value) -> Vec<u32> {
     match v {
-        serde_json::Value::Number(n) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
-        serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_u64().map(|x| x as u32)).collect(),
+        serde_json::Value::Number(n) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
+        serde_json::Value::Array(a) => {
+            a.iter().filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
+        }
         _ => Vec::new(),
     }
 }

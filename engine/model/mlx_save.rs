@@ -73,7 +73,7 @@ fn spec_json(bits: u32, group: u32) -> serde_json::Value {
 /// an MLX directory. The source must be a Hugging Face checkpoint in a float dtype.
 pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSaveReport, ModelError> {
     let config_path = src.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(io(&config_path))?;
+    let text = crate::io::read_bounded_text(&config_path, crate::io::MAX_JSON_BYTES, "config.json")?;
     let config = TextConfig::from_json(&text)?;
     let mut top: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::BadJson { file: "config.json".into(), message: e.to_string() })?;

@@ -24,6 +24,7 @@ use std::sync::Arc;
 
 use crate::error::ModelError;
 use crate::gpu::{Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType};
+use crate::io::{read_bounded_text, MAX_JSON_BYTES};
 use crate::model::quant::QuantConfig;
 use crate::model::quantize::{quantize_bytes, QuantizeRecipe};
 use crate::model::{Checkpoint, Dtype, LayerType, TextConfig};
@@ -372,7 +373,7 @@ impl Model {
     /// Load with explicit [`LoadOptions`].
     pub fn load_with(ctx: Arc<GpuContext>, dir: &Path, opts: &LoadOptions) -> Result<Self, ModelError> {
         let path = dir.join("config.json");
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+        let text = read_bounded_text(&path, MAX_JSON_BYTES, "config.json")?;
         let config = TextConfig::from_json(&text)?;
         let top: serde_json::Value = serde_json::from_str(&text)
             .map_err(|e| ModelError::BadJson { file: "config.json".into(), message: e.to_string() })?;
@@ -489,10 +490,10 @@ impl Model {
 
 fn read_generation_eos(dir: &Path) -> Result<Option<Vec<u32>>, ModelError> {
     let path = dir.join("generation_config.json");
-    if !path.is_file() {
+    if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io { path: path.clone(), source })?;
+    let text = read_bounded_text(&path, MAX_JSON_BYTES, "generation_config.json")?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::BadJson { file: path.display().to_string(), message: e.to_string() })?;
     Ok(json.get("eos_token_id").map(crate::model::config::parse_ids))

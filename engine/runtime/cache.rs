@@ -57,7 +57,8 @@ pub struct Scratch {
 impl Scratch {
     /// Allocate scratch for `rows` tokens.
     pub fn new(ctx: &GpuContext, c: &TextConfig, rows: usize) -> Result<Self, GpuError> {
-        let f = |name: &str, width: usize| ctx.storage_buffer(name, (rows * width * 4) as u64, true);
+        // u64 products: the session bounds rows and the config every width, so none overflows.
+        let f = |name: &str, width: usize| ctx.storage_buffer(name, rows as u64 * width as u64 * 4, true);
         let q_out = 2 * c.num_heads * c.head_dim;
         let attn = c.num_heads * c.head_dim;
         let kv = c.num_kv_heads * c.head_dim;
@@ -90,15 +91,15 @@ pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Resul
         .map(|(i, ty)| {
             Ok(match ty {
                 LayerType::Full => {
-                    let bytes = (c.num_kv_heads * positions * c.head_dim * 4) as u64;
+                    let bytes = c.num_kv_heads as u64 * positions as u64 * c.head_dim as u64 * 4;
                     LayerState::Attention {
                         k: ctx.storage_buffer(&format!("layers.{i}.k_cache"), bytes, true)?,
                         v: ctx.storage_buffer(&format!("layers.{i}.v_cache"), bytes, true)?,
                     }
                 }
                 LayerType::Linear => {
-                    let conv = (c.conv_dim() * (c.conv_kernel - 1) * 4) as u64;
-                    let state = (c.linear_value_heads * c.linear_key_dim * c.linear_value_dim * 4) as u64;
+                    let conv = c.conv_dim() as u64 * (c.conv_kernel as u64 - 1) * 4;
+                    let state = c.linear_value_heads as u64 * c.linear_key_dim as u64 * c.linear_value_dim as u64 * 4;
                     let buf = |what: &str, p: usize, bytes: u64| {
                         ctx.storage_buffer(&format!("layers.{i}.{what}[{p}]"), bytes, true)
                     };
@@ -110,6 +111,11 @@ pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Resul
             })
         })
         .collect()
+}
+
+/// Bytes of [`rope_table`] for `positions` (at least one vec2).
+pub fn rope_table_bytes(c: &TextConfig, positions: usize) -> u64 {
+    (positions as u64).saturating_mul((c.rotary_dim / 2) as u64 * 8).max(8)
 }
 
 /// The RoPE table `[positions, R/2]` of (cos, sin), computed like transformers: f32 inverse

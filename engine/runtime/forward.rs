@@ -532,11 +532,17 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
             lm_head(&mut rec, &model, head_src, &s.logits, r0, first_rows)?;
         }
         if let Rows::Choose { slot } = rows {
+            // The id and the row's non-finite flag.
             argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
-            rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 4);
+            rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 8);
         }
         if let Rows::Sample { k, hist } = rows {
             let b = &s.sample;
+            // The row's non-finite flag, before the mask overwrites the history's logits (with
+            // the lowest key, a NaN pattern); the argmax's id is not used.
+            argmax(&mut rec, &s.logits, &s.parts, &b.flag, c.vocab_size)?;
+            let flag_at = (k * 8 + hist * 4) as u64;
+            rec.copy(&b.flag, 4, b.staging.buffer(), flag_at, 4);
             let io = TopkIo {
                 logits: &s.logits,
                 parts: &b.parts,

@@ -3,7 +3,7 @@
 //!
 //! Greedy decoding without a repetition penalty chooses on the GPU: each step ends with an argmax
 //! that writes the id into the next step's input buffer, one submit per token, and only that id
-//! (4 bytes) comes back. Step t+1 is submitted before token t is read, so the GPU never waits for
+//! (4 bytes, and 4 more for the non-finite flag) comes back. Step t+1 is submitted before token t is read, so the GPU never waits for
 //! the host; a run-ahead step that turns out not to be needed (EOS, the callback stopping, the
 //! last token) is never committed: its GDN states went to the other buffer of each pair and the
 //! position did not advance, so the session holds exactly the tokens returned. When the callback
@@ -14,6 +14,12 @@
 //! distinct history id; the host draws from them exactly as it would from the whole row, and
 //! reads the row only when the candidates cannot decide (`Sampler::sample_candidates`). Sampling
 //! without top-k reads the logits back and chooses on the CPU.
+//!
+//! Every path refuses a row of logits with a NaN or an infinity ([`RunError::NonFiniteLogits`]):
+//! the CPU paths look at the row, the GPU paths read back a flag that the argmax pass computes
+//! over the whole row (4 bytes more a token). Weights that overflow are caught this way, not by a
+//! scan of the checkpoint at load (a pass over every weight for a rare fault); weights that only
+//! make the output garbage without overflowing are not caught at all.
 
 use std::collections::BTreeSet;
 
@@ -28,7 +34,8 @@ use crate::runtime::session::Session;
 pub struct GenerateParams {
     /// Most new tokens.
     pub max_tokens: usize,
-    /// 0 = greedy.
+    /// 0 = greedy; so is anything below [`crate::runtime::MIN_TEMPERATURE`] (1e-5), where the
+    /// division by the temperature overflows.
     pub temperature: f32,
     /// 0 = off.
     pub top_k: usize,
@@ -96,7 +103,11 @@ impl Session {
         let mut history = prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
-            let next = sampler.sample_after(logits.last(), &history);
+            let row = logits.last();
+            if !row.iter().all(|l| l.is_finite()) {
+                return Err(RunError::NonFiniteLogits { position: self.pos - 1 }.into());
+            }
+            let next = sampler.sample_after(row, &history);
             history.push(next);
             out.push(next);
             let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
@@ -128,7 +139,7 @@ impl Session {
             let hist: Vec<u32> = distinct.iter().copied().collect();
             let index = self.submit_sample(Input::Ids(&input), k, &hist)?;
             self.commit(input.len());
-            let (cands, values) = self.read_sample(index, k, hist.len())?;
+            let (cands, values) = self.read_sample(index, k, hist.len(), self.pos - 1)?;
             let hist_logits: Vec<(u32, f32)> = hist.iter().copied().zip(values).collect();
             let next = match sampler.sample_candidates(&cands, &hist_logits, vocab) {
                 Some(id) => id,
@@ -176,7 +187,8 @@ impl Session {
             } else {
                 None
             };
-            let next = self.read_choice(pending, slot)?;
+            // `pending` is committed and the run-ahead step is not: it chose from position pos − 1.
+            let next = self.read_choice(pending, slot, self.pos - 1)?;
             out.push(next);
             let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
             let epoch = self.epoch;

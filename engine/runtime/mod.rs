@@ -9,5 +9,5 @@ mod session;
 pub use cache::rope_table;
 pub use generate::GenerateParams;
 pub(crate) use sampler::SplitMix64;
-pub use sampler::{argmax, Sampler};
-pub use session::{ActiveAdapter, Logits, Session, SessionOptions};
+pub use sampler::{argmax, Sampler, MIN_TEMPERATURE};
+pub use session::{ActiveAdapter, Logits, Session, SessionOptions, MAX_BATCH, MAX_CONTEXT};

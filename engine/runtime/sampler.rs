@@ -8,6 +8,12 @@ use crate::runtime::GenerateParams;
 /// temperature makes equal at the k-th place (ties are then broken by id, not by the raw logit).
 const TIE_MARGIN: usize = 8;
 
+/// Temperatures below this are greedy: dividing logits by a smaller one overflows f32 for
+/// ordinary logits (1e-40, a subnormal, turns every logit above 3.4e-2 into +inf and the
+/// softmax into NaN) and the distribution it stands for is the argmax anyway (at 1e-5 a logit gap
+/// of 1e-3 is already a factor e^100).
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
 /// (id, logit) pairs, best first.
 pub(crate) type Candidates = Vec<(u32, f32)>;
 
@@ -41,12 +47,13 @@ pub struct Sampler {
 }
 
 impl Sampler {
-    /// `temperature == 0` is greedy (argmax, first index on ties); `top_k == 0` and
-    /// `top_p == 1` disable those filters.
+    /// `temperature == 0` is greedy (argmax, first index on ties), and so is any temperature
+    /// below [`MIN_TEMPERATURE`]; `top_k == 0` and `top_p == 1` disable those filters.
     pub fn new(temperature: f32, top_k: usize, top_p: f32, seed: u64) -> Result<Self, RunError> {
         if !temperature.is_finite() || temperature < 0.0 {
             return Err(RunError::BadParam { name: "temperature", value: temperature.to_string(), expected: ">= 0" });
         }
+        let temperature = if temperature < MIN_TEMPERATURE { 0.0 } else { temperature };
         if !(top_p > 0.0 && top_p <= 1.0) {
             return Err(RunError::BadParam { name: "top_p", value: top_p.to_string(), expected: "in (0, 1]" });
         }
@@ -126,6 +133,10 @@ impl Sampler {
         let mut all: Vec<(u32, f32)> = cands.iter().map(|&(id, l)| (id, l / t)).collect();
         all.extend(history.iter().map(|&(id, l)| (id, self.penalized(l) / t)));
         all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        if all.first().is_some_and(|&(_, l)| !l.is_finite()) {
+            // The division overflowed (see `sample`): the whole row decides, greedily.
+            return None;
+        }
         let kth = all.get(self.top_k.max(1) - 1)?.1;
         // Every token outside the candidates scales to at most the last one's value.
         if (last.1 / t).total_cmp(&kth) != std::cmp::Ordering::Less {
@@ -148,6 +159,12 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
         if self.temperature == 0.0 {
             return argmax(logits);
+        }
+        // Logits so large that the division overflows (|l| > 3.4e33 at the smallest temperature):
+        // the distribution is the argmax's.
+        let best = argmax(logits);
+        if logits.get(best as usize).is_some_and(|&l| !(l / self.temperature).is_finite()) {
+            return best;
         }
         let cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
         self.choose(cand)
@@ -297,6 +314,33 @@ mod tests {
         assert_eq!(Sampler::greedy().gpu_candidates(64, 128), None);
         assert_eq!(Sampler::new(1.0, 0, 0.9, 0).expect("p").gpu_candidates(64, 128), None);
         assert_eq!(Sampler::new(1.0, 121, 1.0, 0).expect("p").gpu_candidates(1000, 128), None);
+    }
+
+    #[test]
+    fn temperatures_below_the_minimum_are_greedy() {
+        let logits = [0.5, 3.0, 2.9, -1.0];
+        for t in [1e-40, 1e-30, 1e-6, MIN_TEMPERATURE / 2.0] {
+            let mut s = Sampler::new(t, 0, 1.0, 5).expect("valid");
+            assert!(s.is_plain_greedy(), "{t}");
+            assert!((0..20).all(|_| s.sample(&logits) == 1), "{t}");
+        }
+        assert!(!Sampler::new(MIN_TEMPERATURE, 0, 1.0, 5).expect("valid").is_plain_greedy());
+    }
+
+    #[test]
+    fn logits_that_overflow_the_division_are_chosen_greedily() {
+        // 1e34 / 1e-5 is +inf in f32: the softmax would be NaN and the draw garbage.
+        let mut logits = vec![1e34f32; 16];
+        logits[1] = -3e38;
+        logits[2] = 3e38;
+        logits[3] = 2e38;
+        let mut s = Sampler::new(MIN_TEMPERATURE, 0, 1.0, 5).expect("valid");
+        assert!((0..20).all(|_| s.sample(&logits) == 2));
+        let mut s = Sampler::new(MIN_TEMPERATURE, 2, 1.0, 5).expect("valid");
+        let k = s.gpu_candidates(16, 128).expect("k");
+        let (cands, hist) = gpu_view(&logits, &[], k);
+        assert_eq!(s.sample_candidates(&cands, &hist, 16), None, "the whole row decides");
+        assert!((0..20).all(|_| s.sample_after(&logits, &[]) == 2));
     }
 
     #[test]

@@ -8,9 +8,16 @@ use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Stagi
 use crate::kernels::misc::{argmax_scratch_bytes, topk_max, topk_scratch_bytes, topk_value};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
-use crate::runtime::cache::{layer_states, rope_table, LayerState, Scratch};
+use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerState, Scratch};
 use crate::runtime::forward::{self, Capture, Input, Rows};
 use crate::runtime::sampler::Candidates;
+
+/// Largest context a session holds, in tokens (2^20: four times Qwen 3.5's 262,144 positions).
+/// Checked before anything is allocated, so every cache size below is computed without overflow.
+pub const MAX_CONTEXT: usize = 1 << 20;
+
+/// Largest prefill chunk, in tokens per command buffer.
+pub const MAX_BATCH: usize = 1 << 16;
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -69,7 +76,9 @@ pub(crate) struct SampleBuffers {
     pub(crate) hist_ids: wgpu::Buffer,
     /// Their logits.
     pub(crate) hist_out: wgpu::Buffer,
-    /// The pairs, then the history logits, as read back.
+    /// The argmax pass's output: word 1 is the row's non-finite flag.
+    pub(crate) flag: wgpu::Buffer,
+    /// The pairs, then the history logits, then the non-finite flag, as read back.
     pub(crate) staging: Staging,
 }
 
@@ -82,7 +91,8 @@ impl SampleBuffers {
             out: ctx.storage_buffer("top-k candidates", pairs, true)?,
             hist_ids: ctx.storage_buffer("history ids", hist, true)?,
             hist_out: ctx.storage_buffer("history logits", hist, true)?,
-            staging: Staging::new(ctx, "candidates readback", pairs + hist),
+            flag: ctx.storage_buffer("non-finite flag", 8, true)?,
+            staging: Staging::new(ctx, "candidates readback", pairs + hist + 4),
         })
     }
 }
@@ -131,8 +141,29 @@ impl Session {
                 expected: "both > 0",
             });
         }
+        if opts.max_context > MAX_CONTEXT {
+            return Err(RunError::BadParam {
+                name: "max_context",
+                value: opts.max_context.to_string(),
+                expected: "at most 2^20 tokens (MAX_CONTEXT)",
+            });
+        }
+        if opts.max_batch > MAX_BATCH {
+            return Err(RunError::BadParam {
+                name: "max_batch",
+                value: opts.max_batch.to_string(),
+                expected: "at most 2^16 tokens (MAX_BATCH)",
+            });
+        }
         let ctx = model.ctx.clone();
         let c = &model.config;
+        // The RoPE table is computed on the host before its upload: check its size first.
+        let rope_bytes = rope_table_bytes(c, opts.max_context);
+        if rope_bytes > ctx.max_binding() {
+            return Err(
+                GpuError::BufferTooLarge { name: "rope".into(), needed: rope_bytes, limit: ctx.max_binding() }.into()
+            );
+        }
         let scratch = Scratch::new(&ctx, c, opts.max_batch)?;
         let states = layer_states(&ctx, c, opts.max_context)?;
         let ids = ctx.storage_buffer("ids", (opts.max_batch * 4) as u64, true)?;
@@ -150,7 +181,8 @@ impl Session {
             mapped_at_creation: false,
         });
         let parts = ctx.storage_buffer("argmax candidates", argmax_scratch_bytes(c.vocab_size), true)?;
-        let chosen = [Staging::new(&ctx, "chosen id 0", 4), Staging::new(&ctx, "chosen id 1", 4)];
+        // The chosen id and the row's non-finite flag.
+        let chosen = [Staging::new(&ctx, "chosen id 0", 8), Staging::new(&ctx, "chosen id 1", 8)];
         let logits_staging = Staging::new(&ctx, "logits readback", row_bytes);
         let sample = SampleBuffers::new(&ctx, c.vocab_size, opts.max_context)?;
         let mut s = Self {
@@ -408,23 +440,39 @@ impl Session {
     }
 
     /// The candidates (id, logit), best first, and the history's logits a sample step left, once
-    /// submission `index` has completed.
+    /// submission `index` has completed; a [`RunError::NonFiniteLogits`] when the row held a NaN
+    /// or an infinity. `position` is the sequence position of the step's last token.
     pub(crate) fn read_sample(
         &self,
         index: wgpu::SubmissionIndex,
         k: usize,
         hist: usize,
+        position: usize,
     ) -> Result<(Candidates, Vec<f32>), RunError> {
-        let bytes = self.sample.staging.read(self.ctx(), index, ((2 * k + hist) * 4) as u64)?;
+        let bytes = self.sample.staging.read(self.ctx(), index, ((2 * k + hist + 1) * 4) as u64)?;
         let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+        if words[2 * k + hist] != 0 {
+            return Err(RunError::NonFiniteLogits { position });
+        }
         let cands = words[..2 * k].chunks_exact(2).map(|p| (p[1], topk_value(p[0]))).collect();
-        let hist = words[2 * k..].iter().map(|&w| f32::from_bits(w)).collect();
+        let hist = words[2 * k..2 * k + hist].iter().map(|&w| f32::from_bits(w)).collect();
         Ok((cands, hist))
     }
 
-    /// The id a choice step copied into `slot`, once submission `index` has completed.
-    pub(crate) fn read_choice(&self, index: wgpu::SubmissionIndex, slot: usize) -> Result<u32, RunError> {
-        let bytes = self.chosen[slot].read(self.ctx(), index, 4)?;
-        Ok(u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]))
+    /// The id a choice step copied into `slot`, once submission `index` has completed; a
+    /// [`RunError::NonFiniteLogits`] when the row held a NaN or an infinity. `position` is the
+    /// sequence position of the step's token.
+    pub(crate) fn read_choice(
+        &self,
+        index: wgpu::SubmissionIndex,
+        slot: usize,
+        position: usize,
+    ) -> Result<u32, RunError> {
+        let bytes = self.chosen[slot].read(self.ctx(), index, 8)?;
+        let word = |i: usize| u32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]);
+        if word(1) != 0 {
+            return Err(RunError::NonFiniteLogits { position });
+        }
+        Ok(word(0))
     }
 }

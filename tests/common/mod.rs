@@ -135,3 +135,29 @@ pub fn scratch_copy(src: &Path, tag: &str) -> PathBuf {
     }
     dst
 }
+
+/// The tensors of a safetensors file: (name, dtype, shape, bytes).
+pub type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+/// Write `tensors` as a safetensors file.
+pub fn write_tensors(path: &Path, tensors: Tensors) {
+    let views: std::collections::HashMap<String, safetensors::tensor::TensorView> = tensors
+        .iter()
+        .map(|(n, d, s, b)| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).expect("view")))
+        .collect();
+    safetensors::serialize_to_file(views, None, path).expect("write");
+}
+
+/// A copy of fixture model `name` whose `model.safetensors` is rewritten with `edit` applied to
+/// its tensors.
+pub fn damaged_model(name: &str, tag: &str, edit: impl FnOnce(&mut Tensors)) -> PathBuf {
+    let dir = scratch_copy(&fixture_model(name), tag);
+    let file = dir.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
+    let mut tensors: Tensors =
+        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
+    edit(&mut tensors);
+    write_tensors(&file, tensors);
+    dir
+}
