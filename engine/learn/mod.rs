@@ -252,8 +252,11 @@ pub(crate) fn check_learnable(config: &TextConfig, layer: usize, proj: Proj) -> 
 pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<ParsedAdapter, LearnError> {
     let last = config.num_layers() - 1;
     let layers = spec.layers.clone().unwrap_or_else(|| vec![last]);
-    if spec.rank == 0 {
-        return Err(bad("rank", "at least 1", spec.rank));
+    if spec.rank == 0 || spec.rank > crate::lora::MAX_RANK {
+        return Err(bad("rank", &format!("1 to {}", crate::lora::MAX_RANK), spec.rank));
+    }
+    if let Some(twice) = layers.iter().enumerate().find(|(i, l)| layers[..*i].contains(l)) {
+        return Err(bad("layers", "distinct layer indices", twice.1));
     }
     if !(spec.alpha.is_finite() && spec.alpha > 0.0) {
         return Err(bad("alpha", "a finite number > 0", spec.alpha));
@@ -279,5 +282,5 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
     let name = spec.id.clone().unwrap_or_else(|| "feedback".into());
     let mut config = PeftConfig::none();
     config.source = ConfigSource::Trainable;
-    Ok(ParsedAdapter { path: PathBuf::new(), name, config, deltas, ignored: Vec::new() })
+    Ok(ParsedAdapter { path: PathBuf::new(), name, config, deltas, ignored: Vec::new(), ignored_count: 0 })
 }
