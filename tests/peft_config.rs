@@ -283,6 +283,8 @@ fn oversized_or_special_config_files_are_refused_without_reading_them() {
         if made {
             assert!(matches!(peft::parse(&dir, &model()), Err(AdapterError::NotPeft { .. })), "a FIFO must not block");
         }
+        let e = peft::parse(Path::new("/dev/null"), &model()).expect_err("a device");
+        assert!(matches!(e, AdapterError::NotPeft { .. }), "/dev/null is no adapter, but it exists: {e}");
     }
 }
 

@@ -98,6 +98,12 @@ fn key_regex() -> Regex {
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
     let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().map(Path::to_path_buf).unwrap_or_default() };
     let weights = if path.is_dir() { path.join(WEIGHTS) } else { path.to_path_buf() };
+    if !weights.is_file() {
+        return Err(AdapterError::NotPeft {
+            path: weights,
+            reason: "not a regular file (a FIFO or device would block the read)".into(),
+        });
+    }
     let config_path = dir.join("adapter_config.json");
     if !config_path.is_file() {
         return Err(AdapterError::NotPeft {

@@ -526,6 +526,8 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<PathBuf>), AdapterError> {
         }
         let beside = path.parent().map(|d| d.join("adapter_config.json")).filter(|c| c.is_file());
         Ok((path.to_path_buf(), beside))
+    } else if std::fs::metadata(path).is_ok() {
+        Err(not_peft("not a regular file or a directory (a device, FIFO or socket)"))
     } else {
         Err(AdapterError::Io {
             path: path.to_path_buf(),
