@@ -398,8 +398,8 @@ pub enum AdapterError {
         /// The ids resident.
         resident: Vec<String>,
     },
-    /// The scale is not a finite number.
-    #[error("adapter scale {0} is not finite")]
+    /// The scale is not a finite number of magnitude at most [`crate::lora::MAX_SCALE`].
+    #[error("adapter scale {0} is not a finite number with |scale| <= 1000")]
     BadScale(f32),
     /// A file of the adapter is a directory, FIFO, device or socket.
     #[error("{what} {path} is not a regular file (it is {kind})")]
@@ -422,6 +422,41 @@ pub enum AdapterError {
         size: u64,
         /// The bound.
         limit: u64,
+    },
+    /// The same (layer, projection) twice: under both the text-class and the VLM-class prefix,
+    /// or a factor given twice.
+    #[error("adapter key {key} adapts the same module as {other}")]
+    DuplicateModule {
+        /// The key found second.
+        key: String,
+        /// The key found first.
+        other: String,
+    },
+    /// A weight too large for the product to stay finite.
+    #[error("adapter tensor {key}: |{value}| at element {index} exceeds {limit}")]
+    WeightTooLarge {
+        /// The key.
+        key: String,
+        /// The element.
+        index: usize,
+        /// The value.
+        value: f32,
+        /// The bound ([`crate::lora::MAX_WEIGHT`]).
+        limit: f32,
+    },
+    /// An adapter id that cannot name an adapter.
+    #[error("adapter id {id:?}: {why}")]
+    BadId {
+        /// The id given.
+        id: String,
+        /// What is wrong with it.
+        why: String,
+    },
+    /// An adapter made for another model (or for a model since dropped).
+    #[error("adapter {name} was loaded for another model")]
+    WrongModel {
+        /// The adapter's name.
+        name: String,
     },
     /// A GPU error while uploading.
     #[error(transparent)]

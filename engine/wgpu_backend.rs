@@ -209,6 +209,15 @@ impl WgpuBackend {
     }
 }
 
+/// An id a caller chose: not empty, not blank (an empty id could not be told apart from "none"
+/// in logs and lists).
+fn check_id(id: &str) -> Result<(), AdapterError> {
+    if id.trim().is_empty() {
+        return Err(AdapterError::BadId { id: id.into(), why: "an adapter id must not be empty".into() });
+    }
+    Ok(())
+}
+
 /// The resident adapter `id`.
 fn find_in<'a>(resident: &'a [(AdapterId, Arc<LoraAdapter>)], id: &str) -> Result<&'a Arc<LoraAdapter>, AdapterError> {
     resident.iter().find(|(i, _)| i == id).map(|(_, a)| a).ok_or_else(|| AdapterError::UnknownId {
@@ -302,6 +311,9 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn preload_adapter(&mut self, path: &Path, id: Option<&str>) -> Result<AdapterId, BackendError> {
+        if let Some(id) = id {
+            check_id(id)?;
+        }
         let model = self.loaded()?.model.clone();
         let adapter = LoraAdapter::load(&model, path)?;
         let id = self.unique_id(id.unwrap_or(&adapter.info.name));
@@ -338,6 +350,9 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn create_trainable_adapter(&mut self, spec: &TrainSpec) -> Result<AdapterId, BackendError> {
+        if let Some(id) = &spec.id {
+            check_id(id)?;
+        }
         let model = self.loaded()?.model.clone();
         let parsed = init_adapter(&model.config, spec)?;
         let adapter = LoraAdapter::upload(&model, &parsed)?;

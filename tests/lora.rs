@@ -8,8 +8,8 @@ use std::sync::Arc;
 use common::tolerance::{LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
 use common::{fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
 use qwen35_wgpu::{
-    AdapterError, BackendError, GenerateParams, LearnOptions, LlmBackend, LoraAdapter, Model, ModelInfo, Proj, Session,
-    SessionOptions, TrainSpec, WgpuBackend,
+    AdapterError, BackendError, GenerateParams, LearnError, LearnOptions, LlmBackend, LoraAdapter, Model, ModelInfo,
+    Proj, Session, SessionOptions, TrainSpec, WgpuBackend,
 };
 
 /// (adapter, base model, scales with a reference).
@@ -453,4 +453,76 @@ fn every_failed_load_leaves_the_state_unchanged() {
     }
     assert!(matches!(b.activate_adapter(&active, f32::NAN), Err(BackendError::Adapter(AdapterError::BadScale(_)))));
     assert_eq!(logits(&mut b, &ids), before);
+}
+
+#[test]
+fn absurd_scales_are_refused_everywhere_and_change_nothing() {
+    let Some(mut b) = backend() else { return };
+    let r = Reference::load("adapters");
+    let ids = r.ids("all12_r8.ids");
+    let id = b.load_adapter(&adapter_path("all12_r8"), 1.0).expect("load");
+    let before = logits(&mut b, &ids);
+    let refused = |res: Result<(), BackendError>, what: &str| {
+        assert!(matches!(res, Err(BackendError::Adapter(AdapterError::BadScale(_)))), "{what}: {res:?}");
+    };
+    for scale in [1e30f32, -1e30, 1e4, f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        refused(b.set_adapter_scale(scale), &format!("set_adapter_scale({scale})"));
+        refused(b.activate_adapter(&id, scale), &format!("activate_adapter({scale})"));
+        refused(b.load_adapter(&adapter_path("patterns_r16"), scale).map(|_| ()), &format!("load_adapter({scale})"));
+        assert_eq!(b.list_adapters().expect("list").len(), 1, "{scale}: a refused load must not stay resident");
+        let now = b.active_adapter().expect("query").expect("active");
+        assert_eq!((now.id.as_str(), now.scale), (id.as_str(), 1.0), "{scale}");
+        assert_eq!(logits(&mut b, &ids), before, "{scale}: logits changed");
+    }
+    // set_adapter_scale takes effect: alpha 16 at r 8 with scale 2 is peft's s2 reference.
+    b.set_adapter_scale(2.0).expect("scale 2");
+    let (_, want) = r.f32("all12_r8.s2.logits");
+    check("set_adapter_scale(2)", &logits(&mut b, &ids), &want, 256);
+    b.set_adapter_scale(qwen35_wgpu::lora::MAX_SCALE).expect("the bound itself is accepted");
+}
+
+#[test]
+fn empty_adapter_ids_are_refused() {
+    let Some(mut b) = backend() else { return };
+    for id in ["", "  "] {
+        let res = b.preload_adapter(&adapter_path("all12_r8"), Some(id));
+        assert!(matches!(res, Err(BackendError::Adapter(AdapterError::BadId { .. }))), "{id:?}: {res:?}");
+        let spec = TrainSpec { id: Some(id.into()), ..Default::default() };
+        assert!(b.create_trainable_adapter(&spec).is_err(), "trainable id {id:?}");
+    }
+    assert!(b.list_adapters().expect("list").is_empty());
+}
+
+#[test]
+fn trainable_adapters_with_absurd_ranks_or_repeated_layers_are_typed_errors() {
+    let Some(mut b) = backend() else { return };
+    for spec in [
+        TrainSpec { rank: usize::MAX, ..Default::default() },
+        TrainSpec { rank: 1 << 40, ..Default::default() },
+        TrainSpec { layers: Some(vec![7, 7]), ..Default::default() },
+    ] {
+        let res = b.create_trainable_adapter(&spec);
+        assert!(matches!(res, Err(BackendError::Learn(LearnError::BadInput { .. }))), "{spec:?}: {res:?}");
+    }
+    assert!(b.list_adapters().expect("list").is_empty());
+}
+
+#[test]
+fn an_adapter_of_a_dropped_model_is_refused_by_a_new_model() {
+    let Some(ctx) = gpu() else { return };
+    let load = || Model::load(ctx.clone(), &fixture_model("gva_tied_f32")).expect("model");
+    let old = Arc::new(load());
+    let old_address = Arc::as_ptr(&old) as usize;
+    let stale = Arc::new(LoraAdapter::load(&old, &adapter_path("all12_r8")).expect("adapter"));
+    // Load the next model while the old one lives, drop the old one, and only then allocate the
+    // next one's Arc: the allocator hands back the block just freed (same size), so comparing
+    // addresses alone took the stale adapter for the new model's.
+    let next = load();
+    drop(old);
+    let model = Arc::new(next);
+    eprintln!("new model at the dropped model's address: {}", Arc::as_ptr(&model) as usize == old_address);
+    assert!(!stale.is_for(&model));
+    let mut s = Session::new(model, opts()).expect("session");
+    let res = s.set_adapter(Some((stale.clone(), 1.0)));
+    assert!(matches!(res, Err(AdapterError::WrongModel { .. })), "{res:?}");
 }

@@ -321,5 +321,5 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
     let name = spec.id.clone().unwrap_or_else(|| "feedback".into());
     let mut config = PeftConfig::none();
     config.source = ConfigSource::Trainable;
-    Ok(ParsedAdapter { path: PathBuf::new(), name, config, deltas, ignored: Vec::new() })
+    Ok(ParsedAdapter { path: PathBuf::new(), name, config, deltas, ignored: Vec::new(), ignored_count: 0 })
 }

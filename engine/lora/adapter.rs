@@ -8,7 +8,7 @@
 //! gate|up) covers every projection in one dispatch.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use crate::error::AdapterError;
 use crate::gpu::{GpuContext, GpuWeight};
@@ -67,8 +67,10 @@ pub struct AdapterInfo {
     pub config_source: ConfigSource,
     /// The (layer, projection) pairs adapted.
     pub modules: Vec<(usize, Proj)>,
-    /// Keys skipped as irrelevant to text generation (vision tower).
+    /// Keys skipped as irrelevant to text generation (vision tower): the first few by name.
     pub ignored: Vec<String>,
+    /// How many keys were skipped in all.
+    pub ignored_count: usize,
     /// Bytes held on the GPU.
     pub gpu_bytes: u64,
 }
@@ -77,7 +79,10 @@ pub struct AdapterInfo {
 pub struct LoraAdapter {
     /// What it is.
     pub info: AdapterInfo,
-    model: usize,
+    /// The model it was uploaded for. A `Weak` keeps the `Arc`'s allocation (not the model's
+    /// GPU buffers) alive, so no later model can reuse the address while this adapter exists:
+    /// comparing addresses alone let an adapter of a dropped model pass for a new model's.
+    model: Weak<Model>,
     layers: Vec<[Option<LoraGroup>; 4]>,
 }
 
@@ -103,7 +108,13 @@ impl LoraAdapter {
                     continue;
                 }
                 let fan_in = deltas[0].proj.dims(&model.config).0;
-                let rank_total: usize = deltas.iter().map(|d| d.rank).sum();
+                let rank_total = deltas.iter().try_fold(0usize, |acc, d| acc.checked_add(d.rank));
+                let rank_total =
+                    rank_total.filter(|&r| r.checked_mul(fan_in).is_some()).ok_or_else(|| AdapterError::BadConfig {
+                        field: format!("layers.{layer} {group:?}"),
+                        expected: "ranks whose sum fits in memory".into(),
+                        found: format!("{} modules", deltas.len()),
+                    })?;
                 let a_cat: Vec<f32> = deltas.iter().flat_map(|d| d.a.iter().copied()).collect();
                 let label = format!("lora {} layers.{layer} {group:?} A", parsed.name);
                 let a = GpuWeight::upload(
@@ -151,14 +162,15 @@ impl LoraAdapter {
             config_source: parsed.config.source,
             modules: parsed.deltas.iter().map(|d| (d.layer, d.proj)).collect(),
             ignored: parsed.ignored.clone(),
+            ignored_count: parsed.ignored_count,
             gpu_bytes: bytes,
         };
-        Ok(Self { info, model: Arc::as_ptr(model) as usize, layers })
+        Ok(Self { info, model: Arc::downgrade(model), layers })
     }
 
-    /// Whether this adapter was uploaded for `model`.
+    /// Whether this adapter was uploaded for `model` (the same `Arc`, not an equal model).
     pub fn is_for(&self, model: &Arc<Model>) -> bool {
-        self.model == Arc::as_ptr(model) as usize
+        std::ptr::eq(self.model.as_ptr(), Arc::as_ptr(model))
     }
 
     /// The adapted projections of `layer` that read `group`'s input.

@@ -12,9 +12,10 @@ use regex::Regex;
 
 use crate::error::AdapterError;
 use crate::lora::peft::{
-    both_keys, layer_projection, read_values, ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig,
+    both_keys, check_rank, layer_projection, read_json, read_values, record_pair, ConfigSource, KeyPair, ModuleDelta,
+    ParsedAdapter, PeftConfig,
 };
-use crate::lora::Proj;
+use crate::lora::{Proj, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING};
 use crate::model::{Checkpoint, TextConfig};
 
 /// The weights file of an MLX adapter directory.
@@ -41,11 +42,7 @@ fn bad(field: &str, expected: &str, found: &serde_json::Value) -> AdapterError {
 }
 
 fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
-    let text = std::fs::read_to_string(path).map_err(|source| AdapterError::Io { path: path.to_path_buf(), source })?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| AdapterError::NotPeft {
-        path: path.to_path_buf(),
-        reason: format!("adapter_config.json is not JSON: {e}"),
-    })?;
+    let json = read_json(path)?;
     let ty = json.get("fine_tune_type").and_then(|t| t.as_str()).unwrap_or("lora");
     match ty {
         "lora" => {}
@@ -62,20 +59,27 @@ fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
     let get = |k: &str| params.get(k).unwrap_or(&null);
     let rank = match get("rank") {
         serde_json::Value::Null => None,
-        x => {
-            Some(x.as_u64().filter(|&r| r > 0).ok_or_else(|| bad("lora_parameters.rank", "a positive integer", x))?
-                as usize)
-        }
+        x => Some(
+            x.as_u64()
+                .filter(|&r| r > 0 && r <= MAX_RANK as u64)
+                .ok_or_else(|| bad("lora_parameters.rank", &format!("a positive integer ≤ {MAX_RANK}"), x))?
+                as usize,
+        ),
     };
     // mlx-lm's default scale.
     let scale = match get("scale") {
         serde_json::Value::Null => 20.0,
-        x => x.as_f64().filter(|s| s.is_finite()).ok_or_else(|| bad("lora_parameters.scale", "a number", x))? as f32,
+        x => x
+            .as_f64()
+            .filter(|s| s.is_finite() && s.abs() <= MAX_SCALING)
+            .ok_or_else(|| bad("lora_parameters.scale", &format!("a number of magnitude ≤ {MAX_SCALING}"), x))?
+            as f32,
     };
     let keys = match get("keys") {
         serde_json::Value::Null => None,
         x => Some(
             x.as_array()
+                .filter(|a| a.len() <= MAX_PATTERN_KEYS)
                 .and_then(|a| a.iter().map(|k| k.as_str().map(String::from)).collect::<Option<Vec<_>>>())
                 .ok_or_else(|| bad("lora_parameters.keys", "a list of module paths", x))?,
         ),
@@ -84,7 +88,9 @@ fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
 }
 
 fn key_regex() -> Regex {
-    Regex::new(r"^(?:language_model\.)?model\.layers\.(?P<layer>\d+)\.(?P<path>[A-Za-z0-9_.]+?)\.lora_(?P<ab>[ab])$")
+    Regex::new(
+        r"^(?P<module>(?:language_model\.)?model\.layers\.(?P<layer>\d+)\.(?P<path>[A-Za-z0-9_.]+?))\.lora_(?P<ab>[ab])$",
+    )
         .unwrap_or_else(|_| unreachable!("constant regex"))
 }
 
@@ -92,6 +98,12 @@ fn key_regex() -> Regex {
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
     let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().map(Path::to_path_buf).unwrap_or_default() };
     let weights = if path.is_dir() { path.join(WEIGHTS) } else { path.to_path_buf() };
+    if !weights.is_file() {
+        return Err(AdapterError::NotPeft {
+            path: weights,
+            reason: "not a regular file (a FIFO or device would block the read)".into(),
+        });
+    }
     let config_path = dir.join("adapter_config.json");
     if !config_path.is_file() {
         return Err(AdapterError::NotPeft {
@@ -102,9 +114,9 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     let config = read_config(&config_path)?;
     let ckpt = Checkpoint::open_files(std::slice::from_ref(&weights))?;
     let re = key_regex();
-    let mut pairs: BTreeMap<(usize, Proj), [Option<String>; 2]> = BTreeMap::new();
+    let mut pairs: BTreeMap<(usize, Proj), KeyPair> = BTreeMap::new();
     let mut names: Vec<&str> = ckpt.names().collect();
-    names.sort();
+    names.sort_unstable();
     for key in names {
         let Some(cap) = re.captures(key) else {
             let feature = if key.ends_with(".m") { "DoRA" } else { "" };
@@ -124,15 +136,16 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
                 return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
             }
         }
-        pairs.entry((layer, proj)).or_default()[usize::from(&cap["ab"] == "b")] = Some(key.to_string());
+        record_pair(&mut pairs, (layer, proj), &cap["module"], usize::from(&cap["ab"] == "b"), key)?;
     }
     let mut deltas = Vec::with_capacity(pairs.len());
-    for ((layer, proj), [a_key, b_key]) in pairs {
+    for ((layer, proj), (_, [a_key, b_key])) in pairs {
         let (a_key, b_key) = both_keys(a_key, b_key, ["lora_a", "lora_b"])?;
         let (fan_in, fan_out) = proj.dims(model);
         let shape = |k: &str| ckpt.get(k).map(|e| e.shape.clone()).unwrap_or_default();
         let a_shape = shape(&a_key);
         let rank = a_shape.get(1).copied().unwrap_or(0);
+        check_rank(&a_key, &a_shape, rank)?;
         if a_shape.len() != 2 || a_shape[0] != fan_in || rank == 0 {
             return Err(AdapterError::ShapeMismatch {
                 key: a_key,
@@ -165,5 +178,5 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     let name = dir.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "adapter".into());
     let mut peft = PeftConfig::none();
     peft.source = ConfigSource::MlxConfig;
-    Ok(ParsedAdapter { path: PathBuf::from(path), name, config: peft, deltas, ignored: Vec::new() })
+    Ok(ParsedAdapter { path: PathBuf::from(path), name, config: peft, deltas, ignored: Vec::new(), ignored_count: 0 })
 }

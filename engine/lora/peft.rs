@@ -6,19 +6,33 @@
 //! `layers_pattern`), keys of adapters saved from the text-only class
 //! (`base_model.model.model.layers.N…`) and the VLM class (`…model.language_model.layers.N…`),
 //! all twelve projections, A/B in F32, BF16 or F16 (widened to f32 exactly).
+//!
+//! Config semantics are peft 0.21's, tested against the module's full name inside the PEFT
+//! model (`model.layers.0.self_attn.q_proj` for the text class,
+//! `model.language_model.layers.0.self_attn.q_proj` for the VLM class), as peft names it:
+//! `check_target_module_exists` for targets, excludes and layers (a regex string is
+//! `re.fullmatch`; a list entry matches the name or a `.`-suffix of it; `layers_to_transform`
+//! applies only to list entries matched by suffix), `get_pattern_key` for rank / alpha patterns
+//! (first key in file order with `re.match(rf"(.*\.)?({key})$", name)`), Python `re` syntax
+//! with look-around ([`crate::lora::pattern`]). Fields that do not change the math are ignored.
+//!
 //! Typed errors: DoRA, `lora_bias`, embedding / lm_head LoRA, `modules_to_save`,
-//! `fan_in_fan_out`, pickle `.bin` files, keys that match no module, untargeted modules,
-//! wrong shapes or ranks, layers out of range, NaN/Inf. Vision-tower keys (`model.visual.*`, which
-//! `all-linear` adapters saved from the VLM class can carry) cannot affect text generation; they
-//! are skipped and listed in [`ParsedAdapter::ignored`].
+//! `fan_in_fan_out`, pickle `.bin` files, keys that match no module, untargeted modules, a
+//! module present twice (both prefixes), wrong shapes or ranks, layers out of range, NaN/Inf,
+//! and the bounds of [`crate::lora`] (rank, alpha / r, weight magnitude, pattern-map size).
+//! Vision-tower keys (`model.visual.*`, which `all-linear` adapters saved from the VLM class can
+//! carry) cannot affect text generation; they are skipped and counted in
+//! [`ParsedAdapter::ignored_count`].
 
 use std::collections::{BTreeMap, HashMap};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use regex::Regex;
 
 use crate::error::{AdapterError, ModelError};
-use crate::lora::Proj;
+use crate::lora::pattern::{PatternKey, PyRegex};
+use crate::lora::{Proj, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
 use crate::model::{Checkpoint, Dtype, TextConfig};
 
 /// Where the adapter's rank and alpha came from.
@@ -36,36 +50,77 @@ pub enum ConfigSource {
     MlxConfig,
 }
 
+/// `target_modules` / `exclude_modules`.
 #[derive(Clone, Debug)]
 enum Targets {
+    /// A list: a module is named when it equals an entry or ends with `.entry`.
     Names(Vec<String>),
-    Regex(Regex),
+    /// A string: `re.fullmatch`.
+    Regex(PyRegex),
+    /// `"all-linear"` (any case): every linear layer but the output head, so every projection.
     AllLinear,
 }
 
+/// How a module name meets `target_modules`, as peft's `check_target_module_exists` decides.
+enum Hit {
+    /// Not targeted.
+    No,
+    /// Targeted regardless of `layers_to_transform` (exact list entry, regex, all-linear).
+    Always,
+    /// Targeted by a list entry's suffix: `layers_to_transform` applies.
+    Suffix,
+}
+
 impl Targets {
-    fn from_json(field: &str, v: &serde_json::Value) -> Result<Option<Self>, AdapterError> {
+    fn from_json(field: &str, v: &serde_json::Value, all_linear: bool) -> Result<Option<Self>, AdapterError> {
         Ok(match v {
             serde_json::Value::Null => None,
-            serde_json::Value::String(s) if s == "all-linear" => Some(Targets::AllLinear),
-            serde_json::Value::String(s) => Some(Targets::Regex(full_regex(field, s)?)),
-            serde_json::Value::Array(a) => Some(Targets::Names(
-                a.iter()
+            serde_json::Value::String(s) if all_linear && s.eq_ignore_ascii_case("all-linear") => {
+                Some(Targets::AllLinear)
+            }
+            serde_json::Value::String(s) => Some(Targets::Regex(PyRegex::fullmatch(field, s)?)),
+            serde_json::Value::Array(a) => {
+                if a.len() > MAX_PATTERN_KEYS {
+                    return Err(too_many(field, a.len()));
+                }
+                let names = a
+                    .iter()
                     .map(|x| x.as_str().map(String::from))
                     .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| bad(field, "a list of strings", v))?,
-            )),
+                    .ok_or_else(|| bad(field, "a list of strings", v))?;
+                Some(Targets::Names(names))
+            }
             other => return Err(bad(field, "a list of names, a regex string or \"all-linear\"", other)),
         })
     }
 
-    fn matches(&self, module: &str) -> bool {
-        match self {
-            Targets::AllLinear => true,
-            Targets::Regex(r) => r.is_match(module),
-            Targets::Names(names) => names.iter().any(|n| module == n || module.ends_with(&format!(".{n}"))),
-        }
+    fn hit(&self, module: &str) -> Result<Hit, AdapterError> {
+        Ok(match self {
+            Targets::AllLinear => Hit::Always,
+            Targets::Regex(r) if r.is_match(module)? => Hit::Always,
+            Targets::Regex(_) => Hit::No,
+            Targets::Names(names) if names.iter().any(|n| n == module) => Hit::Always,
+            Targets::Names(names) if names.iter().any(|n| suffix_of(module, n)) => Hit::Suffix,
+            Targets::Names(_) => Hit::No,
+        })
     }
+}
+
+/// `module.endswith(f".{name}")`.
+fn suffix_of(module: &str, name: &str) -> bool {
+    module.strip_suffix(name).is_some_and(|head| head.ends_with('.'))
+}
+
+/// A pattern map (`rank_pattern`, `alpha_pattern`) in the config's key order, which is the
+/// order peft tries the keys in (first match wins).
+type PatternMap<T> = Vec<(PatternKey, T)>;
+
+/// `layers_to_transform`: one index or a list (an empty list restricts nothing, as in peft).
+#[derive(Clone, Debug)]
+struct LayerFilter {
+    layers: Vec<usize>,
+    /// One peft layer-index regex per `layers_pattern` entry, or the default one.
+    patterns: Vec<PyRegex>,
 }
 
 /// The parts of `adapter_config.json` that change the math or the set of modules.
@@ -77,41 +132,70 @@ pub struct PeftConfig {
     pub lora_alpha: Option<f64>,
     /// alpha / √r instead of alpha / r.
     pub use_rslora: bool,
-    rank_pattern: Vec<(Regex, String, usize)>,
-    alpha_pattern: Vec<(Regex, String, f64)>,
+    rank_pattern: PatternMap<usize>,
+    alpha_pattern: PatternMap<f64>,
     targets: Option<Targets>,
     exclude: Option<Targets>,
-    layers_to_transform: Option<Vec<usize>>,
-    layers_pattern: Vec<String>,
+    layers: Option<LayerFilter>,
     /// Where r and alpha came from.
     pub source: ConfigSource,
 }
 
 fn bad(field: &str, expected: &str, found: &serde_json::Value) -> AdapterError {
-    AdapterError::BadConfig { field: field.into(), expected: expected.into(), found: found.to_string() }
+    let mut found = found.to_string();
+    if found.len() > 200 {
+        let cut = (0..=200).rev().find(|&i| found.is_char_boundary(i)).unwrap_or(0);
+        found.truncate(cut);
+        found.push('…');
+    }
+    AdapterError::BadConfig { field: field.into(), expected: expected.into(), found }
 }
 
-/// Python `re.fullmatch` semantics.
-fn full_regex(field: &str, pattern: &str) -> Result<Regex, AdapterError> {
-    Regex::new(&format!("^(?:{pattern})$")).map_err(|e| AdapterError::BadConfig {
+fn too_many(field: &str, n: usize) -> AdapterError {
+    AdapterError::BadConfig {
         field: field.into(),
-        expected: "a valid regular expression".into(),
-        found: format!("{pattern:?} ({e})"),
-    })
+        expected: format!("at most {MAX_PATTERN_KEYS} entries"),
+        found: format!("{n} entries"),
+    }
 }
 
-/// PEFT's `get_pattern_key`: `re.match(rf"(.*\.)?({key})$", module)`.
-fn pattern_regex(field: &str, key: &str) -> Result<Regex, AdapterError> {
-    Regex::new(&format!("^(?:.*\\.)?(?:{key})$")).map_err(|e| AdapterError::BadConfig {
-        field: field.into(),
-        expected: "valid regular expressions as keys".into(),
-        found: format!("{key:?} ({e})"),
-    })
+/// A rank from a config: a positive integer up to [`MAX_RANK`].
+fn rank_value(field: &str, v: &serde_json::Value) -> Result<usize, AdapterError> {
+    v.as_u64()
+        .filter(|&r| r > 0 && r <= MAX_RANK as u64)
+        .map(|r| r as usize)
+        .ok_or_else(|| bad(field, &format!("a positive integer ≤ {MAX_RANK}"), v))
+}
+
+/// An alpha from a config: a finite number (its ratio to r is bounded in [`PeftConfig::scaling`]).
+fn alpha_value(field: &str, v: &serde_json::Value) -> Result<f64, AdapterError> {
+    v.as_f64().filter(|a| a.is_finite()).ok_or_else(|| bad(field, "a finite number", v))
+}
+
+fn pattern_map<T>(
+    field: &str,
+    v: &serde_json::Value,
+    value: impl Fn(&str, &serde_json::Value) -> Result<T, AdapterError>,
+) -> Result<PatternMap<T>, AdapterError> {
+    let map = match v {
+        serde_json::Value::Null => return Ok(Vec::new()),
+        serde_json::Value::Object(map) => map,
+        other => return Err(bad(field, "an object of pattern: value", other)),
+    };
+    // Counted before anything is compiled: a 200,000-key map is refused at once.
+    if map.len() > MAX_PATTERN_KEYS {
+        return Err(too_many(field, map.len()));
+    }
+    map.iter().map(|(k, val)| Ok((PatternKey::new(field, k)?, value(field, val)?))).collect()
 }
 
 impl PeftConfig {
-    fn from_json(v: &serde_json::Value) -> Result<Self, AdapterError> {
+    /// Parse `adapter_config.json`'s JSON. Fields that do not change the math are ignored.
+    pub fn from_json(v: &serde_json::Value) -> Result<Self, AdapterError> {
         let get = |k: &str| v.get(k).unwrap_or(&serde_json::Value::Null);
+        if !v.is_object() {
+            return Err(bad("adapter_config.json", "a JSON object", v));
+        }
         let peft_type = get("peft_type");
         if !peft_type.is_null() && peft_type.as_str() != Some("LORA") {
             return Err(bad("peft_type", "\"LORA\"", peft_type));
@@ -143,87 +227,130 @@ impl PeftConfig {
         }
         let r = match get("r") {
             serde_json::Value::Null => None,
-            x => Some(x.as_u64().filter(|&r| r > 0).ok_or_else(|| bad("r", "a positive integer", x))? as usize),
+            x => Some(rank_value("r", x)?),
         };
         let lora_alpha = match get("lora_alpha") {
             serde_json::Value::Null => None,
-            x => Some(x.as_f64().filter(|a| a.is_finite()).ok_or_else(|| bad("lora_alpha", "a number", x))?),
+            x => Some(alpha_value("lora_alpha", x)?),
         };
         let use_rslora = get("use_rslora").as_bool().unwrap_or(false);
-        let mut rank_pattern = Vec::new();
-        if let Some(map) = get("rank_pattern").as_object() {
-            for (k, val) in map {
-                let rank =
-                    val.as_u64().filter(|&r| r > 0).ok_or_else(|| bad("rank_pattern", "positive integers", val))?;
-                rank_pattern.push((pattern_regex("rank_pattern", k)?, k.clone(), rank as usize));
-            }
+        let rank_pattern = pattern_map("rank_pattern", get("rank_pattern"), rank_value)?;
+        let alpha_pattern = pattern_map("alpha_pattern", get("alpha_pattern"), alpha_value)?;
+        let targets = Targets::from_json("target_modules", get("target_modules"), true)?;
+        let exclude = Targets::from_json("exclude_modules", get("exclude_modules"), false)?;
+        let layers = Self::layer_filter(get("layers_to_transform"), get("layers_pattern"))?;
+        // peft's LoraConfig.__post_init__ raises for these.
+        if layers.is_some() && matches!(targets, Some(Targets::Regex(_) | Targets::AllLinear)) {
+            return Err(bad(
+                "layers_to_transform",
+                "null when target_modules is a string (peft refuses the combination)",
+                get("layers_to_transform"),
+            ));
         }
-        let mut alpha_pattern = Vec::new();
-        if let Some(map) = get("alpha_pattern").as_object() {
-            for (k, val) in map {
-                let alpha =
-                    val.as_f64().filter(|a| a.is_finite()).ok_or_else(|| bad("alpha_pattern", "numbers", val))?;
-                alpha_pattern.push((pattern_regex("alpha_pattern", k)?, k.clone(), alpha));
-            }
-        }
-        let layers_to_transform = match get("layers_to_transform") {
-            serde_json::Value::Null => None,
-            x @ serde_json::Value::Number(_) => {
-                Some(vec![x.as_u64().ok_or_else(|| bad("layers_to_transform", "layer indices", x))? as usize])
-            }
-            serde_json::Value::Array(a) => Some(
-                a.iter()
-                    .map(|i| i.as_u64().map(|i| i as usize))
-                    .collect::<Option<Vec<_>>>()
-                    .ok_or_else(|| bad("layers_to_transform", "layer indices", get("layers_to_transform")))?,
-            ),
-            other => return Err(bad("layers_to_transform", "an index or a list of indices", other)),
-        };
-        let layers_pattern = match get("layers_pattern") {
-            serde_json::Value::String(s) => vec![s.clone()],
-            serde_json::Value::Array(a) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
-            _ => Vec::new(),
-        };
-        Ok(Self {
+        let config = Self {
             r,
             lora_alpha,
             use_rslora,
             rank_pattern,
             alpha_pattern,
-            targets: Targets::from_json("target_modules", get("target_modules"))?,
-            exclude: Targets::from_json("exclude_modules", get("exclude_modules"))?,
-            layers_to_transform,
-            layers_pattern,
+            targets,
+            exclude,
+            layers,
             source: ConfigSource::ConfigFile,
-        })
+        };
+        let backtracking = config.regexes().filter(|r| r.backtracks()).count();
+        if backtracking > MAX_BACKTRACKING_PATTERNS {
+            return Err(AdapterError::BadConfig {
+                field: "target_modules / exclude_modules / rank_pattern / alpha_pattern / layers_pattern".into(),
+                expected: format!("at most {MAX_BACKTRACKING_PATTERNS} patterns with look-around or back-references"),
+                found: format!("{backtracking}"),
+            });
+        }
+        Ok(config)
+    }
+
+    /// Every compiled regex of the config.
+    fn regexes(&self) -> impl Iterator<Item = &PyRegex> {
+        let targets = [&self.targets, &self.exclude].into_iter().flatten().filter_map(|t| match t {
+            Targets::Regex(r) => Some(r),
+            _ => None,
+        });
+        let keys = self.rank_pattern.iter().map(|(k, _)| k).chain(self.alpha_pattern.iter().map(|(k, _)| k));
+        let keys = keys.filter_map(|k| match k {
+            PatternKey::Regex(r) => Some(r),
+            PatternKey::Plain(_) => None,
+        });
+        targets.chain(keys).chain(self.layers.iter().flat_map(|l| l.patterns.iter()))
+    }
+
+    fn layer_filter(
+        indices: &serde_json::Value,
+        pattern: &serde_json::Value,
+    ) -> Result<Option<LayerFilter>, AdapterError> {
+        let index = |i: &serde_json::Value| {
+            i.as_u64().map(|i| i as usize).ok_or_else(|| bad("layers_to_transform", "layer indices", indices))
+        };
+        let layers = match indices {
+            serde_json::Value::Null => None,
+            x @ serde_json::Value::Number(_) => Some(vec![index(x)?]),
+            serde_json::Value::Array(a) if a.len() > MAX_PATTERN_KEYS => {
+                return Err(too_many("layers_to_transform", a.len()))
+            }
+            serde_json::Value::Array(a) => Some(a.iter().map(index).collect::<Result<Vec<_>, _>>()?),
+            other => return Err(bad("layers_to_transform", "an index or a list of indices", other)),
+        };
+        let patterns: Vec<String> = match pattern {
+            serde_json::Value::Null => Vec::new(),
+            serde_json::Value::String(s) if s.is_empty() => Vec::new(),
+            serde_json::Value::String(s) => vec![s.clone()],
+            serde_json::Value::Array(a) if a.len() > MAX_PATTERN_KEYS => {
+                return Err(too_many("layers_pattern", a.len()))
+            }
+            serde_json::Value::Array(a) => {
+                a.iter()
+                    .map(|x| x.as_str().map(String::from))
+                    .collect::<Option<Vec<_>>>()
+                    .ok_or_else(|| bad("layers_pattern", "a string or a list of strings", pattern))?
+            }
+            other => return Err(bad("layers_pattern", "a string or a list of strings", other)),
+        };
+        let Some(layers) = layers.filter(|l| !l.is_empty()) else {
+            if !patterns.is_empty() && indices.is_null() {
+                return Err(bad("layers_pattern", "null unless layers_to_transform is given (as in peft)", pattern));
+            }
+            return Ok(None);
+        };
+        let patterns = if patterns.is_empty() {
+            vec![PyRegex::any_layer()?]
+        } else {
+            patterns.iter().map(|p| PyRegex::layers_pattern("layers_pattern", p)).collect::<Result<_, _>>()?
+        };
+        Ok(Some(LayerFilter { layers, patterns }))
     }
 
     fn from_metadata(meta: &HashMap<String, String>) -> Result<Option<Self>, AdapterError> {
         if !meta.contains_key("r") && !meta.contains_key("lora_alpha") {
             return Ok(None);
         }
-        let num = |k: &str| -> Result<Option<f64>, AdapterError> {
+        // The same rules as the config file: a finite alpha, a rank in 1..=MAX_RANK.
+        let num = |k: &str, expected: &str, ok: &dyn Fn(f64) -> bool| -> Result<Option<f64>, AdapterError> {
             meta.get(k)
                 .map(|s| {
-                    s.trim().parse::<f64>().map_err(|_| AdapterError::BadConfig {
+                    s.trim().parse::<f64>().ok().filter(|&x| ok(x)).ok_or_else(|| AdapterError::BadConfig {
                         field: format!("__metadata__.{k}"),
-                        expected: "a number as a string".into(),
-                        found: format!("{s:?}"),
+                        expected: expected.into(),
+                        found: format!("{:?}", s.chars().take(64).collect::<String>()),
                     })
                 })
                 .transpose()
         };
-        let r = num("r")?;
-        if r.is_some_and(|r| r < 1.0 || r.fract() != 0.0) {
-            return Err(AdapterError::BadConfig {
-                field: "__metadata__.r".into(),
-                expected: "a positive integer".into(),
-                found: format!("{:?}", meta.get("r")),
-            });
-        }
+        let r = num("r", &format!("a positive integer ≤ {MAX_RANK} as a string"), &|r| {
+            r.is_finite() && r >= 1.0 && r.fract() == 0.0 && r <= MAX_RANK as f64
+        })?;
+        let lora_alpha = num("lora_alpha", "a finite number as a string", &|a| a.is_finite())?;
         Ok(Some(Self {
             r: r.map(|r| r as usize),
-            lora_alpha: num("lora_alpha")?,
+            lora_alpha,
             use_rslora: meta.get("use_rslora").is_some_and(|v| v == "true" || v == "True"),
             source: ConfigSource::FileMetadata,
             ..Self::none()
@@ -241,50 +368,86 @@ impl PeftConfig {
             alpha_pattern: Vec::new(),
             targets: None,
             exclude: None,
-            layers_to_transform: None,
-            layers_pattern: Vec::new(),
+            layers: None,
             source: ConfigSource::DefaultAlphaEqualsRank,
         }
     }
 
-    /// The rank the config gives a module (`None`: no config, any rank).
-    pub fn rank_for(&self, module: &str) -> Option<usize> {
-        self.rank_pattern.iter().find(|(re, ..)| re.is_match(module)).map(|(_, _, r)| *r).or(self.r)
+    /// peft's `get_pattern_key`: the value of the first key (in config order) matching `module`.
+    fn pattern_value<T: Copy>(map: &PatternMap<T>, module: &str) -> Result<Option<T>, AdapterError> {
+        for (key, value) in map {
+            if key.matches(module)? {
+                return Ok(Some(*value));
+            }
+        }
+        Ok(None)
     }
 
-    /// The multiplier of `B·A` for a module of `rank` (before the user's scale).
-    pub fn scaling(&self, module: &str, rank: usize) -> f32 {
-        let alpha = self
-            .alpha_pattern
-            .iter()
-            .find(|(re, ..)| re.is_match(module))
-            .map(|(_, _, a)| *a)
-            .or(self.lora_alpha)
-            .unwrap_or(rank as f64);
+    /// The rank the config gives module `module` (its full name in the PEFT model, e.g.
+    /// `model.layers.0.self_attn.q_proj`; `None`: no config, any rank).
+    pub fn rank_for(&self, module: &str) -> Result<Option<usize>, AdapterError> {
+        Ok(Self::pattern_value(&self.rank_pattern, module)?.or(self.r))
+    }
+
+    /// The multiplier of `B·A` for `module` of `rank` (before the user's scale): alpha / r, or
+    /// alpha / √r with rsLoRA; `|scaling| ≤` [`MAX_SCALING`].
+    pub fn scaling(&self, module: &str, rank: usize) -> Result<f32, AdapterError> {
+        let pattern = Self::pattern_value(&self.alpha_pattern, module)?;
+        let alpha = pattern.or(self.lora_alpha).unwrap_or(rank as f64);
         let denom = if self.use_rslora { (rank as f64).sqrt() } else { rank as f64 };
-        (alpha / denom) as f32
+        let scaling = alpha / denom;
+        if !(scaling.is_finite() && scaling.abs() <= MAX_SCALING) {
+            let field = if pattern.is_some() { "alpha_pattern" } else { "lora_alpha" };
+            return Err(AdapterError::BadConfig {
+                field: field.into(),
+                expected: format!(
+                    "alpha / {} of at most {MAX_SCALING} in magnitude",
+                    if self.use_rslora { "√r" } else { "r" }
+                ),
+                found: format!("alpha {alpha} at rank {rank} for {module} (scaling {scaling:e})"),
+            });
+        }
+        Ok(scaling as f32)
     }
 
-    /// Why the config does not target `module` (layer `layer`), if it does not.
-    fn excludes(&self, module: &str, layer: usize) -> Option<String> {
-        if self.exclude.as_ref().is_some_and(|e| e.matches(module)) {
-            return Some("exclude_modules".into());
+    /// Why the config does not target `module` (its full name in the PEFT model), if it does
+    /// not: peft's `check_target_module_exists`.
+    pub fn excludes(&self, module: &str) -> Result<Option<String>, AdapterError> {
+        let excluded = match &self.exclude {
+            None => false,
+            Some(e) => !matches!(e.hit(module)?, Hit::No),
+        };
+        if excluded {
+            return Ok(Some("exclude_modules".into()));
         }
-        if let Some(t) = &self.targets {
-            if !t.matches(module) {
-                return Some("target_modules".into());
+        let hit = match &self.targets {
+            // No list to test against (the adapter holds what was targeted).
+            None => Hit::Suffix,
+            Some(t) => t.hit(module)?,
+        };
+        match (hit, &self.layers) {
+            (Hit::No, _) => Ok(Some("target_modules".into())),
+            (Hit::Suffix, Some(filter)) => {
+                let mut index = None;
+                for p in &filter.patterns {
+                    index = p.layer_index(module)?;
+                    if index.is_some() {
+                        break;
+                    }
+                }
+                Ok(match index {
+                    Some(i) if filter.layers.contains(&i) => None,
+                    _ => Some(format!("layers_to_transform {:?}", filter.layers)),
+                })
             }
+            _ => Ok(None),
         }
-        if let Some(layers) = &self.layers_to_transform {
-            let pattern_ok = self.layers_pattern.is_empty()
-                || self.layers_pattern.iter().any(|p| module.contains(&format!("{p}.{layer}.")));
-            if !layers.contains(&layer) || !pattern_ok {
-                return Some(format!("layers_to_transform {layers:?}"));
-            }
-        }
-        None
     }
 }
+
+/// Most patterns of one config that need the backtracking engine: each match of one is bounded
+/// (~0.2 ms at the backtracking limit), and a 64-layer model tests 768 module names.
+const MAX_BACKTRACKING_PATTERNS: usize = 16;
 
 /// One adapted projection, validated, in f32.
 #[derive(Clone, Debug)]
@@ -314,8 +477,11 @@ pub struct ParsedAdapter {
     pub config: PeftConfig,
     /// Adapted projections, ordered by (layer, projection).
     pub deltas: Vec<ModuleDelta>,
-    /// Keys skipped because they cannot affect text generation (vision tower).
+    /// Keys skipped because they cannot affect text generation (vision tower): the first
+    /// [`IGNORED_KEPT`] by name (a header of a million such keys costs no more than that).
     pub ignored: Vec<String>,
+    /// How many keys were skipped in all.
+    pub ignored_count: usize,
 }
 
 impl From<ModelError> for AdapterError {
@@ -360,6 +526,8 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<PathBuf>), AdapterError> {
         }
         let beside = path.parent().map(|d| d.join("adapter_config.json")).filter(|c| c.is_file());
         Ok((path.to_path_buf(), beside))
+    } else if std::fs::metadata(path).is_ok() {
+        Err(not_peft("not a regular file or a directory (a device, FIFO or socket)"))
     } else {
         Err(AdapterError::Io {
             path: path.to_path_buf(),
@@ -368,13 +536,40 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<PathBuf>), AdapterError> {
     }
 }
 
-fn read_config(path: &Path) -> Result<PeftConfig, AdapterError> {
-    let text = std::fs::read_to_string(path).map_err(|source| AdapterError::Io { path: path.to_path_buf(), source })?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| AdapterError::NotPeft {
+/// Read a small text file an adapter names: a regular file (not a FIFO or a device) of at most
+/// `limit` bytes, read through a bound so a file that grows while read cannot exceed it.
+pub(crate) fn read_small_text(path: &Path, limit: u64) -> Result<String, AdapterError> {
+    let io = |source| AdapterError::Io { path: path.to_path_buf(), source };
+    let meta = std::fs::metadata(path).map_err(io)?;
+    if !meta.is_file() {
+        return Err(AdapterError::NotPeft { path: path.to_path_buf(), reason: "not a regular file".into() });
+    }
+    let too_big = |size: u64| AdapterError::NotPeft {
+        path: path.to_path_buf(),
+        reason: format!("{size} bytes, more than the {limit} a config may have"),
+    };
+    if meta.len() > limit {
+        return Err(too_big(meta.len()));
+    }
+    let mut text = String::new();
+    std::fs::File::open(path).map_err(io)?.take(limit + 1).read_to_string(&mut text).map_err(io)?;
+    if text.len() as u64 > limit {
+        return Err(too_big(text.len() as u64));
+    }
+    Ok(text)
+}
+
+/// Parse the JSON of an adapter's config file.
+pub(crate) fn read_json(path: &Path) -> Result<serde_json::Value, AdapterError> {
+    let text = read_small_text(path, MAX_CONFIG_BYTES)?;
+    serde_json::from_str(&text).map_err(|e| AdapterError::NotPeft {
         path: path.to_path_buf(),
         reason: format!("adapter_config.json is not JSON: {e}"),
-    })?;
-    PeftConfig::from_json(&json)
+    })
+}
+
+fn read_config(path: &Path) -> Result<PeftConfig, AdapterError> {
+    PeftConfig::from_json(&read_json(path)?)
 }
 
 fn key_regex() -> Regex {
@@ -453,10 +648,46 @@ pub(crate) fn both_keys(
 }
 
 /// A module's name and its `[lora_A, lora_B]` keys as found.
-type KeyPair = (String, [Option<String>; 2]);
+pub(crate) type KeyPair = (String, [Option<String>; 2]);
+
+/// Record `key` (factor `slot`) of `module` for (layer, proj): a second module name for the same
+/// projection (the text-class and the VLM-class prefix both present) is refused, never merged.
+pub(crate) fn record_pair(
+    pairs: &mut BTreeMap<(usize, Proj), KeyPair>,
+    at: (usize, Proj),
+    module: &str,
+    slot: usize,
+    key: &str,
+) -> Result<(), AdapterError> {
+    let entry = pairs.entry(at).or_insert_with(|| (module.to_string(), [None, None]));
+    if entry.0 != module || entry.1[slot].is_some() {
+        let other = entry.1.iter().flatten().next().cloned().unwrap_or_else(|| entry.0.clone());
+        return Err(AdapterError::DuplicateModule { key: key.into(), other });
+    }
+    entry.1[slot] = Some(key.to_string());
+    Ok(())
+}
+
+/// At most this many ignored keys are kept by name in [`ParsedAdapter::ignored`].
+const IGNORED_KEPT: usize = 32;
+
+/// Check a factor's rank (`rank_at` of `shape`) and its element count against [`MAX_RANK`] with
+/// checked arithmetic, before anything is read.
+pub(crate) fn check_rank(key: &str, shape: &[usize], rank: usize) -> Result<(), AdapterError> {
+    let numel = shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
+    if rank > MAX_RANK || numel.is_none() {
+        return Err(AdapterError::BadConfig {
+            field: key.into(),
+            expected: format!("a rank of at most {MAX_RANK}"),
+            found: format!("shape {shape:?}"),
+        });
+    }
+    Ok(())
+}
 
 /// Read and validate the adapter at `path` (a PEFT directory or a `.safetensors` file, or an MLX
-/// adapter: [`crate::lora::mlx`]) for a model with config `model`.
+/// adapter: [`crate::lora::mlx`]) for a model with config `model`. Pure CPU: nothing touches a
+/// GPU until [`crate::lora::LoraAdapter::upload`].
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
     if crate::lora::mlx::is_mlx(path) {
         return crate::lora::mlx::parse(path, model);
@@ -470,26 +701,29 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     let re = key_regex();
     let mut pairs: BTreeMap<(usize, Proj), KeyPair> = BTreeMap::new();
     let mut ignored = Vec::new();
+    let mut ignored_count = 0;
     let mut names: Vec<&str> = ckpt.names().collect();
-    names.sort();
+    names.sort_unstable();
     for key in names {
         let Some(cap) = re.captures(key) else {
             match classify_other(key) {
                 Some(err) => return Err(err),
                 None => {
-                    ignored.push(key.to_string());
+                    ignored_count += 1;
+                    if ignored.len() < IGNORED_KEPT {
+                        ignored.push(key.to_string());
+                    }
                     continue;
                 }
             }
         };
         let module = &cap["module"];
-        let (layer, proj) = layer_projection(key, &cap["layer"], &cap["path"], model)?;
-        if let Some(why) = config.excludes(module, layer) {
+        let at = layer_projection(key, &cap["layer"], &cap["path"], model)?;
+        if let Some(why) = config.excludes(module)? {
             return Err(AdapterError::NotTargeted { key: key.into(), why });
         }
         let slot = if &cap["ab"] == "A" { 0 } else { 1 };
-        let entry = pairs.entry((layer, proj)).or_insert_with(|| (module.to_string(), [None, None]));
-        entry.1[slot] = Some(key.to_string());
+        record_pair(&mut pairs, at, module, slot, key)?;
     }
     let mut deltas = Vec::with_capacity(pairs.len());
     for ((layer, proj), (module, [a_key, b_key])) in pairs {
@@ -498,14 +732,16 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         let a_entry =
             ckpt.get(&a_key).ok_or_else(|| AdapterError::MissingPair { key: b_key.clone(), missing: a_key.clone() })?;
         let rank = a_entry.shape.first().copied().unwrap_or(0);
+        check_rank(&a_key, &a_entry.shape, rank)?;
+        let want_rank = config.rank_for(&module)?;
         if a_entry.shape.len() != 2 || a_entry.shape[1] != fan_in || rank == 0 {
             return Err(AdapterError::ShapeMismatch {
                 key: a_key,
-                expected: vec![config.rank_for(&module).unwrap_or(rank.max(1)), fan_in],
+                expected: vec![want_rank.unwrap_or(rank.max(1)), fan_in],
                 found: a_entry.shape.clone(),
             });
         }
-        if let Some(want) = config.rank_for(&module) {
+        if let Some(want) = want_rank {
             if want != rank {
                 return Err(AdapterError::RankMismatch { key: a_key, expected: want, found: rank });
             }
@@ -519,17 +755,19 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
                 found: b_entry.shape.clone(),
             });
         }
+        let scaling = config.scaling(&module, rank)?;
         let a = read_values(&ckpt, &a_key)?;
         let b = read_values(&ckpt, &b_key)?;
-        deltas.push(ModuleDelta { layer, proj, rank, scaling: config.scaling(&module, rank), a, b });
+        deltas.push(ModuleDelta { layer, proj, rank, scaling, a, b });
     }
     if deltas.is_empty() {
         return Err(AdapterError::Empty { path: weights });
     }
     let name = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "adapter".into());
-    Ok(ParsedAdapter { path: path.to_path_buf(), name, config, deltas, ignored })
+    Ok(ParsedAdapter { path: path.to_path_buf(), name, config, deltas, ignored, ignored_count })
 }
 
+/// A factor's values in f32: finite, `|w| ≤` [`MAX_WEIGHT`], as many as its shape says.
 pub(crate) fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, AdapterError> {
     let entry = ckpt.get(key).ok_or_else(|| AdapterError::UnknownKey { key: key.into(), why: "vanished".into() })?;
     let dtype = Dtype::from_safetensors(&entry.dtype)
@@ -537,8 +775,18 @@ pub(crate) fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, Adap
     let values = dtype
         .to_f32(&ckpt.read(entry)?)
         .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;
+    if Some(values.len()) != entry.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
+        return Err(AdapterError::ShapeMismatch {
+            key: key.into(),
+            expected: entry.shape.clone(),
+            found: vec![values.len()],
+        });
+    }
     if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| !v.is_finite()) {
         return Err(AdapterError::NonFinite { key: key.into(), index, value });
+    }
+    if let Some((index, &value)) = values.iter().enumerate().find(|(_, v)| v.abs() > MAX_WEIGHT) {
+        return Err(AdapterError::WeightTooLarge { key: key.into(), index, value, limit: MAX_WEIGHT });
     }
     Ok(values)
 }

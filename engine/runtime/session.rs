@@ -242,15 +242,11 @@ impl Session {
             self.epoch += 1;
             return Ok(());
         };
-        if !scale.is_finite() {
+        if !(scale.is_finite() && scale.abs() <= crate::lora::MAX_SCALE) {
             return Err(AdapterError::BadScale(scale));
         }
         if !adapter.is_for(&self.model) {
-            return Err(AdapterError::BadConfig {
-                field: "adapter".into(),
-                expected: "an adapter loaded for this session's model".into(),
-                found: format!("{} (loaded for another model)", adapter.info.name),
-            });
+            return Err(AdapterError::WrongModel { name: adapter.info.name.clone() });
         }
         let width = adapter.max_group_rank();
         if self.lora_t.as_ref().is_none_or(|(_, w)| *w < width) {

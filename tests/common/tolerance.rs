@@ -43,3 +43,9 @@ pub const OPTIM_ABS: f32 = 1e-6;
 /// which mlx-lm's own forward with its parameters cast to f32 matches at 1.5e-5
 /// (`make_mlx.py` stops above 1e-3), agrees with us at LOGITS_REL.
 pub const MLX_LOGITS_REL: f32 = 0.4;
+
+/// Wall time a hostile adapter input (a 200,000-key pattern map, a catastrophic regex) may take
+/// to be refused, on a debug-profile test build on a 2-core CI machine: refusal happens before
+/// any key is compiled, so real times are milliseconds; the bound only catches a regression to
+/// the 39.5 s the unbounded parser took.
+pub const HOSTILE_INPUT_SECONDS: f64 = 5.0;

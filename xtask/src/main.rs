@@ -61,7 +61,7 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
         Some("fixtures") => {
-            python(&["make_fixtures.py", "make_adapters.py", "make_learn.py"])?;
+            python(&["make_fixtures.py", "make_adapters.py", "make_learn.py", "make_peft_semantics.py"])?;
             mlx_fixtures()
         }
         Some("train-demo") => python(&["train_demo.py"]),

@@ -1,0 +1,340 @@
+//! The PEFT and MLX adapter parsers without a GPU: config semantics against peft's own decisions
+//! (tests/fixtures/peft/semantics.json, written by xtask/python/make_peft_semantics.py), and
+//! hostile configs, metadata and tensors refused with typed errors, from synthetic files.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+use common::tolerance::HOSTILE_INPUT_SECONDS;
+use common::{fixture_model, root};
+use qwen35_wgpu::lora::{peft, PeftConfig, Proj, MAX_PATTERN_KEYS};
+use qwen35_wgpu::{AdapterError, TextConfig};
+use serde_json::{json, Value};
+
+fn model() -> TextConfig {
+    let text = std::fs::read_to_string(fixture_model("gva_tied_f32").join("config.json")).expect("config");
+    TextConfig::from_json(&text).expect("parse")
+}
+
+/// A fresh directory under the target dir.
+fn scratch(tag: &str) -> PathBuf {
+    let dir = root().join("target/test-scratch/peft_config").join(tag);
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("scratch dir");
+    dir
+}
+
+/// One F32 tensor: name, shape, fill value.
+type T<'a> = (&'a str, Vec<usize>, f32);
+
+/// Write a safetensors file by hand (so headers can be as large or as odd as a test wants).
+fn write_st(path: &Path, tensors: &[T], meta: Option<Value>) {
+    let mut header = serde_json::Map::new();
+    if let Some(m) = meta {
+        header.insert("__metadata__".into(), m);
+    }
+    let mut data = Vec::new();
+    for (name, shape, fill) in tensors {
+        let n: usize = shape.iter().product();
+        let begin = data.len();
+        for _ in 0..n {
+            data.extend_from_slice(&fill.to_le_bytes());
+        }
+        header.insert(name.to_string(), json!({"dtype": "F32", "shape": shape, "data_offsets": [begin, data.len()]}));
+    }
+    let mut h = serde_json::to_vec(&Value::Object(header)).expect("header");
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut bytes = (h.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(h);
+    bytes.extend(data);
+    std::fs::write(path, bytes).expect("write");
+}
+
+/// A PEFT directory with `config` and `tensors`.
+fn peft_dir(tag: &str, config: Value, tensors: &[T]) -> PathBuf {
+    let dir = scratch(tag);
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).expect("config");
+    write_st(&dir.join("adapter_model.safetensors"), tensors, None);
+    dir
+}
+
+/// `lora_A` `[r, in]` and `lora_B` `[out, r]` of `module` (a full name inside the PEFT model).
+fn pair(module: &str, proj: Proj, r: usize, fill: f32) -> [(String, Vec<usize>, f32); 2] {
+    let (fan_in, fan_out) = proj.dims(&model());
+    [
+        (format!("base_model.model.{module}.lora_A.weight"), vec![r, fan_in], fill),
+        (format!("base_model.model.{module}.lora_B.weight"), vec![fan_out, r], fill),
+    ]
+}
+
+fn refs(owned: &[(String, Vec<usize>, f32)]) -> Vec<T<'_>> {
+    owned.iter().map(|(n, s, f)| (n.as_str(), s.clone(), *f)).collect()
+}
+
+/// Layer 3 of the fixture model is full attention; layer 0 Gated DeltaNet.
+const Q3: &str = "model.layers.3.self_attn.q_proj";
+const Q3_VLM: &str = "model.language_model.layers.3.self_attn.q_proj";
+const V3_VLM: &str = "model.language_model.layers.3.self_attn.v_proj";
+
+fn bad_config(e: &AdapterError) -> bool {
+    matches!(e, AdapterError::BadConfig { .. })
+}
+
+#[test]
+fn config_decisions_equal_peft_for_every_case_and_module() {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/peft/semantics.json")).expect("semantics.json");
+    let all: Value = serde_json::from_str(&text).expect("json");
+    let cases = all["cases"].as_object().expect("cases");
+    assert!(cases.len() >= 20);
+    for (case, want) in cases {
+        let parsed = PeftConfig::from_json(&want["config"]);
+        if want.get("error").is_some() {
+            assert!(parsed.is_err(), "{case}: peft refuses this config ({}), we accepted it", want["error"]);
+            continue;
+        }
+        let config = parsed.unwrap_or_else(|e| panic!("{case}: {e}"));
+        for m in want["modules"].as_array().expect("modules") {
+            let name = m["name"].as_str().expect("name");
+            let targeted = config.excludes(name).expect("match").is_none();
+            assert_eq!(targeted, m["targeted"].as_bool().expect("bool"), "{case}: is {name} targeted");
+            let r = m["r"].as_u64().expect("r") as usize;
+            assert_eq!(config.rank_for(name).expect("rank"), Some(r), "{case}: rank of {name}");
+            let alpha = m["alpha"].as_f64().expect("alpha");
+            assert_eq!(config.scaling(name, r).expect("scaling"), (alpha / r as f64) as f32, "{case}: alpha of {name}");
+        }
+    }
+}
+
+#[test]
+fn ms_swift_lookahead_adapter_loads_on_vlm_names_only() {
+    let config =
+        json!({"r": 4, "lora_alpha": 8, "target_modules": r"^(model\.language_model(?=\.).*\.(q_proj|v_proj))$"});
+    let mut owned = pair(Q3_VLM, Proj::QProj, 4, 0.01).to_vec();
+    owned.extend(pair(V3_VLM, Proj::VProj, 4, 0.02));
+    let dir = peft_dir("ms_swift", config.clone(), &refs(&owned));
+    let parsed = peft::parse(&dir, &model()).expect("ms-swift adapter loads");
+    let modules: Vec<_> = parsed.deltas.iter().map(|d| (d.layer, d.proj, d.scaling)).collect();
+    assert_eq!(modules, [(3, Proj::QProj, 2.0), (3, Proj::VProj, 2.0)]);
+    // The same regex does not name the text class's modules, for peft or for us.
+    let dir = peft_dir("ms_swift_text", config, &refs(&pair(Q3, Proj::QProj, 4, 0.01)));
+    assert!(matches!(peft::parse(&dir, &model()), Err(AdapterError::NotTargeted { .. })));
+}
+
+#[test]
+fn a_module_under_both_prefixes_is_refused() {
+    let mut owned = pair(Q3, Proj::QProj, 4, 0.01).to_vec();
+    owned.extend(pair(Q3_VLM, Proj::QProj, 4, 0.02));
+    let dir = peft_dir("both_prefixes", json!({"r": 4, "lora_alpha": 4}), &refs(&owned));
+    let e = peft::parse(&dir, &model()).expect_err("two pairs for one projection");
+    assert!(matches!(e, AdapterError::DuplicateModule { .. }), "{e}");
+}
+
+#[test]
+fn metadata_alpha_and_rank_must_be_finite_and_bounded() {
+    let model = model();
+    let owned = pair(Q3, Proj::QProj, 8, 0.01);
+    for (alpha, r) in [
+        ("nan", "8"),
+        ("inf", "8"),
+        ("-inf", "8"),
+        ("1e30", "8"),
+        ("16", "inf"),
+        ("16", "nan"),
+        ("16", "1e30"),
+        ("16", "18446744073709551615"),
+    ] {
+        let dir = scratch(&format!("meta_{alpha}_{r}"));
+        let file = dir.join("adapter.safetensors");
+        write_st(&file, &refs(&owned), Some(json!({"lora_alpha": alpha, "r": r})));
+        let e = peft::parse(&file, &model).expect_err("refused like the config-file path");
+        assert!(bad_config(&e), "alpha {alpha} r {r}: {e}");
+    }
+    let dir = scratch("meta_ok");
+    let file = dir.join("adapter.safetensors");
+    write_st(&file, &refs(&owned), Some(json!({"lora_alpha": "32", "r": "8"})));
+    assert_eq!(peft::parse(&file, &model).expect("finite metadata loads").deltas[0].scaling, 4.0);
+}
+
+#[test]
+fn absurd_ranks_and_alphas_in_the_config_are_typed_errors() {
+    let model = model();
+    let owned = pair(Q3, Proj::QProj, 8, 0.01);
+    for config in [
+        json!({"r": u64::MAX, "lora_alpha": 16}),
+        json!({"r": 1u64 << 40, "lora_alpha": 16}),
+        json!({"r": 0, "lora_alpha": 16}),
+        json!({"r": 8, "lora_alpha": 1e30}),
+        json!({"r": 8, "lora_alpha": -1e30}),
+        json!({"r": 8, "lora_alpha": 16, "alpha_pattern": {"q_proj": 1e30}}),
+        json!({"r": 8, "lora_alpha": 16, "rank_pattern": {"q_proj": 1u64 << 40}}),
+        json!({"r": 8, "lora_alpha": 1e4, "use_rslora": true}),
+    ] {
+        let dir = peft_dir("absurd", config.clone(), &refs(&owned));
+        let e = peft::parse(&dir, &model).expect_err("absurd config");
+        assert!(bad_config(&e), "{config}: {e}");
+    }
+    // A tensor whose rank is beyond the bound, with no config to say otherwise.
+    let dir = scratch("rank_tensor");
+    let file = dir.join("adapter.safetensors");
+    write_st(&file, &[("base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight", vec![1 << 17, 0], 0.0)], None);
+    assert!(peft::parse(&file, &model).is_err());
+}
+
+#[test]
+fn huge_pattern_maps_are_refused_fast() {
+    let model = model();
+    let owned = pair(Q3, Proj::QProj, 8, 0.01);
+    for field in ["rank_pattern", "alpha_pattern"] {
+        let map: serde_json::Map<String, Value> = (0..200_000).map(|i| (format!(r"l{i}\..*"), json!(8))).collect();
+        let mut config = json!({"r": 8, "lora_alpha": 16});
+        config[field] = Value::Object(map);
+        let dir = peft_dir(field, config, &refs(&owned));
+        let start = Instant::now();
+        let e = peft::parse(&dir, &model).expect_err("200,000 keys");
+        let took = start.elapsed().as_secs_f64();
+        assert!(bad_config(&e), "{field}: {e}");
+        assert!(took < HOSTILE_INPUT_SECONDS, "{field}: {took:.2} s");
+    }
+    // The largest map accepted still parses quickly (plain keys need no regex engine).
+    let map: serde_json::Map<String, Value> =
+        (0..MAX_PATTERN_KEYS).map(|i| (format!("layers.{}.mlp.x{i}_proj", i % 8), json!(2))).collect();
+    let dir = peft_dir("max_map", json!({"r": 8, "lora_alpha": 16, "rank_pattern": map}), &refs(&owned));
+    let start = Instant::now();
+    assert_eq!(peft::parse(&dir, &model).expect("4096 keys").deltas[0].rank, 8);
+    assert!(start.elapsed().as_secs_f64() < HOSTILE_INPUT_SECONDS);
+}
+
+#[test]
+fn catastrophic_regexes_are_bounded() {
+    let model = model();
+    let owned = pair(Q3, Proj::QProj, 8, 0.01);
+    for config in [
+        json!({"r": 8, "target_modules": r"(?=(.*)*x)(.*)*q_proj"}),
+        json!({"r": 8, "rank_pattern": {r"(?=(.*.*)*x).*": 8}}),
+        json!({"r": 8, "target_modules": "(".repeat(100) + &")".repeat(100)}),
+        json!({"r": 8, "target_modules": "a".repeat(5000)}),
+    ] {
+        let dir = peft_dir("catastrophic", config.clone(), &refs(&owned));
+        let start = Instant::now();
+        let result = peft::parse(&dir, &model).map(|_| ());
+        // Refused, or (where the engine's regex gives up early) not targeted: typed, and fast.
+        assert!(start.elapsed().as_secs_f64() < HOSTILE_INPUT_SECONDS, "{config}: {:?}", result.err());
+    }
+}
+
+#[test]
+fn backtracking_patterns_per_config_are_bounded() {
+    let many: serde_json::Map<String, Value> =
+        (0..17).map(|i| (format!(r"(?=.*layers\.{i}\.).*_proj"), json!(8))).collect();
+    let e = PeftConfig::from_json(&json!({"r": 8, "rank_pattern": many})).expect_err("17 look-around keys");
+    assert!(bad_config(&e), "{e}");
+    let few: serde_json::Map<String, Value> =
+        (0..16).map(|i| (format!(r"(?=.*layers\.{i}\.).*_proj"), json!(4))).collect();
+    let config = PeftConfig::from_json(&json!({"r": 8, "rank_pattern": few})).expect("16 look-around keys");
+    assert_eq!(config.rank_for("model.layers.3.mlp.up_proj").expect("match"), Some(4));
+    assert_eq!(config.rank_for("model.layers.30.mlp.up_proj").expect("match"), Some(8));
+}
+
+#[test]
+fn weights_that_would_overflow_are_refused() {
+    let model = model();
+    for (fill, ok) in [(1e4f32, true), (-1e4, true), (2e4, false), (1e38, false), (-3e38, false)] {
+        let dir = peft_dir("weights", json!({"r": 4, "lora_alpha": 4}), &refs(&pair(Q3, Proj::QProj, 4, fill)));
+        match peft::parse(&dir, &model) {
+            Ok(_) => assert!(ok, "{fill} accepted"),
+            Err(e) => assert!(!ok && matches!(e, AdapterError::WeightTooLarge { .. }), "{fill}: {e}"),
+        }
+    }
+}
+
+#[test]
+fn a_header_of_ignored_keys_keeps_a_sample_and_a_count() {
+    let mut owned = pair(Q3, Proj::QProj, 4, 0.01).to_vec();
+    let n = 50_000;
+    owned.extend(
+        (0..n).map(|i| (format!("base_model.model.model.visual.blocks.{i}.attn.qkv.lora_A.weight"), vec![1], 0.0)),
+    );
+    let dir = peft_dir("ignored", json!({"r": 4, "lora_alpha": 4}), &refs(&owned));
+    let parsed = peft::parse(&dir, &model()).expect("vision keys are skipped");
+    assert_eq!(parsed.ignored_count, n);
+    assert!(parsed.ignored.len() <= 32, "{} names kept", parsed.ignored.len());
+}
+
+#[test]
+fn oversized_or_special_config_files_are_refused_without_reading_them() {
+    let owned = pair(Q3, Proj::QProj, 4, 0.01);
+    let dir = peft_dir("big_config", json!({}), &refs(&owned));
+    let mut big = b"{\"r\": 4".to_vec();
+    big.resize(5 << 20, b' ');
+    big.push(b'}');
+    std::fs::write(dir.join("adapter_config.json"), big).expect("write");
+    assert!(matches!(peft::parse(&dir, &model()), Err(AdapterError::NotPeft { .. })));
+    #[cfg(unix)]
+    {
+        let dir = peft_dir("fifo_config", json!({}), &refs(&owned));
+        let config = dir.join("adapter_config.json");
+        std::fs::remove_file(&config).expect("rm");
+        let made = std::process::Command::new("mkfifo").arg(&config).status().is_ok_and(|s| s.success());
+        if made {
+            assert!(matches!(peft::parse(&dir, &model()), Err(AdapterError::NotPeft { .. })), "a FIFO must not block");
+        }
+        let e = peft::parse(Path::new("/dev/null"), &model()).expect_err("a device");
+        assert!(matches!(e, AdapterError::NotPeft { .. }), "/dev/null is no adapter, but it exists: {e}");
+    }
+}
+
+/// An MLX adapter directory: `adapters.safetensors` + `adapter_config.json`.
+fn mlx_dir(tag: &str, params: Value, tensors: &[T]) -> PathBuf {
+    let dir = scratch(tag);
+    let config = json!({"fine_tune_type": "lora", "num_layers": 8, "lora_parameters": params});
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).expect("config");
+    write_st(&dir.join("adapters.safetensors"), tensors, None);
+    dir
+}
+
+#[test]
+fn mlx_adapters_parse_and_refuse_without_a_gpu() {
+    let model = model();
+    let (fan_in, fan_out) = Proj::QProj.dims(&model);
+    let mlx_pair = |prefix: &str, r: usize| {
+        [
+            (format!("{prefix}model.layers.3.self_attn.q_proj.lora_a"), vec![fan_in, r], 0.5f32),
+            (format!("{prefix}model.layers.3.self_attn.q_proj.lora_b"), vec![r, fan_out], 0.25f32),
+        ]
+    };
+    let dir = mlx_dir("mlx_ok", json!({"rank": 4, "scale": 10.0}), &refs(&mlx_pair("", 4)));
+    let parsed = peft::parse(&dir, &model).expect("MLX adapter");
+    let d = &parsed.deltas[0];
+    assert_eq!((d.layer, d.proj, d.rank, d.scaling), (3, Proj::QProj, 4, 10.0));
+    assert_eq!((d.a.len(), d.b.len()), (4 * fan_in, fan_out * 4));
+    assert!(d.a.iter().all(|&v| v == 0.5) && d.b.iter().all(|&v| v == 0.25));
+
+    for params in [json!({"rank": 4, "scale": 1e30}), json!({"rank": 1u64 << 40, "scale": 1.0})] {
+        let dir = mlx_dir("mlx_bad", params.clone(), &refs(&mlx_pair("", 4)));
+        let e = peft::parse(&dir, &model).expect_err("absurd MLX config");
+        assert!(bad_config(&e), "{params}: {e}");
+    }
+    let mut both = mlx_pair("", 4).to_vec();
+    both.extend(mlx_pair("language_model.", 4));
+    let dir = mlx_dir("mlx_both", json!({"rank": 4, "scale": 1.0}), &refs(&both));
+    assert!(matches!(peft::parse(&dir, &model), Err(AdapterError::DuplicateModule { .. })));
+}
+
+#[test]
+fn committed_fixture_adapters_parse_on_the_cpu() {
+    let model = model();
+    let dir = root().join("tests/fixtures/adapters");
+    let mut covered = BTreeMap::new();
+    for name in ["all12_r8", "gdn_mlp_r4_rslora", "patterns_r16", "layers_0_3", "meta_only.safetensors"] {
+        let parsed = peft::parse(&dir.join(name), &model).unwrap_or_else(|e| panic!("{name}: {e}"));
+        covered.insert(name, parsed.deltas.len());
+    }
+    // The counts the GPU tests check through AdapterInfo, here without a device.
+    assert_eq!(covered["patterns_r16"], 2 * 4 + 6 * 5 + 8 * 3);
+    assert_eq!(covered["layers_0_3"], 2 * 3 + 5 + 4);
+}
