@@ -18,7 +18,9 @@
 //! ∪ {out(X, k, Y) : X ∈ S, Y its successor, 1 ≤ k < N}. Every reference is computed single-threaded, before the
 //! threads start, token by token with `Session::feed` and `Session::set_adapter` (neither the
 //! backend nor `generate` and its run-ahead step): each output must be in the set and, stronger,
-//! equal the member named by the (X, k, Y) the generating thread observed.
+//! equal the member named by the (X, k, Y) the generating thread observed (membership alone would
+//! miss a switch applied one token late: that output is another member of the set). Last, two
+//! backends on one GPU context generate on two threads at once, each in its own state.
 
 mod common;
 
@@ -308,4 +310,28 @@ fn generation_while_another_thread_switches_between_tokens() {
         seen.len(),
         started.elapsed().as_secs_f32()
     );
+}
+
+#[test]
+fn two_backends_on_one_context_generate_in_parallel() {
+    // Two applications' backends sharing one device and queue, each in its own state, each
+    // generating on its own thread at the same time: every output is its state's out(X).
+    let Some(want) = outputs() else { return };
+    let started = Instant::now();
+    std::thread::scope(|scope| {
+        for (i, states) in [[STATES[0], STATES[3]], [STATES[2], STATES[1]]].into_iter().enumerate() {
+            scope.spawn(move || {
+                let mut b = backend().expect("backend");
+                for round in 0..2 {
+                    for x in states {
+                        let from = active(&b);
+                        switch_to(&mut b, from, x);
+                        let out = b.generate_ids(&want.prompt, &params()).expect("generate");
+                        assert_eq!(out, want.plain[&key(x)], "thread {i}, round {round}, state {x:?}");
+                    }
+                }
+            });
+        }
+    });
+    eprintln!("two backends in parallel: {:.2} s", started.elapsed().as_secs_f32());
 }
