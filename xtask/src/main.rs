@@ -14,8 +14,7 @@ cargo xtask <command>
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
                        adapter exists), then run every test; with CI=true a missing adapter fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
-                       4,096-token context limit, about a minute on lavapipe), in release mode,
-                       on the adapter `test` sets up
+                       4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
@@ -177,7 +176,7 @@ fn test() -> Result<()> {
 
 fn test_long() -> Result<()> {
     setup_adapter()?;
-    run(cargo_test(&["--release", "--test", "context_limit", "--", "--ignored"]))
+    run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))
 }
 
 fn test_gpu(allow_cpu: bool) -> Result<()> {
