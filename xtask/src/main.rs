@@ -190,6 +190,7 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--release"])
         .args(["--test", "parity", "--test", "kernels", "--test", "model_errors", "--test", "lora", "--test", "demo"])
+        .args(["--test", "concurrency", "--test", "context_limit"])
         .env("QWEN35_REQUIRE_ADAPTER", "1");
     if !allow_cpu {
         cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
