@@ -19,10 +19,18 @@ pub fn fixture_model(name: &str) -> PathBuf {
     root().join("tests/fixtures/models").join(name)
 }
 
-/// The shared GPU context. Without an adapter, a test panics when `CI=true` or
-/// `QWEN35_REQUIRE_ADAPTER=1` (set by `cargo xtask test`): a missing driver must turn CI red.
-/// Otherwise (a plain `cargo test` on a machine without a GPU) it is skipped with a message. With
-/// `QWEN35_REJECT_CPU_ADAPTER=1` (set by `cargo xtask test-gpu`), a software adapter is an error.
+/// Whether a missing adapter is a failure: `CI` set to anything but empty, `0` or `false` (CI
+/// services set `true`, some scripts `1`), or `QWEN35_REQUIRE_ADAPTER` set to anything but empty
+/// or `0` (`cargo xtask test` sets `1`).
+pub fn adapter_required() -> bool {
+    let set = |name: &str, off: &[&str]| std::env::var(name).is_ok_and(|v| !v.is_empty() && !off.contains(&v.as_str()));
+    set("CI", &["0", "false"]) || set("QWEN35_REQUIRE_ADAPTER", &["0"])
+}
+
+/// The shared GPU context. Without an adapter, a test panics when [`adapter_required`]: a
+/// missing driver must turn CI red. Otherwise (a plain `cargo test` on a machine without a GPU)
+/// it is skipped with a message. With `QWEN35_REJECT_CPU_ADAPTER=1` (set by `cargo xtask
+/// test-gpu`), a software adapter is an error. `tests/gpu_policy.rs` checks this policy.
 pub fn gpu() -> Option<Arc<GpuContext>> {
     static CTX: OnceLock<Result<Arc<GpuContext>, String>> = OnceLock::new();
     let ctx = CTX.get_or_init(|| GpuContext::new().map(Arc::new).map_err(|e| e.to_string()));
@@ -34,10 +42,8 @@ pub fn gpu() -> Option<Arc<GpuContext>> {
             Some(ctx.clone())
         }
         Err(e) => {
-            if std::env::var("CI").as_deref() == Ok("true")
-                || std::env::var("QWEN35_REQUIRE_ADAPTER").as_deref() == Ok("1")
-            {
-                panic!("no GPU adapter (CI=true or QWEN35_REQUIRE_ADAPTER=1): {e}");
+            if adapter_required() {
+                panic!("no GPU adapter (CI or QWEN35_REQUIRE_ADAPTER is set): {e}");
             }
             eprintln!("SKIPPED: no GPU adapter ({e}); set CI=true to make this a failure");
             None

@@ -49,3 +49,57 @@ pub const MLX_LOGITS_REL: f32 = 0.4;
 /// any key is compiled, so real times are milliseconds; the bound only catches a regression to
 /// the 39.5 s the unbounded parser took.
 pub const HOSTILE_INPUT_SECONDS: f64 = 5.0;
+
+/// Logits vs mlx-lm's own forward, max |ours − mlx|: no bound. Rounding to bf16 is relative, so
+/// the largest logits carry the largest absolute differences and MLX_LOGITS_REL alone is the
+/// meaningful check; the absolute one is LOGITS_MAX_ABS against transformers on the same weights.
+pub const MLX_LOGITS_MAX_ABS: f32 = f32::INFINITY;
+
+/// A copy without arithmetic (the GDN conv history: the last K − 1 inputs moved from one buffer
+/// of the pair to the other) must be exact.
+pub const EXACT: f32 = 0.0;
+
+/// 600 matvecs accumulated into the same three outputs (the uniform-arena test) vs 600 × one CPU
+/// product, absolute part: the GPU adds 600 rounded products of order 1..3 one after another, so
+/// the running sums reach ~10³, where one f32 rounding is ~6e-5, and up to 600 of them add up.
+pub const ACCUMULATED_ATOL: f32 = 1e-2;
+
+/// The same, relative part.
+pub const ACCUMULATED_RTOL: f32 = 1e-4;
+
+/// Reported gradient norm (the optimiser's f32 sum of squares over every tensor, on the GPU) vs
+/// the f64 norm of the same gradients on the CPU, relative: f32 rounding of a few thousand
+/// squares.
+pub const GRAD_NORM_REL: f32 = 1e-4;
+
+// Effect floors: a check that something changed (or is non-trivial) at least this much, so that
+// the comparison beside it cannot pass vacuously.
+
+/// An adapter must move the logits (‖with − base‖ / ‖base‖) by more than this, 100 × LOGITS_REL,
+/// so that the parity check against peft would catch an adapter that is not applied.
+pub const ADAPTER_EFFECT_REL: f32 = 1e-2;
+
+/// The oracle's gradient of a LoRA tensor must have at least this norm for GRAD_REL to test
+/// anything: relative to a gradient that is ~0, any rounding passes or fails at random.
+pub const ORACLE_GRAD_NORM_MIN: f32 = 1e-4;
+
+/// Three learning steps at lr 1e-2 must move the logits by more than this relative amount, ten
+/// times PATHS_REL (the noise of two forward paths).
+pub const LEARN_EFFECT_REL: f32 = 1e-3;
+
+/// Three steps on a scored event must move the response's cross-entropy by more than this many
+/// nats/token in the direction of the score: far above the f32 rounding of a CE of order 1, so a
+/// step that did nothing cannot pass by noise.
+pub const CE_MOVE_NATS: f32 = 1e-3;
+
+/// Drift bound for prompts that were not trained on: the per-token cross-entropy of the base
+/// model's own answer may rise by at most this many nats after teaching one answer (the anchor
+/// and the small adapter keep the rest of the model's behaviour).
+pub const DRIFT_NATS: f32 = 0.05;
+
+/// A sequence decoded one token at a time up to the context limit vs a full prefill of the same
+/// ids, per position: ‖decode − prefill‖ / ‖prefill‖. PATHS_REL's two summation orders, plus the
+/// recurrent GDN states and the KV cache carrying each step's rounding forward; the difference
+/// does not grow with length (measured on lavapipe, `odd_untied_f32`: worst 2.5e-5 over 1,024
+/// positions, 2.6e-5 over 4,096; 2.5e-6 and 8.4e-7 at the last position).
+pub const LONG_DECODE_REL: f32 = 1e-4;

@@ -13,6 +13,8 @@ cargo xtask <command>
 
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
                        adapter exists), then run every test; with CI=true a missing adapter fails
+  test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
+                       4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
@@ -59,6 +61,7 @@ fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
         Some("test") => test(),
+        Some("test-long") => test_long(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
         Some("fixtures") => {
             python(&["make_fixtures.py", "make_adapters.py", "make_learn.py", "make_peft_semantics.py"])?;
@@ -143,7 +146,8 @@ fn probe() -> Result<()> {
     }
 }
 
-fn test() -> Result<()> {
+/// An adapter for the suite, installing lavapipe when there is none.
+fn setup_adapter() -> Result<()> {
     let found = match adapter() {
         Some(found) => found,
         None => {
@@ -152,12 +156,27 @@ fn test() -> Result<()> {
         }
     };
     eprintln!("GPU adapter: {}", found.0);
+    Ok(())
+}
+
+/// `cargo test` with a missing adapter made a failure, on the suite's backend.
+fn cargo_test(args: &[&str]) -> Command {
     let mut cmd = cargo();
-    cmd.args(["test", "--workspace"]).env("QWEN35_REQUIRE_ADAPTER", "1");
+    cmd.arg("test").args(args).env("QWEN35_REQUIRE_ADAPTER", "1");
     if let Some(backend) = test_backend() {
         cmd.env("WGPU_BACKEND", backend);
     }
-    run(cmd)
+    cmd
+}
+
+fn test() -> Result<()> {
+    setup_adapter()?;
+    run(cargo_test(&["--workspace"]))
+}
+
+fn test_long() -> Result<()> {
+    setup_adapter()?;
+    run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))
 }
 
 fn test_gpu(allow_cpu: bool) -> Result<()> {
@@ -171,6 +190,7 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
     let mut cmd = cargo();
     cmd.args(["test", "--release"])
         .args(["--test", "parity", "--test", "kernels", "--test", "model_errors", "--test", "lora", "--test", "demo"])
+        .args(["--test", "concurrency", "--test", "context_limit"])
         .env("QWEN35_REQUIRE_ADAPTER", "1");
     if !allow_cpu {
         cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
