@@ -1,7 +1,14 @@
 //! Project automation: `cargo xtask <command>`.
 
 mod bench;
+#[cfg(unix)]
+mod fuzz;
 mod lavapipe;
+
+/// Counts allocations for the fuzz worker's per-input ceiling (see fuzz/alloc.rs).
+#[cfg(unix)]
+#[global_allocator]
+static ALLOC: fuzz::alloc::Counting = fuzz::alloc::Counting;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,7 +19,8 @@ const HELP: &str = "\
 cargo xtask <command>
 
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
-                       adapter exists), then run every test; with CI=true a missing adapter fails
+                       adapter exists), then run every test, then `fuzz --short`; with CI=true a
+                       missing adapter fails
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
@@ -30,6 +38,19 @@ cargo xtask <command>
                        writes BENCHMARKS.md (--quick: tiny
                        sizes, one repeat; --profile: GPU time per kernel family from timestamp
                        queries; --compare: also run an earlier build of the bench example)
+  fuzz [--adapters N] [--models N] [--seed S] [--short] [--timeout SECS] [--check-every K]
+                       mutate the fixture adapters (PEFT dir, lone .safetensors, MLX dir) and
+                       model directories (bit flips, truncation at every header boundary, length
+                       field, offsets, dtype/shape edits, duplicate keys, hostile config values and
+                       text, pattern maps, FIFOs/symlinks) and load each in a worker process: every
+                       input must give a typed error or a load with finite logits, with no panic,
+                       abort, hang (watchdog, default 10 s) or allocation over 64 MiB + 8x the
+                       input's bytes; after a failed adapter load the active adapter, its scale and
+                       the resident list must be unchanged (checked every input) and its logits
+                       bit-identical (every K inputs, default 32, and after every success).
+                       Default 100,000 adapters + 2,000 models; --short 3,000 + 100 (CI). Writes
+                       target/fuzz/summary.json and reproducers under target/fuzz/faults/; exits 1
+                       on any fault
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
@@ -77,6 +98,10 @@ fn main() -> Result<()> {
             bench::run(&root(), &venv()?, &mlx_venv()?, &opts)
         }
         Some("probe") => probe(),
+        #[cfg(unix)]
+        Some("fuzz") => fuzz::run(&root(), &args[1..]),
+        #[cfg(unix)]
+        Some("fuzz-worker") => fuzz::worker(&args[1..]),
         _ => {
             print!("{HELP}");
             if args.is_empty() {
@@ -154,6 +179,22 @@ fn test() -> Result<()> {
     eprintln!("GPU adapter: {}", found.0);
     let mut cmd = cargo();
     cmd.args(["test", "--workspace"]).env("QWEN35_REQUIRE_ADAPTER", "1");
+    if let Some(backend) = test_backend() {
+        cmd.env("WGPU_BACKEND", backend);
+    }
+    run(cmd)?;
+    fuzz_short()
+}
+
+/// The short fuzz run that `test` ends with (in a child, so that it runs on the test backend).
+fn fuzz_short() -> Result<()> {
+    if !cfg!(unix) {
+        eprintln!("skipping `cargo xtask fuzz --short`: the fuzzer needs a Unix host");
+        return Ok(());
+    }
+    let exe = std::env::current_exe().context("xtask's own path")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["fuzz", "--short"]);
     if let Some(backend) = test_backend() {
         cmd.env("WGPU_BACKEND", backend);
     }
