@@ -154,7 +154,7 @@ pub fn build(domain: Domain, seed: u64, index: u64, fixtures: &Path, dir: &Path)
         "metadata" => write(mutate_st::metadata(&bytes, variant))?,
         "values" => write(mutate_st::values(&bytes, &mut rng, variant))?,
         "header-bloat" => write(mutate_st::header_bloat(&bytes, prefix, variant))?,
-        "config-value" | "config-text" | "config-pattern" => {
+        "config-value" | "config-text" | "config-pattern" | "config-size" => {
             let path = config.as_deref().unwrap_or(&target);
             let text = fs::read_to_string(path)?;
             let (new, what) = match class {
@@ -163,6 +163,10 @@ pub fn build(domain: Domain, seed: u64, index: u64, fixtures: &Path, dir: &Path)
                     (t.into_bytes(), w)
                 }
                 "config-text" => mutate_json::config_text(&text, variant),
+                "config-size" => {
+                    let (t, w) = mutate_json::config_size(&text, variant);
+                    (t.into_bytes(), w)
+                }
                 _ => {
                     let (t, w) = mutate_json::config_pattern(&text, &mut rng, variant);
                     (t.into_bytes(), w)

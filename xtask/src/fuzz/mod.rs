@@ -476,7 +476,12 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
     std::fs::write(out.join("summary.json"), serde_json::to_string_pretty(&summary)?)?;
     println!("summary: {}", out.join("summary.json").display());
     if faults > 0 {
-        bail!("{faults} inputs gave faults (panic, abort, hang, over-limit allocation, non-finite logits, accepted corrupt file or changed adapter state); reproducers under {}", out.join("faults").display());
+        eprintln!(
+            "error: {faults} inputs gave faults (panic, abort, hang, over-limit allocation, non-finite logits, \
+             accepted corrupt file or changed adapter state); reproducers under {}",
+            out.join("faults").display()
+        );
+        std::process::exit(1);
     }
     Ok(())
 }

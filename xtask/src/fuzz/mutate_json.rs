@@ -195,15 +195,45 @@ pub enum Flavor {
     Model,
 }
 
-/// A hostile value at one field: field `variant % fields`, value `variant / fields`.
+/// Size and count fields of a model config, for [`config_size`].
+const SIZE_FIELDS: &[&str] = &[
+    "num_hidden_layers+no-layer_types",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_value_heads",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "max_position_embeddings",
+    "@quantization.group_size",
+];
+
+/// Huge values (indices into the hostile list: 1e8, 2^32, 10^12, 2^40, 2^53+1, u64::MAX, 1e30).
+const HUGE: &[usize] = &[16, 17, 18, 19, 20, 21, 10];
+
+/// A huge value at a size or count field of a model config (field × value walked diagonally).
+pub fn config_size(text: &str, variant: usize) -> (String, String) {
+    let field = SIZE_FIELDS[variant % SIZE_FIELDS.len()];
+    edit(text, Flavor::Model, field, HUGE[variant % HUGE.len()])
+}
+
+/// A hostile value at one field. Field `variant % F` and value `variant % H` (F and H coprime):
+/// every (field, value) pair within F·H variants, and a spread of both in any prefix.
 pub fn config_value(text: &str, flavor: Flavor, variant: usize) -> (String, String) {
     let fields = match flavor {
         Flavor::Peft => PEFT_FIELDS,
         Flavor::Mlx => MLX_FIELDS,
         Flavor::Model => MODEL_FIELDS,
     };
-    let field = fields[variant % fields.len()];
-    let (shown, raw) = hostile(variant / fields.len());
+    edit(text, flavor, fields[variant % fields.len()], variant)
+}
+
+fn edit(text: &str, flavor: Flavor, field: &str, value: usize) -> (String, String) {
+    let (shown, raw) = hostile(value);
     let mut v: Value = serde_json::from_str(text).unwrap_or(Value::Null);
     let (mut path, no_types) = match field.strip_suffix("+no-layer_types") {
         Some(f) => (f.to_string(), true),

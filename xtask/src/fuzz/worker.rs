@@ -218,6 +218,29 @@ fn short(s: &str) -> String {
     s.replace('\n', " ")
 }
 
+/// `QWEN35_FUZZ_INJECT=abort@I,hang@J,panic@K,alloc@L`: make input I abort, J hang, K panic and
+/// L allocate 1 TiB, to check the harness itself (each must be reported as that fault).
+fn inject(i: u64) -> bool {
+    let Ok(spec) = std::env::var("QWEN35_FUZZ_INJECT") else { return false };
+    for item in spec.split(',') {
+        let Some((what, at)) = item.split_once('@') else { continue };
+        if at.parse() != Ok(i) {
+            continue;
+        }
+        match what {
+            "abort" => std::process::abort(),
+            "hang" => std::thread::sleep(Duration::from_secs(3600)),
+            "panic" => panic!("injected panic"),
+            "alloc" => {
+                let v = vec![1u8; 1 << 40];
+                std::hint::black_box(&v);
+            }
+            _ => {}
+        }
+    }
+    false
+}
+
 /// Run the worker (`cargo xtask fuzz-worker …`, started by `cargo xtask fuzz`).
 pub fn run(args: &[String]) -> Result<()> {
     let a = Args::parse(args)?;
@@ -253,6 +276,7 @@ pub fn run(args: &[String]) -> Result<()> {
         let live = alloc::begin(limit);
         let t = Instant::now();
         let result = catch_unwind(AssertUnwindSafe(|| match (a.domain, base_ix) {
+            _ if inject(i) => unreachable!("inject returns only when nothing is injected"),
             (Domain::Adapter, Some(ix)) => attempt_adapter(&mut bases[ix], &built, via_load),
             _ => {
                 let mut b = WgpuBackend::with_context(ctx.clone(), session_opts());
