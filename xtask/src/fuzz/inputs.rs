@@ -129,7 +129,8 @@ pub fn build(domain: Domain, seed: u64, index: u64, fixtures: &Path, dir: &Path)
     let mut scale = 1.0f32;
     let mut must_fail = false;
     let bytes = fs::read(&weights)?;
-    let st = St::parse(&bytes).ok_or_else(|| io::Error::other(format!("{} is not a valid fixture", weights.display())))?;
+    let st =
+        St::parse(&bytes).ok_or_else(|| io::Error::other(format!("{} is not a valid fixture", weights.display())))?;
     let mut write = |m: Mutated| -> io::Result<String> {
         fs::write(&weights, &m.bytes)?;
         must_fail = m.must_fail;
@@ -228,6 +229,9 @@ fn fs_special(target: &Path, weights: &Path, config: Option<&Path>, variant: usi
     };
     let parent = target.parent().unwrap_or(target);
     let real = parent.join("real");
+    // Links within the input are relative, so a saved reproducer can be moved.
+    let up = if path.parent() == Some(parent) { "" } else { "../" };
+    let local = |name: &str| PathBuf::from(format!("{up}{name}"));
     if variant % 12 == 11 {
         fs::rename(path, &real)?;
     } else if path.is_dir() {
@@ -242,16 +246,16 @@ fn fs_special(target: &Path, weights: &Path, config: Option<&Path>, variant: usi
         3 => {
             let fifo = parent.join("fifo");
             mkfifo(&fifo)?;
-            symlink(&fifo, path)?;
+            symlink(local("fifo"), path)?;
         }
         4 => mkfifo(path)?,
         5 => fs::create_dir(path)?,
-        6 => symlink(parent.join("missing"), path)?,
-        7 => symlink(path, path)?,
+        6 => symlink(local("missing"), path)?,
+        7 => symlink(path.file_name().unwrap_or_default(), path)?,
         8 => fs::write(path, b"")?,
         9 => fs::File::create(path)?.set_len(1 << 30)?,
         10 => symlink("/dev/urandom", path)?,
-        _ => symlink(&real, path)?,
+        _ => symlink(local("real"), path)?,
     }
     Ok(format!("{who} is {what}"))
 }
@@ -357,5 +361,48 @@ fn justified_bytes(target: &Path) -> u64 {
         fs::read_dir(target).map(|r| r.flatten().map(|e| size(&e.path())).sum()).unwrap_or(0)
     } else {
         size(target)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fixtures() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures")
+    }
+
+    fn contents(dir: &Path) -> Vec<(String, Vec<u8>)> {
+        let mut out: Vec<(String, Vec<u8>)> = Vec::new();
+        for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+            let p = e.path();
+            let m = fs::symlink_metadata(&p).map(|m| m.file_type());
+            let name = e.file_name().to_string_lossy().into_owned();
+            if m.as_ref().is_ok_and(|t| t.is_dir()) {
+                out.extend(contents(&p).into_iter().map(|(n, b)| (format!("{name}/{n}"), b)));
+            } else if m.as_ref().is_ok_and(|t| t.is_file()) && fs::metadata(&p).is_ok_and(|m| m.len() < 1 << 26) {
+                out.push((name, fs::read(&p).unwrap_or_default()));
+            } else {
+                out.push((name, fs::read_link(&p).map(|l| l.display().to_string().into_bytes()).unwrap_or_default()));
+            }
+        }
+        out.sort();
+        out
+    }
+
+    /// Every class builds from every fixture, and an input is the same bytes when rebuilt (a
+    /// reproducer is the input that failed).
+    #[test]
+    fn inputs_build_and_are_deterministic() {
+        let tmp = std::env::temp_dir().join(format!("xtask-fuzz-test-{}", std::process::id()));
+        for domain in [Domain::Adapter, Domain::Model] {
+            for i in 0..300 {
+                let a = build(domain, 7, i, &fixtures(), &tmp.join("a")).unwrap_or_else(|e| panic!("input {i}: {e}"));
+                build(domain, 7, i, &fixtures(), &tmp.join("b")).unwrap_or_else(|e| panic!("input {i}: {e}"));
+                let same = contents(&tmp.join("a")) == contents(&tmp.join("b"));
+                assert!(same, "{domain:?} input {i} differs when rebuilt: {}", a.detail);
+            }
+        }
+        let _ = fs::remove_dir_all(&tmp);
     }
 }

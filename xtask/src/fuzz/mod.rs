@@ -44,7 +44,9 @@ impl Options {
         let short = args.iter().any(|a| a == "--short");
         let num = |k: &str, default: u64| -> Result<u64> {
             match args.iter().position(|a| a == k) {
-                Some(i) => args.get(i + 1).with_context(|| format!("{k} needs a number"))?.parse().context(k.to_string()),
+                Some(i) => {
+                    args.get(i + 1).with_context(|| format!("{k} needs a number"))?.parse().context(k.to_string())
+                }
                 None => Ok(default),
             }
         };
@@ -312,14 +314,28 @@ impl Fuzz {
             match crashed {
                 Some(i) => {
                     let (symptom, message) = if hung.is_some() {
-                        ("hang", format!("no answer within {:?}{}", self.opts.timeout, if killed { " (killed by the parent)" } else { "" }))
+                        (
+                            "hang",
+                            format!(
+                                "no answer within {:?}{}",
+                                self.opts.timeout,
+                                if killed { " (killed by the parent)" } else { "" }
+                            ),
+                        )
                     } else {
                         crash_kind(&stderr_tail, &status)
                     };
                     let mut rec = self.describe(domain, i);
                     rec["outcome"] = json!("fault");
                     rec["faults"] = json!([{ "symptom": symptom, "message": message }]);
-                    rec["stderr_tail"] = json!(stderr_tail.chars().rev().take(1500).collect::<String>().chars().rev().collect::<String>());
+                    rec["stderr_tail"] = json!(stderr_tail
+                        .chars()
+                        .rev()
+                        .take(1500)
+                        .collect::<String>()
+                        .chars()
+                        .rev()
+                        .collect::<String>());
                     self.record(domain, &mut tally, &rec);
                     tally.restarts += 1;
                     next = i + 1;
@@ -338,7 +354,9 @@ impl Fuzz {
     fn describe(&self, domain: Domain, i: u64) -> Value {
         let dir = self.out.join("work").join("describe");
         let r = match inputs::build(domain, self.opts.seed, i, &self.root.join("tests/fixtures"), &dir) {
-            Ok(b) => json!({"i": i, "source": b.source.name, "kind": b.source.kind.name(), "class": b.class, "detail": b.detail, "justified": b.justified}),
+            Ok(b) => {
+                json!({"i": i, "source": b.source.name, "kind": b.source.kind.name(), "class": b.class, "detail": b.detail, "justified": b.justified})
+            }
             Err(e) => json!({"i": i, "source": "?", "kind": "?", "class": "?", "detail": e.to_string()}),
         };
         let _ = std::fs::remove_dir_all(&dir);

@@ -283,7 +283,10 @@ pub fn config_text(text: &str, variant: usize) -> (Vec<u8>, String) {
             b.insert(at, 0xff);
             (b, "invalid UTF-8 in a key".into())
         }
-        9 => (format!("{body}, \"r\": 0, \"num_hidden_layers\": 0, \"lora_alpha\": 1e30}}").into_bytes(), "duplicate keys, hostile last".into()),
+        9 => (
+            format!("{body}, \"r\": 0, \"num_hidden_layers\": 0, \"lora_alpha\": 1e30}}").into_bytes(),
+            "duplicate keys, hostile last".into(),
+        ),
         10 => (format!("{text} trailing").into_bytes(), "trailing garbage".into()),
         11 => (format!("// comment\n{text}").into_bytes(), "a comment".into()),
         12 => (format!("{body}, \"r\": NaN, \"rms_norm_eps\": NaN}}").into_bytes(), "NaN literals".into()),

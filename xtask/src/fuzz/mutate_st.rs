@@ -200,7 +200,11 @@ pub fn dtype(bytes: &[u8], rng: &mut Rng, variant: usize) -> Mutated {
     }
     // Valid only with a known dtype whose byte count matches the unchanged offsets.
     let must_fail = !new.is_some_and(|n| n * numel == e.end - e.begin && end == e.end);
-    out(st.to_bytes(), format!("{}: dtype {} -> {d}{}", e.name, e.dtype, if resize { ", end resized" } else { "" }), must_fail)
+    out(
+        st.to_bytes(),
+        format!("{}: dtype {} -> {d}{}", e.name, e.dtype, if resize { ", end resized" } else { "" }),
+        must_fail,
+    )
 }
 
 /// Change one tensor's shape.
@@ -230,7 +234,9 @@ pub fn shape(bytes: &[u8], rng: &mut Rng, variant: usize) -> Mutated {
         11 => ("float", json!([s[0] as f64 + 0.5, s[last]])),
         12 => ("string", json!([s[0].to_string()])),
         13 => ("null", Value::Null),
-        14 if s.len() == 2 && s[1] % 2 == 0 => ("reshaped [2a, b/2] (same bytes)", json!([s[0] * 2, s[1] / 2])),
+        14 if s.len() == 2 && s[1].is_multiple_of(2) => {
+            ("reshaped [2a, b/2] (same bytes)", json!([s[0] * 2, s[1] / 2]))
+        }
         14 => ("dim 0 doubled", with0(s[0] * 2)),
         _ => ("flattened (same bytes)", json!([s.iter().product::<u64>()])),
     };
@@ -320,7 +326,10 @@ pub fn key_edit(bytes: &[u8], rng: &mut Rng, variant: usize) -> Mutated {
         ("lora_A -> lora_C", e.name.replace("lora_A", "lora_C").replace("lora_a", "lora_c")),
         ("lora bias", e.name.replace(".weight", ".bias")),
         ("DoRA magnitude", e.name.replace("lora_A.weight", "lora_magnitude_vector").replace("lora_a", "m")),
-        ("vision tower", format!("base_model.model.model.visual.blocks.0.attn.qkv.{}", e.name.rsplit('.').next().unwrap_or(""))),
+        (
+            "vision tower",
+            format!("base_model.model.model.visual.blocks.0.attn.qkv.{}", e.name.rsplit('.').next().unwrap_or("")),
+        ),
         ("lm_head", "base_model.model.lm_head.lora_A.weight".into()),
         ("embed_tokens", "base_model.model.model.embed_tokens.lora_embedding_A".into()),
         ("full weight (modules_to_save)", "base_model.model.model.layers.0.mlp.down_proj.weight".into()),
@@ -399,7 +408,8 @@ pub fn metadata(bytes: &[u8], variant: usize) -> Mutated {
 pub fn values(bytes: &[u8], rng: &mut Rng, variant: usize) -> Mutated {
     let mut st = St::parse(bytes).unwrap_or_else(|| unreachable!("fixture parsed before"));
     let entries: Vec<Entry> = st.entries().into_iter().filter(|e| e.end > e.begin).collect();
-    let floats: Vec<&Entry> = entries.iter().filter(|e| ["F32", "F16", "BF16", "F64"].contains(&e.dtype.as_str())).collect();
+    let floats: Vec<&Entry> =
+        entries.iter().filter(|e| ["F32", "F16", "BF16", "F64"].contains(&e.dtype.as_str())).collect();
     let e = if floats.is_empty() || rng.chance(1, 10) { pick_entry(&entries, rng) } else { *rng.pick(&floats) };
     let size = dtype_size(&e.dtype).unwrap_or(1) as usize;
     let n = (e.end - e.begin) as usize / size;

@@ -321,7 +321,8 @@ pub fn run(args: &[String]) -> Result<()> {
                 }
             }
             match base.state() {
-                Ok((id, scale, resident)) if id == base.id && scale == 1f32.to_bits() && resident == [base.id.clone()] => {}
+                Ok((id, scale, resident))
+                    if id == base.id && scale == 1f32.to_bits() && resident == [base.id.clone()] => {}
                 Ok(s) => faults.push(("state-changed", format!("active/scale/resident now {s:?}"))),
                 Err(e) => faults.push(("state-changed", e.to_string())),
             }
