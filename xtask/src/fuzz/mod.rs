@@ -341,7 +341,7 @@ impl Fuzz {
                     next = i + 1;
                 }
                 None if !ready => bail!("the fuzz worker did not start ({status}):\n{stderr_tail}"),
-                None if status.code() == Some(worker::EXIT_PANIC) => tally.restarts += 1,
+                None if status.code() == Some(worker::EXIT_RESTART) => tally.restarts += 1,
                 None if !status.success() => bail!("the fuzz worker failed between inputs ({status}):\n{stderr_tail}"),
                 None => {}
             }

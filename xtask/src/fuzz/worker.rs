@@ -21,8 +21,9 @@ use super::sources::BASES;
 /// The prompt whose logits are compared.
 const PROMPT: [u32; 4] = [1, 17, 42, 5];
 
-/// Exit status after a reported panic (the parent restarts after the input).
-pub const EXIT_PANIC: i32 = 87;
+/// Exit status after a reported panic or changed adapter state (the parent restarts after the
+/// input, so one fault does not cascade into the next inputs' checks).
+pub const EXIT_RESTART: i32 = 87;
 /// Exit status of the watchdog.
 pub const EXIT_HANG: i32 = 86;
 
@@ -218,16 +219,27 @@ fn short(s: &str) -> String {
     s.replace('\n', " ")
 }
 
-/// `QWEN35_FUZZ_INJECT=abort@I,hang@J,panic@K,alloc@L`: make input I abort, J hang, K panic and
-/// L allocate 1 TiB, to check the harness itself (each must be reported as that fault).
+/// The injections `QWEN35_FUZZ_INJECT` asks for at input `i`.
+fn injected(i: u64) -> Vec<String> {
+    let Ok(spec) = std::env::var("QWEN35_FUZZ_INJECT") else { return Vec::new() };
+    spec.split(',')
+        .filter_map(|item| item.split_once('@'))
+        .filter(|(_, at)| at.parse() == Ok(i))
+        .map(|(what, _)| what.to_string())
+        .collect()
+}
+
+fn inject_state(i: u64) -> bool {
+    injected(i).iter().any(|w| w == "state")
+}
+
+/// `QWEN35_FUZZ_INJECT=abort@I,hang@J,panic@K,alloc@L,state@M`: make input I abort, J hang, K
+/// panic, L allocate 1 TiB and M fail after changing the active adapter's scale, to check the
+/// harness itself (each must be reported as that fault; M a multiple of --check-every also
+/// gives logits-changed).
 fn inject(i: u64) -> bool {
-    let Ok(spec) = std::env::var("QWEN35_FUZZ_INJECT") else { return false };
-    for item in spec.split(',') {
-        let Some((what, at)) = item.split_once('@') else { continue };
-        if at.parse() != Ok(i) {
-            continue;
-        }
-        match what {
+    for what in injected(i) {
+        match what.as_str() {
             "abort" => std::process::abort(),
             "hang" => std::thread::sleep(Duration::from_secs(3600)),
             "panic" => panic!("injected panic"),
@@ -277,6 +289,11 @@ pub fn run(args: &[String]) -> Result<()> {
         let t = Instant::now();
         let result = catch_unwind(AssertUnwindSafe(|| match (a.domain, base_ix) {
             _ if inject(i) => unreachable!("inject returns only when nothing is injected"),
+            (Domain::Adapter, Some(ix)) if inject_state(i) => {
+                // A failed load that changed the state anyway: the checks after it must see it.
+                bases[ix].backend.set_adapter_scale(0.5)?;
+                Err(BackendError::NoModel)
+            }
             (Domain::Adapter, Some(ix)) => attempt_adapter(&mut bases[ix], &built, via_load),
             _ => {
                 let mut b = WgpuBackend::with_context(ctx.clone(), session_opts());
@@ -351,9 +368,10 @@ pub fn run(args: &[String]) -> Result<()> {
             "justified": built.justified,
             "via_load": via_load,
         });
+        let dirty = faults.iter().any(|(k, _)| ["state-changed", "logits-changed", "restore-failed"].contains(k));
         line(&format!("E {i} {record}"));
-        if panicked {
-            std::process::exit(EXIT_PANIC);
+        if panicked || dirty {
+            std::process::exit(EXIT_RESTART);
         }
     }
     let _ = std::fs::remove_dir_all(&dir);
