@@ -44,13 +44,16 @@ cargo xtask <command>
                        field, offsets, dtype/shape edits, duplicate keys, hostile config values and
                        text, pattern maps, FIFOs/symlinks) and load each in a worker process: every
                        input must give a typed error or a load with finite logits, with no panic,
-                       abort, hang (watchdog, default 10 s) or allocation over 64 MiB + 8x the
-                       input's bytes; after a failed adapter load the active adapter, its scale and
-                       the resident list must be unchanged (checked every input) and its logits
-                       bit-identical (every K inputs, default 32, and after every success).
-                       Default 100,000 adapters + 2,000 models; --short 3,000 + 100 (CI). Writes
-                       target/fuzz/summary.json and reproducers under target/fuzz/faults/; exits 1
-                       on any fault
+                       abort, hang (watchdog, default 10 s), allocation (one, or the live peak)
+                       over 64 MiB + 8x the input's bytes (JSON counts at most 8 MiB), or load of
+                       a file the safetensors format forbids; after a failed adapter load the
+                       active adapter, its scale and the resident list must be unchanged (checked
+                       every input) and its logits bit-identical (every K inputs, default 32, and
+                       after every success). Default 100,000 adapters + 2,000 models; --short
+                       3,000 + 100 (CI, ~2 min on 2 cores). Writes target/fuzz/summary.json and
+                       reproducers under target/fuzz/faults/ (info.json: how to rerun); exits 1 on
+                       any fault. The dev build keeps overflow checks (overflow is a panic);
+                       `cargo run --release -p xtask -- fuzz` is ~1.6x faster
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
