@@ -371,7 +371,7 @@ fn crash_kind(stderr: &str, status: &std::process::ExitStatus) -> (&'static str,
     if let Some(l) = last("memory allocation of") {
         return ("abort-alloc", l);
     }
-    if let Some(l) = last("stack overflow") {
+    if let Some(l) = last("overflowed its stack") {
         return ("stack-overflow", l);
     }
     if let Some(l) = last("panicked") {
