@@ -142,7 +142,9 @@ fn slug(s: &str) -> String {
     while out.contains("--") {
         out = out.replace("--", "-");
     }
-    out.chars().take(80).collect::<String>().trim_matches('-').to_string()
+    // Signatures can share their first 72 characters: a hash of the whole keeps them apart.
+    let hash = s.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ b as u64).wrapping_mul(0x100_0000_01b3));
+    format!("{}-{:08x}", out.chars().take(72).collect::<String>().trim_matches('-'), hash as u32)
 }
 
 impl Fuzz {
