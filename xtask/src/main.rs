@@ -1,7 +1,14 @@
 //! Project automation: `cargo xtask <command>`.
 
 mod bench;
+#[cfg(unix)]
+mod fuzz;
 mod lavapipe;
+
+/// Counts allocations for the fuzz worker's per-input ceiling (see fuzz/alloc.rs).
+#[cfg(unix)]
+#[global_allocator]
+static ALLOC: fuzz::alloc::Counting = fuzz::alloc::Counting;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,7 +19,8 @@ const HELP: &str = "\
 cargo xtask <command>
 
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
-                       adapter exists), then run every test; with CI=true a missing adapter fails
+                       adapter exists), then run every test, then `fuzz --short`; with CI=true a
+                       missing adapter fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
@@ -32,6 +40,22 @@ cargo xtask <command>
                        writes BENCHMARKS.md (--quick: tiny
                        sizes, one repeat; --profile: GPU time per kernel family from timestamp
                        queries; --compare: also run an earlier build of the bench example)
+  fuzz [--adapters N] [--models N] [--seed S] [--short] [--timeout SECS] [--check-every K]
+                       mutate the fixture adapters (PEFT dir, lone .safetensors, MLX dir) and
+                       model directories (bit flips, truncation at every header boundary, length
+                       field, offsets, dtype/shape edits, duplicate keys, hostile config values and
+                       text, pattern maps, FIFOs/symlinks) and load each in a worker process: every
+                       input must give a typed error or a load with finite logits, with no panic,
+                       abort, hang (watchdog, default 10 s), allocation (one, or the live peak)
+                       over 64 MiB + 8x the input's bytes (JSON counts at most 8 MiB), or load of
+                       a file the safetensors format forbids; after a failed adapter load the
+                       active adapter, its scale and the resident list must be unchanged (checked
+                       every input) and its logits bit-identical (every K inputs, default 32, and
+                       after every success). Default 100,000 adapters + 2,000 models; --short
+                       3,000 + 100 (CI, ~2 min on 2 cores). Writes target/fuzz/summary.json and
+                       reproducers under target/fuzz/faults/ (info.json: how to rerun); exits 1 on
+                       any fault. The dev build keeps overflow checks (overflow is a panic);
+                       `cargo run --release -p xtask -- fuzz` is ~1.6x faster
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
@@ -80,6 +104,10 @@ fn main() -> Result<()> {
             bench::run(&root(), &venv()?, &mlx_venv()?, &opts)
         }
         Some("probe") => probe(),
+        #[cfg(unix)]
+        Some("fuzz") => fuzz::run(&root(), &args[1..]),
+        #[cfg(unix)]
+        Some("fuzz-worker") => fuzz::worker(&args[1..]),
         _ => {
             print!("{HELP}");
             if args.is_empty() {
@@ -171,12 +199,28 @@ fn cargo_test(args: &[&str]) -> Command {
 
 fn test() -> Result<()> {
     setup_adapter()?;
-    run(cargo_test(&["--workspace"]))
+    run(cargo_test(&["--workspace"]))?;
+    fuzz_short()
 }
 
 fn test_long() -> Result<()> {
     setup_adapter()?;
     run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))
+}
+
+/// The short fuzz run that `test` ends with (in a child, so that it runs on the test backend).
+fn fuzz_short() -> Result<()> {
+    if !cfg!(unix) {
+        eprintln!("skipping `cargo xtask fuzz --short`: the fuzzer needs a Unix host");
+        return Ok(());
+    }
+    let exe = std::env::current_exe().context("xtask's own path")?;
+    let mut cmd = Command::new(exe);
+    cmd.args(["fuzz", "--short"]);
+    if let Some(backend) = test_backend() {
+        cmd.env("WGPU_BACKEND", backend);
+    }
+    run(cmd)
 }
 
 fn test_gpu(allow_cpu: bool) -> Result<()> {
