@@ -97,6 +97,16 @@ pub enum FileError {
 /// Errors while loading a model directory.
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
+    /// A weight is NaN, infinite or absurdly large.
+    #[error("tensor {tensor}: element {index} is NaN, infinite or of magnitude above {limit}")]
+    WeightOutOfRange {
+        /// The tensor.
+        tensor: String,
+        /// The first such element.
+        index: usize,
+        /// The bound ([`crate::model::MAX_CHECKPOINT_WEIGHT`]).
+        limit: f32,
+    },
     /// A file could not be read.
     #[error("cannot read {path}: {source}")]
     Io {

@@ -1,6 +1,6 @@
-//! Hostile sizes and garbage numbers at run time: a session far larger than any cache can be, and
-//! weights that overflow the logits, give typed errors, never a panic, an abort or tokens chosen
-//! from NaN.
+//! Hostile sizes and garbage numbers at run time: a session far larger than any cache can be,
+//! weights out of range, and an adapter whose products overflow the logits give typed errors,
+//! never a panic, an abort or tokens chosen from NaN.
 
 mod common;
 
@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use common::{damaged_model, gpu, Tensors};
 use qwen35_wgpu::runtime::{MAX_BATCH, MAX_CONTEXT};
-use qwen35_wgpu::{GenerateParams, Model, RunError, Session, SessionOptions};
+use qwen35_wgpu::{GenerateParams, LoraAdapter, Model, RunError, Session, SessionOptions};
 
 const BASE: &str = "odd_untied_f32";
 
@@ -36,15 +36,53 @@ fn absurd_session_sizes_are_typed_errors() {
 }
 
 /// The fixture with `lm_head.weight` changed by `f` (element index, value) → value.
-fn head_edited(tag: &str, f: impl Fn(usize, f32) -> f32) -> Arc<Model> {
-    let ctx = gpu().expect("checked by the caller");
-    let dir = damaged_model(BASE, tag, |t: &mut Tensors| {
+fn head_edited_dir(tag: &str, f: impl Fn(usize, f32) -> f32) -> std::path::PathBuf {
+    damaged_model(BASE, tag, |t: &mut Tensors| {
         let head = t.iter_mut().find(|(n, ..)| n == "lm_head.weight").expect("untied lm_head");
         assert_eq!(head.1, safetensors::Dtype::F32);
         let v: Vec<f32> = head.3.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect();
         head.3 = v.iter().enumerate().flat_map(|(i, &x)| f(i, x).to_le_bytes()).collect();
-    });
-    Arc::new(Model::load(ctx, &dir).expect("the file is well-formed; only its numbers are garbage"))
+    })
+}
+
+/// A rank-16 adapter on every MLP projection at the edge of every load bound (|w| = 10⁴,
+/// alpha / r = 10³; applied at scale 10³): each bound is sane on its own, but the products
+/// overflow f32 inside the MLP, so the logits come out NaN or infinite.
+fn overflowing_adapter(config: &qwen35_wgpu::TextConfig) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-overflowing-adapter-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let r = 16;
+    let (h, i) = (config.hidden_size, config.intermediate_size);
+    let mut tensors: Tensors = Vec::new();
+    for layer in 0..config.num_layers() {
+        for (proj, inp, out) in [("gate_proj", h, i), ("up_proj", h, i), ("down_proj", i, h)] {
+            let key = format!("base_model.model.model.layers.{layer}.mlp.{proj}");
+            let ones = |n: usize| (0..n).flat_map(|_| 1e4f32.to_le_bytes()).collect::<Vec<u8>>();
+            tensors.push((format!("{key}.lora_A.weight"), safetensors::Dtype::F32, vec![r, inp], ones(r * inp)));
+            tensors.push((format!("{key}.lora_B.weight"), safetensors::Dtype::F32, vec![out, r], ones(out * r)));
+        }
+    }
+    common::write_tensors(&dir.join("adapter_model.safetensors"), tensors);
+    let config = serde_json::json!({"peft_type": "LORA", "r": r, "lora_alpha": 16_000,
+        "target_modules": ["gate_proj", "up_proj", "down_proj"]});
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).expect("config");
+    dir
+}
+
+#[test]
+fn non_finite_and_absurd_weights_are_refused_at_load_naming_the_tensor() {
+    let Some(ctx) = gpu() else { return };
+    for (tag, bad) in
+        [("w-nan", f32::NAN), ("w-inf", f32::INFINITY), ("w-neg-inf", f32::NEG_INFINITY), ("w-huge", -1e38)]
+    {
+        let dir = head_edited_dir(tag, move |i, x| if i == 5 { bad } else { x });
+        match Model::load(ctx.clone(), &dir) {
+            Err(qwen35_wgpu::ModelError::WeightOutOfRange { tensor, index, .. }) => {
+                assert_eq!((tensor.as_str(), index), ("lm_head.weight", 5), "{tag}")
+            }
+            other => panic!("{tag}: expected WeightOutOfRange, got {:?}", other.err()),
+        }
+    }
 }
 
 /// Every generation path: GPU greedy, GPU top-k candidates, CPU sampling without top-k, greedy
@@ -63,16 +101,15 @@ fn paths() -> Vec<(&'static str, GenerateParams)> {
 
 #[test]
 fn non_finite_logits_stop_generation_with_a_typed_error() {
-    let Some(_) = gpu() else { return };
+    let Some(ctx) = gpu() else { return };
     let prompt = [3u32, 17, 42];
-    // Infinite weights: every logit is ±inf or NaN. One NaN row: only that token's logit is NaN
-    // (the greedy argmax alone would never pick it and return tokens as if nothing happened).
-    let inf = head_edited("head-inf", |i, _| if i % 2 == 0 { f32::INFINITY } else { -f32::INFINITY });
-    let hidden = inf.config.hidden_size;
-    let one_nan = head_edited("head-nan-row", move |i, x| if i / hidden == 7 { f32::NAN } else { x });
-    for (what, model) in [("infinite weights", &inf), ("one NaN row", &one_nan)] {
+    let model = Arc::new(Model::load(ctx, &common::fixture_model(BASE)).expect("model"));
+    let adapter = Arc::new(LoraAdapter::load(&model, &overflowing_adapter(&model.config)).expect("within every bound"));
+    {
+        let what = "an adapter whose products overflow";
         for (path, params) in paths() {
             let mut s = Session::new(model.clone(), opts()).expect("session");
+            s.set_adapter(Some((adapter.clone(), qwen35_wgpu::lora::MAX_SCALE))).expect("the largest scale");
             let mut streamed = Vec::new();
             let e = s.generate(&prompt, &params, |t| {
                 streamed.push(t);

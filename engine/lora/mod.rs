@@ -33,5 +33,8 @@ pub const MAX_WEIGHT: f32 = 1e4;
 /// Most entries of `rank_pattern`, `alpha_pattern` and list-valued config fields (a 64-layer
 /// model has 768 projections).
 pub const MAX_PATTERN_KEYS: usize = 4096;
+/// Most patterns of one config that need a compiled regex (each costs ~20 KB; real configs have
+/// a handful, since module-name keys are matched without one).
+pub const MAX_COMPILED_PATTERNS: usize = 256;
 /// Largest `adapter_config.json` read (real ones are a few KiB).
 pub const MAX_CONFIG_BYTES: u64 = 4 << 20;

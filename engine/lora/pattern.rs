@@ -141,12 +141,40 @@ impl PyRegex {
     }
 }
 
-/// A `rank_pattern` / `alpha_pattern` key: the pattern-free keys every real config has are
-/// tested without a regex engine, exactly as `(.*\.)?(key)$` would test them.
+/// One position of a regex-free key.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) enum Atom {
+    /// `.`: any character but a newline.
+    Any,
+    /// A letter, digit, `_`, or an escaped `\.`.
+    Lit(char),
+}
+
+/// The atoms of a key made only of `[A-Za-z0-9_]`, `.` and `\.`, or `None`.
+fn plain_atoms(key: &str) -> Option<Vec<Atom>> {
+    let mut atoms = Vec::with_capacity(key.len());
+    let mut chars = key.chars();
+    while let Some(c) = chars.next() {
+        atoms.push(match c {
+            '.' => Atom::Any,
+            '\\' => match chars.next() {
+                Some('.') => Atom::Lit('.'),
+                _ => return None,
+            },
+            c if c.is_ascii_alphanumeric() || c == '_' => Atom::Lit(c),
+            _ => return None,
+        });
+    }
+    (!atoms.is_empty()).then_some(atoms)
+}
+
+/// A `rank_pattern` / `alpha_pattern` key: the regex-free keys every real config has (module
+/// names, with `.` or `\.`) are tested without a regex engine, exactly as `(.*\.)?(key)$` would
+/// test them.
 #[derive(Clone, Debug)]
 pub(crate) enum PatternKey {
-    /// Only `[A-Za-z0-9_.]`: fixed length, `.` is any character.
-    Plain(String),
+    /// One atom per character of the matched tail.
+    Plain(Vec<Atom>),
     /// Anything else, compiled.
     Regex(PyRegex),
 }
@@ -154,10 +182,9 @@ pub(crate) enum PatternKey {
 impl PatternKey {
     /// Parse the key `key` of the map `field`.
     pub(crate) fn new(field: &str, key: &str) -> Result<Self, AdapterError> {
-        if !key.is_empty() && key.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'.') {
-            Ok(PatternKey::Plain(key.into()))
-        } else {
-            Ok(PatternKey::Regex(PyRegex::pattern_key(field, key)?))
+        match plain_atoms(key) {
+            Some(atoms) => Ok(PatternKey::Plain(atoms)),
+            None => Ok(PatternKey::Regex(PyRegex::pattern_key(field, key)?)),
         }
     }
 
@@ -165,21 +192,15 @@ impl PatternKey {
     pub(crate) fn matches(&self, name: &str) -> Result<bool, AdapterError> {
         match self {
             PatternKey::Regex(r) => r.is_match(name),
-            PatternKey::Plain(key) => {
-                // `$` ends the match, so `key` (one character per byte, `.` any character except
-                // a newline) covers the last key.len() characters; what precedes is empty or `.*\.`.
+            PatternKey::Plain(atoms) => {
+                // `$` ends the match, so the atoms (one character each) cover the last
+                // atoms.len() characters; what precedes is empty or `.*\.`.
                 let chars: Vec<char> = name.chars().collect();
-                let Some(start) = chars.len().checked_sub(key.len()) else { return Ok(false) };
-                let tail_ok =
-                    key.bytes().zip(&chars[start..]).all(
-                        |(k, &c)| {
-                            if k == b'.' {
-                                c != '\n'
-                            } else {
-                                c == char::from(k)
-                            }
-                        },
-                    );
+                let Some(start) = chars.len().checked_sub(atoms.len()) else { return Ok(false) };
+                let tail_ok = atoms.iter().zip(&chars[start..]).all(|(a, &c)| match a {
+                    Atom::Any => c != '\n',
+                    Atom::Lit(l) => c == *l,
+                });
                 let head_ok = start == 0 || (chars[start - 1] == '.' && !chars[..start].contains(&'\n'));
                 Ok(tail_ok && head_ok)
             }
@@ -201,7 +222,16 @@ mod tests {
             "xq_proj",
             "model.layers.11.mlp.up_proj",
         ];
-        for key in ["q_proj", "self_attn.q_proj", "1.mlp.up_proj", "layers.1.mlp", "layers", "0.self_attn.q_proj"] {
+        for key in [
+            "q_proj",
+            "self_attn.q_proj",
+            "1.mlp.up_proj",
+            "layers.1.mlp",
+            "layers",
+            "0.self_attn.q_proj",
+            r"layers\.0\.self_attn\.q_proj",
+            r"1\.mlp.up_proj",
+        ] {
             let plain = PatternKey::new("rank_pattern", key).expect("plain");
             assert!(matches!(plain, PatternKey::Plain(_)));
             let re = PyRegex::pattern_key("rank_pattern", key).expect("regex");

@@ -32,7 +32,7 @@ use regex::Regex;
 
 use crate::error::{AdapterError, ModelError};
 use crate::lora::pattern::{PatternKey, PyRegex};
-use crate::lora::{Proj, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
+use crate::lora::{Proj, MAX_COMPILED_PATTERNS, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
 use crate::model::{Checkpoint, Dtype, TextConfig};
 
 /// Where the adapter's rank and alpha came from.
@@ -258,6 +258,16 @@ impl PeftConfig {
             layers,
             source: ConfigSource::ConfigFile,
         };
+        let compiled = config.regexes().count();
+        if compiled > MAX_COMPILED_PATTERNS {
+            return Err(AdapterError::BadConfig {
+                field: "target_modules / exclude_modules / rank_pattern / alpha_pattern / layers_pattern".into(),
+                expected: format!(
+                    "at most {MAX_COMPILED_PATTERNS} regular expressions (keys that are module names need none)"
+                ),
+                found: format!("{compiled}"),
+            });
+        }
         let backtracking = config.regexes().filter(|r| r.backtracks()).count();
         if backtracking > MAX_BACKTRACKING_PATTERNS {
             return Err(AdapterError::BadConfig {
@@ -490,6 +500,10 @@ impl From<ModelError> for AdapterError {
             ModelError::Io { path, source } => AdapterError::Io { path, source },
             ModelError::BadSafetensors { path, message } => AdapterError::BadSafetensors { path, message },
             ModelError::Gpu(g) => AdapterError::Gpu(g),
+            ModelError::NotRegularFile { what, path, kind } => AdapterError::NotRegularFile { what, path, kind },
+            ModelError::FileTooLarge { what, path, size, limit } => {
+                AdapterError::FileTooLarge { what, path, size, limit }
+            }
             other => AdapterError::BadSafetensors { path: PathBuf::new(), message: other.to_string() },
         }
     }
@@ -773,7 +787,7 @@ pub(crate) fn read_values(ckpt: &Checkpoint, key: &str) -> Result<Vec<f32>, Adap
     let dtype = Dtype::from_safetensors(&entry.dtype)
         .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;
     let values = dtype
-        .to_f32(&ckpt.read(entry)?)
+        .to_f32(&ckpt.read_raw(entry)?)
         .ok_or_else(|| AdapterError::UnsupportedDtype { key: key.into(), found: entry.dtype.clone() })?;
     if Some(values.len()) != entry.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)) {
         return Err(AdapterError::ShapeMismatch {

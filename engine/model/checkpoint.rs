@@ -125,14 +125,30 @@ impl Checkpoint {
         }
     }
 
-    /// Read a tensor's raw little-endian bytes.
-    pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
+    /// A tensor's raw little-endian bytes, values unchecked (the adapter parser checks its own
+    /// bound and names the value).
+    pub(crate) fn read_raw(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
         let (path, data_start) = &self.files[entry.file];
         let io = |source| ModelError::Io { path: path.clone(), source };
         let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
         let mut buf = vec![0u8; (entry.end - entry.begin) as usize];
         f.read_exact(&mut buf).map_err(io)?;
+        Ok(buf)
+    }
+
+    /// Read a tensor's raw little-endian bytes; a float element that is NaN, infinite or above
+    /// [`MAX_CHECKPOINT_WEIGHT`] in magnitude is an error naming the tensor.
+    pub fn read(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
+        let buf = self.read_raw(entry)?;
+        if let Some(index) = first_bad_weight(&entry.dtype, &buf) {
+            let tensor = self
+                .tensors
+                .iter()
+                .find(|(_, e)| e.file == entry.file && e.begin == entry.begin)
+                .map_or_else(String::new, |(n, _)| n.clone());
+            return Err(ModelError::WeightOutOfRange { tensor, index, limit: MAX_CHECKPOINT_WEIGHT });
+        }
         Ok(buf)
     }
 
@@ -159,6 +175,36 @@ impl Checkpoint {
             });
         }
         Ok(entry)
+    }
+}
+
+/// Largest `|w|` of a checkpoint weight. Trained weights stay below ~10² (norm gains, GDN
+/// parameters, quantization scales far below); 10⁶ refuses the NaN, infinite and 1e38-style
+/// values whose products overflow f32, so a model that loads computes finite logits.
+pub const MAX_CHECKPOINT_WEIGHT: f32 = 1e6;
+
+/// The first element of little-endian float data (F32, F64, BF16, F16) that is NaN, infinite or
+/// of magnitude above [`MAX_CHECKPOINT_WEIGHT`] (other dtypes have none). For each dtype the magnitude's
+/// bits order as the magnitudes do, so one integer compare per element decides.
+fn first_bad_weight(dtype: &str, bytes: &[u8]) -> Option<usize> {
+    let limit32 = MAX_CHECKPOINT_WEIGHT.to_bits();
+    match dtype {
+        "F32" => {
+            bytes.chunks_exact(4).position(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) & 0x7fff_ffff > limit32)
+        }
+        "F64" => {
+            let limit = f64::from(MAX_CHECKPOINT_WEIGHT).to_bits();
+            bytes.chunks_exact(8).position(|b| {
+                u64::from_le_bytes([b[0], b[1], b[2], b[3], b[4], b[5], b[6], b[7]]) & 0x7fff_ffff_ffff_ffff > limit
+            })
+        }
+        "BF16" => {
+            let limit = (limit32 >> 16) as u16;
+            bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7fff > limit)
+        }
+        // The largest finite f16 (65504) is below the bound: only NaN and infinity.
+        "F16" => bytes.chunks_exact(2).position(|b| u16::from_le_bytes([b[0], b[1]]) & 0x7c00 == 0x7c00),
+        _ => None,
     }
 }
 

@@ -8,7 +8,7 @@ pub mod quantize;
 mod weights;
 
 pub use crate::gpu::Dtype;
-pub use checkpoint::{Checkpoint, TensorEntry};
+pub use checkpoint::{Checkpoint, TensorEntry, MAX_CHECKPOINT_WEIGHT};
 pub use config::{LayerType, TextConfig};
 pub use mlx_save::{save_mlx, MlxSaveReport};
 pub use quant::{QuantConfig, QuantSpec};

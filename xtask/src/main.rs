@@ -19,8 +19,8 @@ const HELP: &str = "\
 cargo xtask <command>
 
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
-                       adapter exists), then run every test, then `fuzz --short`; with CI=true a
-                       missing adapter fails
+                       adapter exists), then run every test (also `test-long`'s), then
+                       `fuzz --short`; with CI=true a missing adapter fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
@@ -200,6 +200,7 @@ fn cargo_test(args: &[&str]) -> Command {
 fn test() -> Result<()> {
     setup_adapter()?;
     run(cargo_test(&["--workspace"]))?;
+    run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))?;
     fuzz_short()
 }
 
