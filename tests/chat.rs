@@ -158,3 +158,24 @@ fn the_parser_inverts_what_the_template_writes_for_an_assistant_turn() {
     let text = t.render_request(&req, &Default::default()).expect("render");
     assert!(text.ends_with("<|im_start|>assistant\n<think>\nHmm.\n</think>\n\nFour.<|im_end|>\n"), "{text:?}");
 }
+
+#[test]
+fn tokenizer_directories_are_read_with_bounds() {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-tokenizer-bounds-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::copy(root().join("examples/assets/demo/tokenizer.json"), dir.join("tokenizer.json")).expect("copy");
+    TextTokenizer::from_dir(&dir).expect("a tokenizer alone loads");
+    // A FIFO must not block, an oversized (sparse) template must not be read.
+    let fifo = dir.join("tokenizer_config.json");
+    let made = std::process::Command::new("mkfifo").arg(&fifo).status().expect("mkfifo");
+    assert!(made.success());
+    let e = TextTokenizer::from_dir(&dir).err().expect("a FIFO is refused").to_string();
+    assert!(e.contains("not a regular file"), "{e}");
+    std::fs::remove_file(&fifo).expect("rm");
+    let big = std::fs::File::create(dir.join("chat_template.jinja")).expect("create");
+    big.set_len(qwen35_wgpu::text::MAX_TEMPLATE_BYTES as u64 + 1).expect("sparse");
+    let e = TextTokenizer::from_dir(&dir).err().expect("an oversized template is refused").to_string();
+    assert!(e.contains("bound"), "{e}");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}

@@ -52,6 +52,9 @@ pub enum TextError {
     NoTemplate(std::path::PathBuf),
 }
 
+/// The largest `tokenizer.json` read (Qwen's is 11 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
+
 /// A tokenizer with its special tokens and (optional) chat template.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
@@ -72,26 +75,29 @@ impl TextTokenizer {
     /// Load `tokenizer.json` and, if present, `tokenizer_config.json` / `chat_template.jinja`
     /// from a model directory.
     pub fn from_dir(dir: &Path) -> Result<Self, TextError> {
+        let read = |name: &str, limit: u64| -> Result<Option<String>, TextError> {
+            let path = dir.join(name);
+            if !path.exists() {
+                return Ok(None);
+            }
+            crate::io::read_bounded_text(&path, limit, name)
+                .map(Some)
+                .map_err(|e| TextError::Io { path: path.clone(), message: e.to_string() })
+        };
         let path = dir.join("tokenizer.json");
-        if !path.is_file() {
-            return Err(TextError::Io { path, message: "no such file".into() });
-        }
-        let inner = tokenizers::Tokenizer::from_file(&path)
+        let json = read("tokenizer.json", MAX_TOKENIZER_BYTES)?
+            .ok_or_else(|| TextError::Io { path: path.clone(), message: "no such file".into() })?;
+        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
             .map_err(|e| TextError::Tokenizer { during: "loading tokenizer.json", message: e.to_string() })?;
         let config_path = dir.join("tokenizer_config.json");
-        let config: serde_json::Value = if config_path.is_file() {
-            let text = std::fs::read_to_string(&config_path)
-                .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?;
-            serde_json::from_str(&text)
-                .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?
-        } else {
-            serde_json::Value::Null
+        let config: serde_json::Value = match read("tokenizer_config.json", crate::io::MAX_JSON_BYTES)? {
+            Some(text) => serde_json::from_str(&text)
+                .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?,
+            None => serde_json::Value::Null,
         };
-        let jinja = dir.join("chat_template.jinja");
-        let source = if jinja.is_file() {
-            Some(std::fs::read_to_string(&jinja).map_err(|e| TextError::Io { path: jinja, message: e.to_string() })?)
-        } else {
-            match config.get("chat_template") {
+        let source = match read("chat_template.jinja", MAX_TEMPLATE_BYTES as u64)? {
+            Some(text) => Some(text),
+            None => match config.get("chat_template") {
                 Some(serde_json::Value::String(s)) => Some(s.clone()),
                 Some(serde_json::Value::Array(list)) => list
                     .iter()
@@ -101,7 +107,7 @@ impl TextTokenizer {
                     .and_then(|t| t.as_str())
                     .map(String::from),
                 _ => None,
-            }
+            },
         };
         let template = source.map(ChatTemplate::new).transpose()?;
         let special = SpecialTokens(

@@ -65,18 +65,32 @@ fn enable_backports() -> Result<bool> {
 
 /// Install lavapipe, or explain what to install.
 pub fn install() -> Result<()> {
+    install_mesa(&["mesa-vulkan-drivers", "libvulkan1"], "no GPU adapter", MANUAL)
+}
+
+/// Install Mesa's GL driver (llvmpipe through EGL), for the parity run on wgpu's GL backend.
+pub fn install_gl() -> Result<()> {
+    install_mesa(
+        &["libgl1-mesa-dri", "libegl1", "libegl-mesa0"],
+        "no GL adapter",
+        "install Mesa's GL driver: on Debian/Ubuntu `apt-get install libgl1-mesa-dri libegl1 libegl-mesa0`",
+    )
+}
+
+fn install_mesa(packages: &[&str], why: &str, manual: &str) -> Result<()> {
     let debian = Path::new("/etc/debian_version").exists();
     if !debian || !is_root() {
-        bail!("no GPU adapter found; {MANUAL}");
+        bail!("{why} found; {manual}");
     }
-    eprintln!("no GPU adapter: installing Mesa lavapipe");
+    eprintln!("{why}: installing {}", packages.join(" "));
     let backports = enable_backports()?;
     apt(&["update", "-q"])?;
+    let mut args = vec!["install", "-y", "-q"];
     if backports {
-        apt(&["install", "-y", "-q", "-t", "bookworm-backports", "mesa-vulkan-drivers", "libvulkan1"])
-    } else {
-        apt(&["install", "-y", "-q", "mesa-vulkan-drivers", "libvulkan1"])
+        args.extend(["-t", "bookworm-backports"]);
     }
+    args.extend(packages);
+    apt(&args)
 }
 
 #[cfg(test)]

@@ -19,8 +19,9 @@ const HELP: &str = "\
 cargo xtask <command>
 
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
-                       adapter exists), then run every test (also `test-long`'s), then
-                       `fuzz --short`; with CI=true a missing adapter fails
+                       adapter exists), then run every test (also `test-long`'s) on Vulkan
+                       (Linux), the parity tests once more on GL (installing Mesa's GL driver
+                       when missing), then `fuzz --short`; with CI=true a missing adapter fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
@@ -146,10 +147,15 @@ fn test_backend() -> Option<String> {
 
 /// Adapter probe in a child process, so that a driver installed meanwhile is seen.
 fn adapter() -> Option<(String, bool)> {
+    adapter_on(test_backend())
+}
+
+/// The adapter wgpu picks on `backend` (its own choice when `None`).
+fn adapter_on(backend: Option<String>) -> Option<(String, bool)> {
     let exe = std::env::current_exe().ok()?;
     let mut probe = Command::new(exe);
     probe.arg("probe");
-    if let Some(backend) = test_backend() {
+    if let Some(backend) = backend {
         probe.env("WGPU_BACKEND", backend);
     }
     let out = probe.output().ok()?;
@@ -201,7 +207,28 @@ fn test() -> Result<()> {
     setup_adapter()?;
     run(cargo_test(&["--workspace"]))?;
     run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))?;
+    if cfg!(target_os = "linux") && std::env::var("WGPU_BACKEND").is_err() {
+        parity_on_gl()?;
+    }
     fuzz_short()
+}
+
+/// The parity tests once more on wgpu's GL backend (GLSL instead of SPIR-V; llvmpipe on a
+/// machine without a GPU), one test at a time: wgpu-hal's GLES device panics when several
+/// threads create contexts at once (`gles/device.rs:649`, wgpu 30.0.2).
+fn parity_on_gl() -> Result<()> {
+    let gl = || adapter_on(Some("gl".into())).filter(|(name, _)| name.contains("[Gl]"));
+    let found = match gl() {
+        Some(found) => found,
+        None => {
+            lavapipe::install_gl()?;
+            gl().context("Mesa's GL driver was installed but wgpu still finds no GL adapter")?
+        }
+    };
+    eprintln!("GL adapter: {}", found.0);
+    let mut cmd = cargo_test(&["--test", "parity", "--", "--test-threads=1"]);
+    cmd.env("WGPU_BACKEND", "gl");
+    run(cmd)
 }
 
 fn test_long() -> Result<()> {
