@@ -85,8 +85,9 @@ fn function_kind() -> String {
 pub struct FunctionCall {
     /// The function's name.
     pub name: String,
-    /// The arguments: a JSON object (a string holding a JSON object, as OpenAI's API sends it,
-    /// is parsed before rendering, as vLLM does, since templates iterate the arguments).
+    /// The arguments: a JSON object, as transformers' templates expect (a string, as OpenAI's API
+    /// sends it, reaches the template as a string, as in transformers: Qwen 3.5's template
+    /// refuses it, Qwen3-VL's prints it verbatim).
     #[serde(default)]
     pub arguments: Json,
 }
@@ -320,7 +321,7 @@ impl ChatTemplate {
 }
 
 /// A message as the template sees it: the dict transformers builds (None fields dropped, the
-/// reasoning under each of its names, tool-call arguments as objects); media parts refused.
+/// reasoning under each of its names); media parts refused.
 fn message_json(m: &ChatMessage) -> Result<Json, TextError> {
     if let Some(Content::Parts(parts)) = &m.content {
         for p in parts {
@@ -341,17 +342,6 @@ fn message_json(m: &ChatMessage) -> Result<Json, TextError> {
         return Err(TextError::BadRequest("a message must be a JSON object".into()));
     };
     obj.retain(|_, value| !value.is_null());
-    if let Some(Json::Array(calls)) = obj.get_mut("tool_calls") {
-        for call in calls {
-            if let Some(args) = call.pointer_mut("/function/arguments") {
-                if let Json::String(s) = args {
-                    if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
-                        *args = parsed;
-                    }
-                }
-            }
-        }
-    }
     let reasoning = REASONING_FIELDS.iter().find_map(|f| obj.get(*f).cloned());
     if let Some(r) = reasoning {
         let mut aliased = Map::new();

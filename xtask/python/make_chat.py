@@ -1,6 +1,7 @@
 """Chat-template references: transformers' `apply_chat_template(tokenize=False)` on Qwen 3.5's
 official template (tests/fixtures/chat/qwen35.jinja, from mlx-community/Qwen3.5-35B-A3B-4bit,
-sha256 a4aee8af…) and on an environment template, with the demo model's tokenizer (its special
+sha256 a4aee8af…), on Qwen3-VL's (qwen3_vl.jinja, JSON tool calls, from
+mlx-community/Qwen3-VL-4B-Instruct-4bit, sha256 3636d0f0…) and on an environment template, with the demo model's tokenizer (its special
 tokens). Writes tests/fixtures/reference/chat.json: each case's inputs and the rendered prompt or
 the error transformers raises."""
 
@@ -77,6 +78,17 @@ def cases():
     yield "error_no_user_query", dict(messages=[{"role": "system", "content": "S"}])
     yield "error_system_not_first", dict(messages=[u("A"), {"role": "system", "content": "S"}])
     yield "error_bad_role", dict(messages=[u("A"), {"role": "robot", "content": "S"}])
+    vl = "qwen3_vl.jinja"
+    yield "vl_tools", dict(template=vl, messages=[{"role": "system", "content": [{"type": "text", "text": "Sys."}]}, u("Weather?")], tools=[WEATHER, CLOCK])
+    yield "vl_tool_round_trip", dict(template=vl, messages=[
+        u("Weather in Paris?"),
+        {"role": "assistant", "content": "Checking.", "tool_calls": [
+            {"type": "function", "function": {"name": "get_weather", "arguments": CALL_ARGS}},
+            {"type": "function", "function": {"name": "now", "arguments": "{\"tz\":\"UTC\"}"}},
+        ]},
+        {"role": "tool", "content": "21"},
+        {"role": "tool", "content": [{"type": "text", "text": "12:00"}]},
+    ], tools=[WEATHER])
     yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r")], tools=None)
     yield "env_tools_docs", dict(template="environment.jinja", messages=[u("hi")], tools=[CLOCK], documents=[{"title": "t", "text": "x"}], add_generation_prompt=False)
     yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
