@@ -194,10 +194,22 @@ pub trait LlmBackend {
     ) -> Result<String, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
         let ids = tok.encode(prompt)?;
+        self.generate_stream_ids(&ids, params, on_text)
+    }
+
+    /// [`LlmBackend::generate_stream`] from token ids (e.g. a rendered chat prompt encoded without
+    /// the post-processor's additions).
+    fn generate_stream_ids(
+        &mut self,
+        ids: &[u32],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(&str) -> bool,
+    ) -> Result<String, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
         let mut stream = tok.stream();
         let mut filter = StopFilter::new(&params.stop);
         let mut failure = None;
-        self.generate_tokens(&ids, params, &mut |id| match stream.step(id) {
+        self.generate_tokens(ids, params, &mut |id| match stream.step(id) {
             Ok(Some(delta)) => {
                 let safe = filter.push(&delta);
                 let go_on = safe.is_empty() || on_text(safe);
@@ -236,9 +248,15 @@ pub trait LlmBackend {
     ) -> Result<ChatReply, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
         let prompt = tok.render_chat(request)?;
+        let ids = tok.encode_prompt(&prompt)?;
         let mut parser = ReplyParser::new(&prompt, request.tools.as_deref());
-        self.generate_stream(&prompt, params, &mut |delta| parser.push(delta, on_delta))?;
-        Ok(parser.finish(on_delta))
+        let mut open = true;
+        let mut emit = |d: ChatDelta<'_>| {
+            open = open && on_delta(d);
+            open
+        };
+        self.generate_stream_ids(&ids, params, &mut |delta| parser.push(delta, &mut emit))?;
+        Ok(parser.finish(&mut emit))
     }
 
     /// An embedding of `ids`: the mean over positions of the model's final (normalised) hidden

@@ -144,7 +144,8 @@ fn request(args: &Args) -> Result<ChatRequest> {
         Some(path) => serde_json::from_value(read(path)?).with_context(|| format!("messages in {}", path.display()))?,
         None => vec![ChatMessage::new("user", &args.prompt)],
     };
-    let mut request = ChatRequest::new(messages);
+    // OpenAI-shaped files carry tool-call arguments as JSON strings; Qwen's templates want objects.
+    let mut request = ChatRequest::new(messages).parse_tool_arguments();
     if let Some(path) = &args.tools {
         let tools: Vec<serde_json::Value> =
             serde_json::from_value(read(path)?).with_context(|| format!("tools in {}", path.display()))?;

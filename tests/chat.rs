@@ -179,3 +179,36 @@ fn tokenizer_directories_are_read_with_bounds() {
     assert!(e.contains("bound"), "{e}");
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
+
+#[test]
+fn named_templates_are_picked_as_transformers_picks_them_and_openai_arguments_parse() {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-named-templates-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::copy(root().join("examples/assets/demo/tokenizer.json"), dir.join("tokenizer.json")).expect("copy");
+    let config = json!({"eos_token": "<|im_end|>", "chat_template": [
+        {"name": "default", "template": "D{{ messages|length }}"},
+        {"name": "tool_use", "template": "T{{ tools|length }}{{ messages[0].tool_calls[0].function.arguments.tz }}"}]});
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("config");
+    std::fs::write(
+        dir.join("special_tokens_map.json"),
+        json!({"bos_token": "<s>", "eos_token": "ignored"}).to_string(),
+    )
+    .expect("map");
+    let tok = TextTokenizer::from_dir(&dir).expect("tokenizer");
+    let special = &tok.special_tokens().0;
+    assert!(special.contains(&("bos_token".into(), "<s>".into())), "{special:?}");
+    assert!(special.contains(&("eos_token".into(), "<|im_end|>".into())), "tokenizer_config.json wins: {special:?}");
+    let call: ChatMessage = serde_json::from_value(json!({"role": "assistant", "content": null,
+        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "now", "arguments": "{\"tz\": \"UTC\"}"}}]}))
+    .expect("OpenAI's shape, nulls included");
+    assert_eq!(tok.render_chat(&ChatRequest::new(vec![call.clone()])).expect("default"), "D1");
+    let tools = ChatRequest::new(vec![call]).with_tools(vec![json!({"type": "function"})]);
+    assert_eq!(
+        tok.render_chat(&tools).expect("tool_use"),
+        "T1",
+        "a string has no .tz: the template sees what was given"
+    );
+    assert_eq!(tok.render_chat(&tools.parse_tool_arguments()).expect("tool_use"), "T1UTC");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}

@@ -25,9 +25,10 @@ pub struct ChatMessage {
     /// `thinking` or `reasoning`, as transformers does.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
-    /// The tool calls of an assistant message.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub tool_calls: Vec<ToolCall>,
+    /// The tool calls of an assistant message (`None`, or JSON `null`, leaves the key out; an
+    /// empty list is passed as one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<ToolCall>>,
     /// The call a `tool` message answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
@@ -69,15 +70,14 @@ pub struct ToolCall {
     /// The call's id, if the caller gave one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub id: Option<String>,
-    /// Always `"function"`.
-    #[serde(rename = "type", default = "function_kind")]
-    pub kind: String,
+    /// `"function"` (left out when the caller left it out).
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
     /// The function and its arguments.
     pub function: FunctionCall,
-}
-
-fn function_kind() -> String {
-    "function".into()
+    /// Any other field (`index`, …), passed to the template as given.
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
 }
 
 /// The function of a [`ToolCall`].
@@ -87,15 +87,24 @@ pub struct FunctionCall {
     pub name: String,
     /// The arguments: a JSON object, as transformers' templates expect (a string, as OpenAI's API
     /// sends it, reaches the template as a string, as in transformers: Qwen 3.5's template
-    /// refuses it, Qwen3-VL's prints it verbatim).
-    #[serde(default)]
+    /// refuses it, Qwen3-VL's prints it verbatim; see [`ChatRequest::parse_tool_arguments`]).
+    /// `null` leaves the key out.
+    #[serde(default, skip_serializing_if = "Json::is_null")]
     pub arguments: Json,
+    /// Any other field.
+    #[serde(flatten)]
+    pub extra: Map<String, Json>,
 }
 
 impl ToolCall {
     /// A call of `name` with `arguments` (a JSON object).
     pub fn new(name: &str, arguments: Json) -> Self {
-        Self { id: None, kind: function_kind(), function: FunctionCall { name: name.into(), arguments } }
+        Self {
+            id: None,
+            kind: Some("function".into()),
+            function: FunctionCall { name: name.into(), arguments, extra: Map::new() },
+            extra: Map::new(),
+        }
     }
 }
 
@@ -112,7 +121,7 @@ impl ChatMessage {
             role: "assistant".into(),
             content: Some(Content::Text(content.into())),
             reasoning_content: reasoning.map(String::from),
-            tool_calls,
+            tool_calls: (!tool_calls.is_empty()).then_some(tool_calls),
             ..Default::default()
         }
     }
@@ -174,6 +183,20 @@ impl ChatRequest {
     /// Set template variable `name`.
     pub fn var(mut self, name: &str, value: Json) -> Self {
         self.vars.insert(name.into(), value);
+        self
+    }
+
+    /// Parse tool-call `arguments` given as a string holding a JSON object (OpenAI's API sends
+    /// them so) into the object Qwen's templates iterate, as vLLM does before rendering; other
+    /// strings stay as they are.
+    pub fn parse_tool_arguments(mut self) -> Self {
+        for call in self.messages.iter_mut().filter_map(|m| m.tool_calls.as_mut()).flatten() {
+            if let Json::String(s) = &call.function.arguments {
+                if let Ok(parsed @ Json::Object(_)) = serde_json::from_str::<Json>(s) {
+                    call.function.arguments = parsed;
+                }
+            }
+        }
         self
     }
 

@@ -58,7 +58,8 @@ pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
 /// A tokenizer with its special tokens and (optional) chat template.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
-    template: Option<ChatTemplate>,
+    /// The named chat templates (`default` first when the directory has one file).
+    templates: Vec<(String, ChatTemplate)>,
     special: SpecialTokens,
     eos_token: Option<String>,
 }
@@ -95,28 +96,43 @@ impl TextTokenizer {
                 .map_err(|e| TextError::Io { path: config_path.clone(), message: e.to_string() })?,
             None => serde_json::Value::Null,
         };
-        let source = match read("chat_template.jinja", MAX_TEMPLATE_BYTES as u64)? {
-            Some(text) => Some(text),
-            None => match config.get("chat_template") {
-                Some(serde_json::Value::String(s)) => Some(s.clone()),
-                Some(serde_json::Value::Array(list)) => list
-                    .iter()
-                    .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-                    .or(list.first())
-                    .and_then(|t| t.get("template"))
-                    .and_then(|t| t.as_str())
-                    .map(String::from),
-                _ => None,
-            },
+        // transformers: `chat_template.jinja` is the default template; a list in
+        // tokenizer_config.json names several (`default`, `tool_use`, …).
+        let mut templates = Vec::new();
+        if let Some(text) = read("chat_template.jinja", MAX_TEMPLATE_BYTES as u64)? {
+            templates.push(("default".to_string(), ChatTemplate::new(text)?));
+        } else {
+            match config.get("chat_template") {
+                Some(serde_json::Value::String(s)) => templates.push(("default".into(), ChatTemplate::new(s.clone())?)),
+                Some(serde_json::Value::Array(list)) => {
+                    for t in list {
+                        let name = t.get("name").and_then(|n| n.as_str());
+                        let source = t.get("template").and_then(|t| t.as_str());
+                        if let (Some(name), Some(source)) = (name, source) {
+                            templates.push((name.to_string(), ChatTemplate::new(source.to_string())?));
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        // The legacy special_tokens_map.json fills what tokenizer_config.json leaves out.
+        let legacy = match read("special_tokens_map.json", crate::io::MAX_JSON_BYTES)? {
+            Some(text) => serde_json::from_str(&text)
+                .map_err(|e| TextError::Io { path: dir.join("special_tokens_map.json"), message: e.to_string() })?,
+            None => serde_json::Value::Null,
         };
-        let template = source.map(ChatTemplate::new).transpose()?;
         let special = SpecialTokens(
             ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
                 .iter()
-                .filter_map(|name| token_string(config.get(*name)).map(|t| (name.to_string(), t)))
+                .filter_map(|name| {
+                    token_string(config.get(*name))
+                        .or_else(|| token_string(legacy.get(*name)))
+                        .map(|t| (name.to_string(), t))
+                })
                 .collect(),
         );
-        Ok(Self { inner, template, eos_token: token_string(config.get("eos_token")), special })
+        Ok(Self { inner, templates, eos_token: token_string(config.get("eos_token")), special })
     }
 
     /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
@@ -125,6 +141,16 @@ impl TextTokenizer {
         let enc = self
             .inner
             .encode(text, true)
+            .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// Token ids of a rendered chat prompt: as transformers' `apply_chat_template` tokenizes,
+    /// without the post-processor's additions (the template writes any BOS itself).
+    pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        let enc = self
+            .inner
+            .encode(text, false)
             .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
     }
@@ -144,9 +170,21 @@ impl TextTokenizer {
         self.inner.get_vocab_size(true)
     }
 
-    /// The chat template, if the checkpoint has one.
+    /// The chat template a request uses, as transformers picks it: `tool_use` when the request
+    /// has tools and the checkpoint names one, else `default`, else the only one.
+    pub fn chat_template_for(&self, request: &ChatRequest) -> Result<&ChatTemplate, TextError> {
+        let named = |name: &str| self.templates.iter().find(|(n, _)| n == name).map(|(_, t)| t);
+        let tool_use = request.tools.is_some().then(|| named("tool_use")).flatten();
+        let single = (self.templates.len() == 1).then(|| &self.templates[0].1);
+        tool_use
+            .or_else(|| named("default"))
+            .or(single)
+            .ok_or_else(|| TextError::NoTemplate(Path::new("<model>").to_path_buf()))
+    }
+
+    /// The default chat template, if the checkpoint has one.
     pub fn chat_template(&self) -> Option<&ChatTemplate> {
-        self.template.as_ref()
+        self.chat_template_for(&ChatRequest::new(Vec::new())).ok()
     }
 
     /// The special tokens the chat template sees (`bos_token`, `eos_token`, …).
@@ -168,8 +206,7 @@ impl TextTokenizer {
     /// Render a chat request (tools, template variables such as `enable_thinking`,
     /// `continue_final_message`) with the checkpoint's chat template.
     pub fn render_chat(&self, request: &ChatRequest) -> Result<String, TextError> {
-        let t = self.template.as_ref().ok_or_else(|| TextError::NoTemplate(Path::new("<model>").to_path_buf()))?;
-        t.render_request(request, &self.special)
+        self.chat_template_for(request)?.render_request(request, &self.special)
     }
 
     /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a

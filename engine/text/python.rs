@@ -318,8 +318,10 @@ const MONTHS: [&str; 12] = [
 ];
 const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
 
-/// Python's `datetime.strftime` for `unix_seconds` (UTC): `%Y %y %m %B %b %d %e %j %A %a %w %H %I
-/// %M %S %p %%`, with glibc's `%-d`-style unpadded forms; any other directive is an error.
+/// Python's `datetime.strftime` for `unix_seconds` (UTC: the engine has no time-zone database;
+/// a template that needs the user's local date gets it as a variable): `%Y %y %m %B %b %d %e %j
+/// %A %a %w %u %H %I %M %S %p %F %D %T %R %c %x %X %Z %z %n %t %%` (C locale), with glibc's
+/// `%-d`-style unpadded forms; any other directive is an error.
 pub(crate) fn strftime(format: &str, unix_seconds: i64) -> Result<String, Error> {
     let days = unix_seconds.div_euclid(86_400);
     let secs = unix_seconds.rem_euclid(86_400);
@@ -357,6 +359,20 @@ pub(crate) fn strftime(format: &str, unix_seconds: i64) -> Result<String, Error>
             'M' => num(minute, 2),
             'S' => num(second, 2),
             'p' => if hour < 12 { "AM" } else { "PM" }.to_string(),
+            'F' => format!("{year}-{month:02}-{day:02}"),
+            'D' | 'x' => format!("{month:02}/{day:02}/{:02}", year.rem_euclid(100)),
+            'T' | 'X' => format!("{hour:02}:{minute:02}:{second:02}"),
+            'R' => format!("{hour:02}:{minute:02}"),
+            'c' => format!(
+                "{} {} {day:>2} {hour:02}:{minute:02}:{second:02} {year}",
+                &WEEKDAYS[weekday][..3],
+                &MONTHS[month as usize - 1][..3]
+            ),
+            'u' => (weekday + 1).to_string(),
+            'Z' => "UTC".to_string(),
+            'z' => "+0000".to_string(),
+            'n' => "\n".to_string(),
+            't' => "\t".to_string(),
             '%' => "%".to_string(),
             other => return Err(invalid(format!("strftime_now: unsupported directive %{other}"))),
         };
@@ -397,6 +413,10 @@ mod tests {
             "2026-12-01 20:34:56 Tue Tuesday December 335 PM 08 26 2 %"
         );
         assert_eq!(strftime("%-d %-m", 951_782_400).expect("fmt"), "29 2");
+        assert_eq!(
+            strftime("%F %T %D %R %c %x %X %u %Z %z", 1_796_157_296).expect("fmt"),
+            "2026-12-01 20:34:56 12/01/26 20:34 Tue Dec  1 20:34:56 2026 12/01/26 20:34:56 2 UTC +0000"
+        );
         assert!(strftime("%Q", 0).is_err());
     }
 }

@@ -26,9 +26,10 @@ pub enum ChatDelta<'a> {
 /// A whole reply.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ChatReply {
-    /// The reasoning, trimmed (`None` when the model wrote none).
+    /// The reasoning, trimmed (`None` when there was no reasoning block; a continued block keeps
+    /// the model's leading whitespace).
     pub reasoning_content: Option<String>,
-    /// The answer, trimmed.
+    /// The answer, trimmed (a continued message keeps the model's leading whitespace).
     pub content: String,
     /// The tool calls, in order.
     pub tool_calls: Vec<ToolCall>,
@@ -40,6 +41,29 @@ const THINK_OPEN: &str = "<think>";
 const THINK_CLOSE: &str = "</think>";
 const CALL_OPEN: &str = "<tool_call>";
 const CALL_CLOSE: &str = "</tool_call>";
+/// Where a turn starts in ChatML (Qwen's templates).
+const TURN_START: &str = "<|im_start|>";
+
+/// Whether a parameter's JSON schema allows a string (`"string"`, a type list with it, an
+/// `anyOf`/`oneOf` member with it, or an `enum` of strings only): its text is then kept as text.
+fn is_text(schema: &Json) -> bool {
+    let ty = schema.get("type");
+    if ty.and_then(Json::as_str) == Some("string") {
+        return true;
+    }
+    if let Some(list) = ty.and_then(Json::as_array) {
+        if list.iter().any(|t| t.as_str() == Some("string")) {
+            return true;
+        }
+    }
+    for key in ["anyOf", "oneOf"] {
+        if schema.get(key).and_then(Json::as_array).is_some_and(|alts| alts.iter().any(is_text)) {
+            return true;
+        }
+    }
+    ty.is_none()
+        && schema.get("enum").and_then(Json::as_array).is_some_and(|e| !e.is_empty() && e.iter().all(Json::is_string))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Mode {
@@ -65,8 +89,12 @@ pub struct ReplyParser {
     /// Whether the content has had visible text (leading whitespace is dropped).
     content_started: bool,
     reasoning_started: bool,
-    /// Parameter types by function name, from the tools' JSON schemas.
-    types: HashMap<String, HashMap<String, String>>,
+    /// Whether a repeated `<think>` at the start of the block was looked for.
+    reopen_checked: bool,
+    /// Whether the reply has a reasoning block (opened by the prompt or by the model).
+    thought: bool,
+    /// Whether each parameter is text (its schema allows a string), by function name.
+    types: HashMap<String, HashMap<String, bool>>,
 }
 
 fn is_prefix_of_any(tail: &str, tags: &[&str]) -> bool {
@@ -87,22 +115,21 @@ impl ReplyParser {
     /// `<think>` (Qwen 3.5 with thinking on), the reply starts as reasoning. `tools` are the
     /// request's tool definitions, whose parameter types guide the argument conversion.
     pub fn new(prompt: &str, tools: Option<&[Json]>) -> Self {
-        let open = prompt.rfind(THINK_OPEN);
-        let in_think = open.is_some_and(|at| !prompt[at..].contains(THINK_CLOSE));
+        // Only the last turn counts: a `<think>` written earlier in the conversation is text.
+        let turn = prompt.rfind(TURN_START).map_or(prompt, |at| &prompt[at..]);
+        let open = turn.rfind(THINK_OPEN);
+        let in_think = open.is_some_and(|at| !turn[at..].contains(THINK_CLOSE));
         let mut types = HashMap::new();
         for tool in tools.unwrap_or(&[]) {
             let f = tool.get("function").unwrap_or(tool);
             let Some(name) = f.get("name").and_then(Json::as_str) else { continue };
             let props = f.pointer("/parameters/properties").and_then(Json::as_object);
-            let params = props
-                .map(|p| {
-                    p.iter()
-                        .filter_map(|(k, v)| v.get("type").and_then(Json::as_str).map(|t| (k.clone(), t.to_string())))
-                        .collect()
-                })
-                .unwrap_or_default();
+            let params = props.map(|p| p.iter().map(|(k, v)| (k.clone(), is_text(v))).collect()).unwrap_or_default();
             types.insert(name.to_string(), params);
         }
+        // Fresh turn (the prompt ends with the generation header's newline): the template's
+        // whitespace before the text is dropped; a continued message keeps the model's.
+        let fresh = prompt.is_empty() || prompt.ends_with(char::is_whitespace);
         Self {
             mode: if in_think { Mode::Reasoning } else { Mode::Start },
             pending: String::new(),
@@ -110,8 +137,10 @@ impl ReplyParser {
             reasoning: String::new(),
             call: String::new(),
             gap: String::new(),
-            content_started: false,
-            reasoning_started: false,
+            content_started: !fresh,
+            reasoning_started: !fresh,
+            thought: in_think,
+            reopen_checked: false,
             types,
         }
     }
@@ -132,10 +161,10 @@ impl ReplyParser {
             let raw = format!("{}{CALL_OPEN}{}", self.gap, self.call);
             self.content(&raw, true, emit);
         }
-        if self.reasoning_started || !self.reasoning.is_empty() {
-            self.reply.reasoning_content = Some(self.reasoning.trim().to_string());
+        if self.thought {
+            self.reply.reasoning_content = Some(self.reasoning.trim_end().to_string());
         }
-        self.reply.content = self.reply.content.trim().to_string();
+        self.reply.content = self.reply.content.trim_end().to_string();
         self.reply
     }
 
@@ -151,6 +180,9 @@ impl ReplyParser {
                     }
                     if let Some(after) = rest.strip_prefix(THINK_OPEN) {
                         self.mode = Mode::Reasoning;
+                        self.thought = true;
+                        self.reasoning_started = false;
+                        self.reopen_checked = true;
                         self.pending = after.to_string();
                         continue;
                     }
@@ -162,10 +194,23 @@ impl ReplyParser {
                     self.pending = text;
                     continue;
                 }
+                Mode::Reasoning if !self.reasoning_started && !self.reopen_checked => {
+                    // The prompt opened <think>; a model that writes it again does not start a
+                    // second block.
+                    let rest = text.trim_start();
+                    if !end && THINK_OPEN.starts_with(rest) {
+                        self.pending = text;
+                        return true;
+                    }
+                    self.reopen_checked = true;
+                    self.pending = rest.strip_prefix(THINK_OPEN).unwrap_or(rest).to_string();
+                    continue;
+                }
                 Mode::Reasoning => match text.find(THINK_CLOSE) {
                     Some(at) => {
                         let go = self.reasoning_text(&text[..at], true, emit);
                         self.mode = Mode::Content;
+                        self.content_started = false;
                         self.pending = text[at + THINK_CLOSE.len()..].to_string();
                         if !go {
                             return false;
@@ -239,7 +284,7 @@ impl ReplyParser {
         let text = if self.reasoning_started { text } else { text.trim_start() };
         let body = text.trim_end();
         let tail = &text[body.len()..];
-        self.reasoning_started |= !body.is_empty() || flush_end;
+        self.reasoning_started |= !body.is_empty();
         if body.is_empty() {
             if !flush_end {
                 self.pending.insert_str(0, tail);
@@ -280,40 +325,59 @@ impl ReplyParser {
         go
     }
 
-    /// `\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n`.
+    /// `\n<function=NAME>\n<parameter=P>\nVALUE\n</parameter>\n…</function>\n` (Qwen 3.5's
+    /// format), or `\n{"name": NAME, "arguments": {…}}\n` (Qwen 3 / Qwen3-VL's); anything else
+    /// (text between the parts, an empty name) is not a call.
     fn parse_call(&self, body: &str) -> Option<ToolCall> {
-        let rest = body.trim().strip_prefix("<function=")?;
+        let body = body.trim();
+        if body.starts_with('{') {
+            let v: Json = serde_json::from_str(body).ok()?;
+            let name = v.get("name")?.as_str().filter(|n| !n.is_empty())?;
+            let arguments = match v.get("arguments") {
+                Some(Json::String(s)) => serde_json::from_str(s).unwrap_or_else(|_| Json::String(s.clone())),
+                Some(a) => a.clone(),
+                None => Json::Object(Map::new()),
+            };
+            return Some(ToolCall::new(name, arguments));
+        }
+        let rest = body.strip_prefix("<function=")?;
         let close = rest.find('>')?;
         let name = rest[..close].trim().to_string();
-        let mut rest = &rest[close + 1..];
-        let end = rest.rfind("</function>")?;
-        rest = &rest[..end];
+        if name.is_empty() || name.contains('\n') {
+            return None;
+        }
+        let mut rest = rest[close + 1..].strip_suffix("</function>")?;
         let types = self.types.get(&name);
         let mut args = Map::new();
-        while let Some(at) = rest.find("<parameter=") {
-            let after = &rest[at + "<parameter=".len()..];
+        loop {
+            let trimmed = rest.trim_start();
+            if trimmed.is_empty() {
+                break;
+            }
+            let after = trimmed.strip_prefix("<parameter=")?;
             let close = after.find('>')?;
             let pname = after[..close].trim().to_string();
             let value_start = &after[close + 1..];
-            let stop = value_start.find("</parameter>")?;
-            let mut value = &value_start[..stop];
-            value = value.strip_prefix('\n').unwrap_or(value);
-            value = value.strip_suffix('\n').unwrap_or(value);
-            let ty = types.and_then(|t| t.get(&pname)).map(String::as_str);
-            args.insert(pname, parameter_value(value, ty));
-            rest = &value_start[stop + "</parameter>".len()..];
-        }
-        if !rest.trim().is_empty() {
-            return None;
+            // The template writes `\n</parameter>`: prefer that end, so a value may contain the tag.
+            let (stop, tag) = match value_start.find("\n</parameter>") {
+                Some(at) => (at, "\n</parameter>".len()),
+                None => (value_start.find("</parameter>")?, "</parameter>".len()),
+            };
+            let value = &value_start[..stop];
+            let value = value.strip_prefix('\n').unwrap_or(value);
+            let text = types.and_then(|t| t.get(&pname)).copied();
+            args.insert(pname, parameter_value(value, text));
+            rest = &value_start[stop + tag..];
         }
         Some(ToolCall::new(&name, Json::Object(args)))
     }
 }
 
-/// A parameter's text as JSON: `string` parameters as written; other types (or no schema) as
-/// JSON when the text is JSON, Python's `True`/`False`/`None` as such, else the text.
-fn parameter_value(text: &str, ty: Option<&str>) -> Json {
-    if ty == Some("string") {
+/// A parameter's text as JSON: parameters whose schema allows a string as written; other typed
+/// ones (and those without a schema) as JSON when the text is JSON, Python's `True`/`False`/
+/// `None` as such, else the text.
+fn parameter_value(text: &str, is_text: Option<bool>) -> Json {
+    if is_text == Some(true) {
         return Json::String(text.to_string());
     }
     match text.trim() {
@@ -323,7 +387,7 @@ fn parameter_value(text: &str, ty: Option<&str>) -> Json {
         _ => {}
     }
     match serde_json::from_str::<Json>(text) {
-        Ok(v) if ty.is_some() || !v.is_string() => v,
+        Ok(v) if is_text.is_some() || !v.is_string() => v,
         _ => Json::String(text.to_string()),
     }
 }
@@ -424,5 +488,54 @@ mod tests {
             r.tool_calls,
             vec![ToolCall::new("f", json!({"s": "42", "n": 2.5, "b": true, "o": {"a": [1, 2]}, "x": "free text"}))]
         );
+    }
+
+    #[test]
+    fn the_prompt_and_the_schema_decide_what_is_reasoning_and_text() {
+        // A `<think>` in an earlier turn is text; only the last turn's open block counts.
+        let r =
+            parse_every_split("<|im_start|>system\nNever write <think>.<|im_end|>\n<|im_start|>assistant\n", "Hello.");
+        assert_eq!((r.reasoning_content, r.content.as_str()), (None, "Hello."));
+        // A continued message keeps the model's leading whitespace.
+        let r = parse_every_split("<|im_start|>assistant\n<think>\n\n</think>\n\nOne, two,", " three.");
+        assert_eq!(r.content, " three.");
+        let r = parse_every_split("<|im_start|>assistant\n<think>\nLet me", " think.\n</think>\n\nOk");
+        assert_eq!((r.reasoning_content.as_deref(), r.content.as_str()), (Some(" think."), "Ok"));
+        // A model that opens the block the prompt already opened.
+        let r = parse_every_split("<|im_start|>assistant\n<think>\n", "<think>\nhm\n</think>\n\nok");
+        assert_eq!((r.reasoning_content.as_deref(), r.content.as_str()), (Some("hm"), "ok"));
+        // JSON tool calls (Qwen 3 / Qwen3-VL).
+        let r = parse_every_split(
+            "",
+            "Sure.\n<tool_call>\n{\"name\": \"now\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call>",
+        );
+        assert_eq!(
+            (r.content.as_str(), r.tool_calls.clone()),
+            ("Sure.", vec![ToolCall::new("now", json!({"tz": "UTC"}))])
+        );
+        // Not calls: text between the parts, an empty name.
+        for bad in [
+            "<tool_call>\n<function=f>\nJUNK\n</function>\n</tool_call>",
+            "<tool_call>\n<function=>\n</function>\n</tool_call>",
+        ] {
+            let r = parse_every_split("", bad);
+            assert!(r.tool_calls.is_empty(), "{bad}");
+            assert_eq!(r.content, bad);
+        }
+        // A value holding the closing tag.
+        let r = parse_every_split(
+            "",
+            "<tool_call>\n<function=say>\n<parameter=s>\nsay </parameter> x\n</parameter>\n</function>\n</tool_call>",
+        );
+        assert_eq!(r.tool_calls, vec![ToolCall::new("say", json!({"s": "say </parameter> x"}))]);
+        // Schemas that allow a string keep the text.
+        let tools =
+            [json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+            "zip": {"type": ["string", "null"]}, "code": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+            "e": {"enum": ["1", "2"]}, "n": {"type": ["integer", "null"]}}}}})];
+        let mut p = ReplyParser::new("", Some(&tools));
+        p.push("<tool_call>\n<function=f>\n<parameter=zip>\n012345\n</parameter>\n<parameter=code>\n42\n</parameter>\n<parameter=e>\n1\n</parameter>\n<parameter=n>\n7\n</parameter>\n</function>\n</tool_call>", &mut |_| true);
+        let r = p.finish(&mut |_| true);
+        assert_eq!(r.tool_calls, vec![ToolCall::new("f", json!({"zip": "012345", "code": "42", "e": "1", "n": 7}))]);
     }
 }

@@ -67,6 +67,12 @@ def cases():
         {"role": "tool", "content": "12:00"},
         a("It is noon."),
     ], add_generation_prompt=False)
+    yield "tool_call_no_arguments", dict(messages=[
+        u("Time?"),
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "now"}}]},
+        {"role": "tool", "content": "12:00"},
+    ])
+    yield "openai_nulls", dict(messages=[u("Hi"), {"role": "assistant", "content": "Hello", "tool_calls": None, "name": None}, u("Bye")])
     yield "list_content", dict(messages=[
         {"role": "system", "content": [{"type": "text", "text": "Sys part."}]},
         {"role": "user", "content": [{"type": "text", "text": "Part one. "}, {"type": "text", "text": "Part two."}]},
@@ -89,7 +95,7 @@ def cases():
         {"role": "tool", "content": "21"},
         {"role": "tool", "content": [{"type": "text", "text": "12:00"}]},
     ], tools=[WEATHER])
-    yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r")], tools=None)
+    yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r", tool_calls=[])], tools=None)
     yield "env_tools_docs", dict(template="environment.jinja", messages=[u("hi")], tools=[CLOCK], documents=[{"title": "t", "text": "x"}], add_generation_prompt=False)
     yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
 
