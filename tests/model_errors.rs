@@ -466,3 +466,27 @@ fn devices_fifos_and_huge_files_are_refused_before_reading() {
     let e = Checkpoint::open_dir(&dir).err().expect("fifo index");
     assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
 }
+
+#[test]
+fn dtype_strings_the_safetensors_format_does_not_define_are_refused_even_on_ignored_tensors() {
+    for (tag, dtype) in [("q4_0", "Q4_0"), ("empty", ""), ("lower", "f32")] {
+        let dir = scratch_copy(&fixture_model(BASE), &format!("dtype-{tag}"));
+        let file = dir.join("model.safetensors");
+        let bytes = std::fs::read(&file).expect("read");
+        let n = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+        let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).expect("header");
+        let name = header.as_object().expect("map").keys().find(|k| *k != "__metadata__").expect("a tensor").clone();
+        header[&name]["dtype"] = serde_json::json!(dtype);
+        let text = header.to_string();
+        let mut out = (text.len() as u64).to_le_bytes().to_vec();
+        out.extend_from_slice(text.as_bytes());
+        out.extend_from_slice(&bytes[8 + n..]);
+        std::fs::write(&file, out).expect("write");
+        match Checkpoint::open_dir(&dir) {
+            Err(ModelError::BadSafetensors { message, .. }) => {
+                assert!(message.contains("is not a safetensors dtype"), "{dtype}: {message}")
+            }
+            other => panic!("{dtype:?}: expected BadSafetensors, got {:?}", other.err()),
+        }
+    }
+}

@@ -212,15 +212,19 @@ fn read_text(path: &Path) -> Result<String, ModelError> {
     Ok(read_bounded_text(path, MAX_JSON_BYTES, "model.safetensors.index.json")?)
 }
 
+/// Bytes per element of the safetensors dtypes of whole bytes.
 fn dtype_size(dtype: &str) -> Option<u64> {
     Some(match dtype {
-        "F64" | "I64" | "U64" => 8,
+        "C64" | "F64" | "I64" | "U64" => 8,
         "F32" | "I32" | "U32" => 4,
         "F16" | "BF16" | "I16" | "U16" => 2,
-        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" => 1,
+        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 1,
         _ => return None,
     })
 }
+
+/// The safetensors dtypes narrower than a byte (packed; their byte counts are not checked).
+const SUB_BYTE_DTYPES: [&str; 3] = ["F4", "F6_E2M3", "F6_E3M2"];
 
 /// One tensor of the header as written: `{"dtype": …, "shape": […], "data_offsets": [b, e]}`
 /// (other fields ignored, as the reference parser does).
@@ -300,8 +304,12 @@ fn checked_entry(name: &str, e: RawEntry, file: usize, data_len: u64) -> Result<
         .map(|&d| usize::try_from(d).ok())
         .collect::<Option<_>>()
         .ok_or_else(|| format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape))?;
-    // A dtype this parser does not know (a future float8 in a vision tower, say) is only an
-    // error if the tensor is read; its bytes still take their place in the data section.
+    // Every dtype the safetensors format defines is accepted here (the sub-byte ones without a
+    // size check); a string it does not define makes the file invalid, as the reference parser
+    // says. Whether the loader can use a tensor's dtype is checked when it is read.
+    if !SUB_BYTE_DTYPES.contains(&e.dtype.as_str()) && dtype_size(&e.dtype).is_none() {
+        return Err(format!("{name}: dtype {:?} is not a safetensors dtype", e.dtype));
+    }
     if let Some(size) = dtype_size(&e.dtype) {
         let want = e.shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
         if want != Some(end - begin) {
