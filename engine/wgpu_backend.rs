@@ -12,7 +12,7 @@ use crate::learn::{
 };
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::{LoadOptions, Model};
-use crate::runtime::{GenerateParams, Session, SessionOptions};
+use crate::runtime::{GenerateParams, PromptCache, Session, SessionOptions};
 use crate::text::{ChatMessage, TextTokenizer};
 
 struct Loaded {
@@ -20,6 +20,10 @@ struct Loaded {
     model: Arc<Model>,
     session: Session,
     tokenizer: Option<Arc<TextTokenizer>>,
+    /// What the session's state can be reused for.
+    cache: PromptCache,
+    /// `<|im_start|>`, where chat turns start (a snapshot point of the prompt cache).
+    turn_start: Option<u32>,
 }
 
 /// The wgpu backend: one model, one session, any number of resident adapters, one active.
@@ -62,7 +66,12 @@ impl WgpuBackend {
             Some((id, scale)) => Some((self.find(id)?.clone(), *scale)),
             None => None,
         };
-        self.loaded()?.session.set_adapter(adapter)?;
+        let same = self.active == active;
+        let loaded = self.loaded()?;
+        loaded.session.set_adapter(adapter)?;
+        if !same {
+            loaded.cache.clear();
+        }
         self.active = active;
         Ok(())
     }
@@ -83,9 +92,18 @@ impl WgpuBackend {
         (2..).map(|n| format!("{wanted}-{n}")).find(|id| !taken(id)).unwrap_or_default()
     }
 
-    /// The session (for token-level control: feed, logits, switching between tokens).
+    /// The session (for token-level control: feed, logits, switching between tokens). What is
+    /// done with it is unknown to the prompt cache, which is cleared.
     pub fn session(&mut self) -> Result<&mut Session, BackendError> {
-        Ok(&mut self.loaded()?.session)
+        let loaded = self.loaded()?;
+        loaded.cache.clear();
+        Ok(&mut loaded.session)
+    }
+
+    /// The prompt cache: a request whose prompt starts with tokens the session already holds
+    /// prefills only the rest (see [`PromptCache`]; on by default).
+    pub fn prompt_cache(&mut self) -> Result<&mut PromptCache, BackendError> {
+        Ok(&mut self.loaded()?.cache)
     }
 
     /// Like [`LlmBackend::generate_tokens`], but the callback may switch adapters between
@@ -101,8 +119,15 @@ impl WgpuBackend {
         let resident = &self.resident;
         let mut active = self.active.clone();
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
-        loaded.session.reset();
-        let out = loaded.session.generate_with(prompt, params, |token, session| {
+        let fed = match loaded.cache.prepare(&mut loaded.session, prompt, loaded.turn_start) {
+            Ok(fed) => fed,
+            Err(e) => {
+                loaded.cache.clear();
+                return Err(e.into());
+            }
+        };
+        let mut switched = false;
+        let out = loaded.session.generate_from_with(prompt, fed, params, |token, session| {
             let mut switch = AdapterSwitch::default();
             let go_on = on_token(token, &mut switch);
             if let Some(request) = switch.request {
@@ -112,9 +137,15 @@ impl WgpuBackend {
                 };
                 session.set_adapter(adapter)?;
                 active = request;
+                switched = true;
             }
             Ok::<bool, BackendError>(go_on)
         });
+        match &out {
+            // Tokens before a switch were computed under another adapter.
+            Ok(tokens) if !switched => loaded.cache.finish(&loaded.session, prompt, tokens),
+            _ => loaded.cache.clear(),
+        }
         self.active = active;
         out
     }
@@ -128,7 +159,9 @@ impl WgpuBackend {
         self.resident.clear();
         self.active = None;
         self.trainer = None;
-        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer });
+        let turn_start = tokenizer.as_ref().and_then(|t| t.token_id("<|im_start|>"));
+        let cache = PromptCache::default();
+        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer, cache, turn_start });
         Ok(())
     }
 
@@ -163,8 +196,10 @@ impl WgpuBackend {
     fn training(&mut self) -> Result<(&mut Session, &mut Trainer, f32), BackendError> {
         let (id, trainer) = self.trainer.as_mut().ok_or(LearnError::NoTrainableAdapter)?;
         let scale = self.active.as_ref().filter(|(a, _)| a == id).map_or(1.0, |(_, s)| *s);
-        let session = &mut self.loaded.as_mut().ok_or(BackendError::NoModel)?.session;
-        Ok((session, trainer, scale))
+        let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
+        // A step changes the adapter's weights and runs its passes in the session.
+        loaded.cache.clear();
+        Ok((&mut loaded.session, trainer, scale))
     }
 
     /// One learning step on token-level events (see [`crate::learn`] for the loss).
@@ -260,9 +295,7 @@ impl LlmBackend for WgpuBackend {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>, BackendError> {
-        let session = &mut self.loaded()?.session;
-        session.reset();
-        Ok(session.generate(prompt, params, on_token)?)
+        self.generate_tokens_with(prompt, params, &mut |token, _| on_token(token))
     }
 
     fn tokenizer(&self) -> Option<Arc<TextTokenizer>> {
@@ -270,7 +303,9 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn embeddings_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
-        let session = &mut self.loaded()?.session;
+        let loaded = self.loaded()?;
+        loaded.cache.clear();
+        let session = &mut loaded.session;
         session.reset();
         let hidden = session.final_hidden(ids)?;
         session.reset();

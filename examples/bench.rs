@@ -17,6 +17,7 @@ use qwen35_wgpu::gpu::{Counters, Dtype, IoBindCache, Recorder, Timed};
 use qwen35_wgpu::kernels::misc::{stream_read, STREAM_GROUPS};
 use qwen35_wgpu::model::Mixer;
 use qwen35_wgpu::runtime::argmax;
+use qwen35_wgpu::runtime::PromptCache;
 use qwen35_wgpu::{
     GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session,
     SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
@@ -56,6 +57,10 @@ struct Args {
     /// kept in 16-bit).
     #[arg(long, value_parser = parse_quantize)]
     quantize: Option<QuantizeRecipe>,
+    /// Turns of a chat whose last turn is timed with and without the prompt cache (0 = skip):
+    /// each turn adds `--prompt` / 4 user tokens to the conversation and decodes `--decode`.
+    #[arg(long, default_value_t = 0)]
+    chat_turns: usize,
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
@@ -447,12 +452,70 @@ fn main() -> Result<()> {
     });
     let floor = floor.transpose()?;
     summary["bandwidth_floor"] = floor.into();
-    drop((session, model));
+    if args.chat_turns > 0 {
+        drop(session);
+        summary["prompt_cache"] = prompt_cache(&model, &args)?;
+    } else {
+        drop(session);
+    }
+    drop(model);
     if args.learn_tokens >= 2 {
         summary["learn"] = learn_step(&ctx, &args, &ids)?;
     }
     println!("{summary}");
     Ok(())
+}
+
+/// The last turn of an `args.chat_turns`-turn chat (token ids; the conversation so far, plus
+/// the reply, plus the new user tokens), timed with the prompt cache (turns 1..N−1 run first, so
+/// the session holds the conversation up to the last reply) and without (a full prefill).
+fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
+    let vocab = model.config.vocab_size as u32;
+    let user = (args.prompt / 4).max(1);
+    let turns = args.chat_turns;
+    let opts = SessionOptions { max_context: turns * (user + args.decode) + 16, max_batch: args.prompt.max(1) };
+    let params = GenerateParams { stop_at_eos: false, ..greedy(args.decode) };
+    let turn = |session: &mut Session, cache: &mut PromptCache, prompt: &[u32]| -> Result<(Vec<u32>, f64)> {
+        let t = Instant::now();
+        let fed = cache.prepare(session, prompt, None)?;
+        let out = session.generate_from_with(prompt, fed, &params, |_, _| Ok::<_, qwen35_wgpu::RunError>(true))?;
+        let s = t.elapsed().as_secs_f64();
+        cache.finish(session, prompt, &out);
+        Ok((out, s))
+    };
+    let (mut with, mut without) = (Series::default(), Series::default());
+    let mut last_prompt = 0;
+    for repeat in 0..=args.repeats {
+        for cached in [true, false] {
+            let mut session = Session::new(model.clone(), opts.clone())?;
+            let mut cache = PromptCache::default();
+            cache.set_enabled(cached);
+            let mut conversation = Vec::new();
+            let mut last = 0.0;
+            for k in 0..turns {
+                conversation.extend((0..user as u32).map(|i| (i * 7919 + 13 + k as u32 * 104_729) % vocab));
+                let (out, s) = turn(&mut session, &mut cache, &conversation)?;
+                last_prompt = conversation.len();
+                conversation.extend(out);
+                last = s;
+            }
+            if repeat > 0 {
+                if cached {
+                    with.0.push(last)
+                } else {
+                    without.0.push(last)
+                }
+            }
+        }
+    }
+    Ok(serde_json::json!({
+        "turns": turns,
+        "last_turn_prompt_tokens": last_prompt,
+        "decode_tokens": args.decode,
+        "last_turn_s_with_cache": with.json(),
+        "last_turn_s_without_cache": without.json(),
+        "speedup": without.median() / with.median(),
+    }))
 }
 
 /// The distinct dtypes of the model's matrices, e.g. `["BF16"]` or `["affine 4-bit g64 BF16"]`.

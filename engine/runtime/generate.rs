@@ -17,9 +17,8 @@
 //!
 //! Every path refuses a row of logits with a NaN or an infinity ([`RunError::NonFiniteLogits`]):
 //! the CPU paths look at the row, the GPU paths read back a flag that the argmax pass computes
-//! over the whole row (4 bytes more a token). Weights that overflow are caught this way, not by a
-//! scan of the checkpoint at load (a pass over every weight for a rare fault); weights that only
-//! make the output garbage without overflowing are not caught at all.
+//! over the whole row (4 bytes more a token). Checkpoint weights are bounded at load; products
+//! that still overflow (an adapter and scale at their bounds, say) are caught this way.
 
 use std::collections::BTreeSet;
 
@@ -85,8 +84,30 @@ impl Session {
         &mut self,
         prompt: &[u32],
         params: &GenerateParams,
+        on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
+    ) -> Result<Vec<u32>, E> {
+        self.generate_from_with(prompt, 0, params, on_token)
+    }
+
+    /// Like [`Session::generate_with`] for a `prompt` whose first `fed` tokens the session
+    /// already holds (its last `fed` positions, e.g. restored from a snapshot): only the rest is
+    /// prefilled, while the whole prompt is the history a repetition penalty sees.
+    pub fn generate_from_with<E: From<RunError>>(
+        &mut self,
+        prompt: &[u32],
+        fed: usize,
+        params: &GenerateParams,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
+        if fed >= prompt.len().max(1) || fed > self.pos {
+            return Err(RunError::BadParam {
+                name: "fed",
+                value: format!("{fed} of a {}-token prompt at position {}", prompt.len(), self.pos),
+                expected: "fewer tokens than the prompt has, all of them in the session",
+            }
+            .into());
+        }
+        let (history_prompt, prompt) = (prompt, &prompt[fed..]);
         let mut sampler = Sampler::from_params(params)?;
         let eos = self.model.eos_token_ids.clone();
         let mut out = Vec::new();
@@ -98,9 +119,9 @@ impl Session {
         }
         let vocab = self.model.config.vocab_size;
         if let Some(k) = sampler.gpu_candidates(vocab, topk_max(vocab)) {
-            return self.generate_sampled(prompt, params, sampler, k, on_token);
+            return self.generate_sampled(history_prompt, fed, params, sampler, k, on_token);
         }
-        let mut history = prompt.to_vec();
+        let mut history = history_prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
             let row = logits.last();
@@ -122,12 +143,13 @@ impl Session {
     fn generate_sampled<E: From<RunError>>(
         &mut self,
         prompt: &[u32],
+        fed: usize,
         params: &GenerateParams,
         mut sampler: Sampler,
         k: usize,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
-        let last = self.prefill_leading(prompt)?;
+        let last = self.prefill_leading(&prompt[fed..])?;
         let eos = self.model.eos_token_ids.clone();
         let vocab = self.model.config.vocab_size;
         let mut history: Vec<u32> = prompt.to_vec();

@@ -3,11 +3,13 @@
 pub(crate) mod cache;
 pub(crate) mod forward;
 mod generate;
+mod prompt_cache;
 mod sampler;
 mod session;
 
 pub use cache::rope_table;
 pub use generate::GenerateParams;
+pub use prompt_cache::{PromptCache, PromptCacheStats, MAX_SNAPSHOTS};
 pub(crate) use sampler::SplitMix64;
 pub use sampler::{argmax, Sampler, MIN_TEMPERATURE};
-pub use session::{ActiveAdapter, Logits, Session, SessionOptions, MAX_BATCH, MAX_CONTEXT};
+pub use session::{ActiveAdapter, Logits, Session, SessionOptions, StateSnapshot, MAX_BATCH, MAX_CONTEXT};

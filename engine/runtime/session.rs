@@ -97,6 +97,24 @@ impl SampleBuffers {
     }
 }
 
+/// A session's GDN states at a position ([`Session::snapshot`]), on the GPU.
+pub struct StateSnapshot {
+    pos: usize,
+    buffers: Vec<wgpu::Buffer>,
+}
+
+impl StateSnapshot {
+    /// The position it was taken at (the number of tokens the session held).
+    pub fn position(&self) -> usize {
+        self.pos
+    }
+
+    /// GPU bytes it holds.
+    pub fn bytes(&self) -> u64 {
+        self.buffers.iter().map(wgpu::Buffer::size).sum()
+    }
+}
+
 /// One sequence's state on a model.
 pub struct Session {
     pub(crate) model: Arc<Model>,
@@ -273,6 +291,76 @@ impl Session {
         ctx.submit(enc.finish(), 0);
         self.pos = 0;
         self.epoch += 1;
+    }
+
+    /// Run `ids` through the model at the current position without reading anything back (a
+    /// prompt's prefix whose logits nobody needs), in chunks of at most `max_batch`.
+    pub fn prefill(&mut self, ids: &[u32]) -> Result<(), RunError> {
+        self.check(ids)?;
+        for chunk in ids.chunks(self.opts.max_batch) {
+            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.commit(chunk.len());
+        }
+        Ok(())
+    }
+
+    /// A copy of the state the next step starts from: the position and every GDN layer's conv
+    /// and recurrent state (the KV cache needs no copy: positions below this one are only
+    /// written again after the session moves back past them). `reuse` gives back the buffers
+    /// of an older snapshot of this session.
+    pub fn snapshot(&self, reuse: Option<StateSnapshot>) -> Result<StateSnapshot, RunError> {
+        let ctx = self.ctx();
+        let mut buffers = reuse.map(|s| s.buffers).unwrap_or_default();
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("snapshot") });
+        let mut i = 0;
+        for st in &self.states {
+            if let LayerState::Gdn { conv, state } = st {
+                for src in [&conv[self.parity], &state[self.parity]] {
+                    if buffers.len() <= i || buffers[i].size() != src.size() {
+                        let b = ctx.storage_buffer("state snapshot", src.size(), false)?;
+                        if i < buffers.len() {
+                            buffers[i] = b;
+                        } else {
+                            buffers.push(b);
+                        }
+                    }
+                    enc.copy_buffer_to_buffer(src, 0, &buffers[i], 0, src.size());
+                    i += 1;
+                }
+            }
+        }
+        buffers.truncate(i);
+        ctx.submit(enc.finish(), 0);
+        Ok(StateSnapshot { pos: self.pos, buffers })
+    }
+
+    /// Go back to `snap` (taken from this session, and no later position than this one): the
+    /// next step runs at its position with its GDN states.
+    pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
+        let gdn = self.states.iter().filter(|s| matches!(s, LayerState::Gdn { .. })).count();
+        if snap.pos > self.pos || snap.buffers.len() != 2 * gdn {
+            return Err(RunError::BadParam {
+                name: "snapshot",
+                value: format!("position {} with {} buffers", snap.pos, snap.buffers.len()),
+                expected: "a snapshot of this session at or before its position",
+            });
+        }
+        let ctx = self.ctx();
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("restore") });
+        let mut copies = snap.buffers.iter();
+        for st in &self.states {
+            if let LayerState::Gdn { conv, state } = st {
+                for dst in [&conv[self.parity], &state[self.parity]] {
+                    if let Some(src) = copies.next() {
+                        enc.copy_buffer_to_buffer(src, 0, dst, 0, dst.size().min(src.size()));
+                    }
+                }
+            }
+        }
+        ctx.submit(enc.finish(), 0);
+        self.pos = snap.pos;
+        self.epoch += 1;
+        Ok(())
     }
 
     /// Time every dispatch of the following steps on the GPU (one list per submit) until

@@ -1,0 +1,139 @@
+//! Reusing a session's state across requests: a request whose prompt starts with tokens the
+//! session already computed (under the same adapter, scale and weights) prefills only the rest.
+//!
+//! The KV cache can be cut back to any position for free (later positions are overwritten), but
+//! the GDN conv and recurrent states cannot be rolled back, so the cache keeps
+//! [`StateSnapshot`]s at two points of every prompt it prefills: before the last turn-start
+//! token (`<|im_start|>`, where the next chat turn's prompt goes on differently: Qwen's template
+//! re-renders the previous assistant turn without its reasoning) and before the prompt's last
+//! token. A new prompt continues from the session's state when it extends the tokens held, else
+//! from the longest snapshot that is a prefix of it, else from scratch. Anything that changes
+//! what the tokens computed (another adapter or scale, a learning step, direct use of the
+//! session) clears the cache; the owner calls [`PromptCache::clear`].
+
+use crate::error::RunError;
+use crate::runtime::session::{Session, StateSnapshot};
+
+/// Snapshots kept (oldest dropped first): two per request, so the last two turns. At the 0.8B
+/// dimensions one is 19 MiB (18 GDN layers: a 1 MiB recurrent state and a 72 KiB conv history
+/// each), so the cache holds at most 77 MiB.
+pub const MAX_SNAPSHOTS: usize = 4;
+
+/// What the prompt cache did so far.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PromptCacheStats {
+    /// Requests served.
+    pub requests: u64,
+    /// Prompt tokens not prefilled because the session already held them.
+    pub reused_tokens: u64,
+    /// Prompt tokens prefilled.
+    pub prefilled_tokens: u64,
+}
+
+/// The tokens a session holds and snapshots of its states (see the module docs).
+pub struct PromptCache {
+    enabled: bool,
+    /// The tokens the session's state holds, when known.
+    tokens: Option<Vec<u32>>,
+    /// (the tokens before it, the snapshot), oldest first.
+    snapshots: Vec<(Vec<u32>, StateSnapshot)>,
+    stats: PromptCacheStats,
+}
+
+impl Default for PromptCache {
+    fn default() -> Self {
+        Self { enabled: true, tokens: None, snapshots: Vec::new(), stats: PromptCacheStats::default() }
+    }
+}
+
+fn common_prefix(a: &[u32], b: &[u32]) -> usize {
+    a.iter().zip(b).take_while(|(x, y)| x == y).count()
+}
+
+impl PromptCache {
+    /// Turn reuse on or off (off: every request starts from scratch). On by default.
+    pub fn set_enabled(&mut self, on: bool) {
+        self.enabled = on;
+        self.clear();
+    }
+
+    /// Whether reuse is on.
+    pub fn enabled(&self) -> bool {
+        self.enabled
+    }
+
+    /// Forget what the session holds (its state no longer matches any tokens).
+    pub fn clear(&mut self) {
+        self.tokens = None;
+        self.snapshots.clear();
+    }
+
+    /// Counters since the cache was made.
+    pub fn stats(&self) -> PromptCacheStats {
+        self.stats
+    }
+
+    /// Bring `session` to a state that holds a prefix of `prompt` and return its length (fewer
+    /// than `prompt.len()` tokens, so the request still has a token to run), prefilling up to
+    /// each snapshot point on the way. `turn_start` is the tokenizer's `<|im_start|>` id.
+    pub fn prepare(
+        &mut self,
+        session: &mut Session,
+        prompt: &[u32],
+        turn_start: Option<u32>,
+    ) -> Result<usize, RunError> {
+        let limit = prompt.len().saturating_sub(1);
+        let mut fed = 0;
+        match (&self.tokens, self.enabled) {
+            (Some(held), true) if held.len() <= limit && common_prefix(held, prompt) == held.len() => {
+                fed = held.len();
+            }
+            (_, true) => {
+                let best = self
+                    .snapshots
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, (t, _))| t.len() <= limit && common_prefix(t, prompt) == t.len())
+                    .max_by_key(|(_, (t, _))| t.len())
+                    .map(|(i, _)| i);
+                match best {
+                    Some(i) => {
+                        session.restore(&self.snapshots[i].1)?;
+                        fed = self.snapshots[i].0.len();
+                    }
+                    None => session.reset(),
+                }
+            }
+            (_, false) => session.reset(),
+        }
+        // Snapshots past the point the prompt goes on from will be overwritten.
+        self.snapshots.retain(|(t, _)| t.len() <= fed && common_prefix(t, prompt) == t.len());
+        self.tokens = None;
+        self.stats.requests += 1;
+        self.stats.reused_tokens += fed as u64;
+        self.stats.prefilled_tokens += (prompt.len() - fed) as u64;
+        if self.enabled {
+            let turn = turn_start.and_then(|id| prompt[..limit].iter().rposition(|&t| t == id));
+            for point in [turn, Some(limit)].into_iter().flatten() {
+                if point > fed {
+                    session.prefill(&prompt[fed..point])?;
+                    fed = point;
+                    let reuse = (self.snapshots.len() >= MAX_SNAPSHOTS).then(|| self.snapshots.remove(0).1);
+                    let snap = session.snapshot(reuse)?;
+                    self.snapshots.push((prompt[..point].to_vec(), snap));
+                }
+            }
+        }
+        Ok(fed)
+    }
+
+    /// After a request on `prompt` generated `out`: the session holds the first
+    /// `session.position()` tokens of the two.
+    pub fn finish(&mut self, session: &Session, prompt: &[u32], out: &[u32]) {
+        if !self.enabled {
+            return;
+        }
+        let held: Vec<u32> = prompt.iter().chain(out).copied().take(session.position()).collect();
+        self.tokens = (held.len() == session.position()).then_some(held);
+    }
+}

@@ -1,0 +1,176 @@
+//! The prompt cache: a chat that grows turn by turn prefills only what is new, gives the same
+//! tokens as starting from scratch, and starts over whenever the adapter, its scale or its
+//! weights change.
+
+mod common;
+
+use std::path::PathBuf;
+
+use common::{gpu, root};
+use qwen35_wgpu::runtime::PromptCacheStats;
+use qwen35_wgpu::{
+    ChatMessage, ChatRequest, GenerateParams, LlmBackend, SessionOptions, TextTokenizer, TrainSpec, WgpuBackend,
+};
+
+fn demo_dir() -> PathBuf {
+    root().join("examples/assets/demo")
+}
+
+fn backend(cache: bool) -> Option<WgpuBackend> {
+    let ctx = gpu()?;
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    b.prompt_cache().expect("loaded").set_enabled(cache);
+    Some(b)
+}
+
+const QUESTIONS: [&str; 4] =
+    ["What color is the sky?", "Where is the cat?", "What is the apple?", "What color is the sky?"];
+
+fn params() -> GenerateParams {
+    GenerateParams { max_tokens: 12, ..Default::default() }
+}
+
+/// A 4-turn chat: each turn's prompt is the whole conversation so far. Returns every reply and
+/// the cache's counters after each turn.
+fn chat(b: &mut WgpuBackend, params: &GenerateParams) -> (Vec<String>, Vec<PromptCacheStats>) {
+    let mut messages = Vec::new();
+    let (mut replies, mut stats) = (Vec::new(), Vec::new());
+    for q in QUESTIONS {
+        messages.push(ChatMessage::new("user", q));
+        let reply = b.chat(&ChatRequest::new(messages.clone()), params, &mut |_| true).expect("chat");
+        messages.push(ChatMessage::new("assistant", &reply.content));
+        replies.push(reply.text);
+        stats.push(b.prompt_cache().expect("loaded").stats());
+    }
+    (replies, stats)
+}
+
+fn prompt_len(messages: &[ChatMessage]) -> u64 {
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    tok.encode_prompt(&tok.apply_chat_template(messages).expect("render")).expect("encode").len() as u64
+}
+
+#[test]
+fn a_growing_chat_prefills_only_the_new_turn_and_answers_as_without_the_cache() {
+    let (Some(mut cached), Some(mut fresh)) = (backend(true), backend(false)) else { return };
+    for p in [params(), GenerateParams { temperature: 0.8, top_k: 5, seed: 3, ..params() }] {
+        let (with, stats) = chat(&mut cached, &p);
+        let (without, fresh_stats) = chat(&mut fresh, &p);
+        assert_eq!(with, without, "replies with and without the cache");
+        assert!(with.iter().all(|r| !r.is_empty()));
+        assert_eq!(fresh_stats.last().expect("4").reused_tokens, 0);
+        // Turn 1 of the first chat starts from nothing; every later turn reuses everything up to
+        // the previous turn's assistant header, so it prefills that answer and the new question.
+        for t in 1..4 {
+            let reused = stats[t].reused_tokens - stats[t - 1].reused_tokens;
+            let prefilled = stats[t].prefilled_tokens - stats[t - 1].prefilled_tokens;
+            assert!(reused > prefilled, "turn {}: reused {reused}, prefilled {prefilled}", t + 1);
+        }
+    }
+}
+
+/// Something done to the backend between two turns.
+type Change<'a> = Box<dyn Fn(&mut WgpuBackend) + 'a>;
+
+#[test]
+fn another_adapter_scale_or_a_learning_step_starts_over() {
+    let Some(mut b) = backend(true) else { return };
+    let id = b.preload_adapter(&demo_dir().join("adapters/shout"), None).expect("adapter");
+    let q1 = vec![ChatMessage::new("user", QUESTIONS[0])];
+    let turn2 = |b: &mut WgpuBackend| {
+        let reply = b.chat(&ChatRequest::new(q1.clone()), &params(), &mut |_| true).expect("turn 1");
+        let mut m = q1.clone();
+        m.push(ChatMessage::new("assistant", &reply.content));
+        m.push(ChatMessage::new("user", QUESTIONS[1]));
+        m
+    };
+    let stats = |b: &mut WgpuBackend| b.prompt_cache().expect("loaded").stats();
+    let changes: [(&str, Change); 4] = [
+        ("nothing", Box::new(|_| {})),
+        ("activate", Box::new(|b| b.activate_adapter(&id, 1.0).expect("activate"))),
+        ("scale", Box::new(|b| b.set_adapter_scale(0.5).expect("scale"))),
+        ("deactivate", Box::new(|b| b.deactivate_adapter().expect("off"))),
+    ];
+    for (what, change) in changes {
+        let m = turn2(&mut b);
+        change(&mut b);
+        let before = stats(&mut b);
+        b.chat(&ChatRequest::new(m.clone()), &params(), &mut |_| true).expect("turn 2");
+        let after = stats(&mut b);
+        let (reused, prefilled) =
+            (after.reused_tokens - before.reused_tokens, after.prefilled_tokens - before.prefilled_tokens);
+        if what == "nothing" {
+            assert!(reused > 0, "{what}: the unchanged state is reused");
+        } else {
+            assert_eq!((reused, prefilled), (0, prompt_len(&m)), "{what}: the whole prompt is prefilled again");
+        }
+    }
+    // A learning step changes the weights the cached tokens were computed with.
+    b.create_trainable_adapter(&TrainSpec::default()).expect("trainable");
+    let m = turn2(&mut b);
+    let events = [qwen35_wgpu::FeedbackEvent {
+        prompt: QUESTIONS[0].into(),
+        response: "The sky is green.".into(),
+        signal: qwen35_wgpu::Signal::Preferred,
+    }];
+    b.learn(&events, &Default::default()).expect("step");
+    let before = stats(&mut b);
+    b.chat(&ChatRequest::new(m.clone()), &params(), &mut |_| true).expect("after learning");
+    let after = stats(&mut b);
+    assert_eq!(after.reused_tokens, before.reused_tokens, "a learning step invalidates the cache");
+}
+
+#[test]
+fn a_prompt_that_leaves_the_held_tokens_midway_goes_back_to_a_snapshot() {
+    let (Some(mut cached), Some(mut fresh)) = (backend(true), backend(false)) else { return };
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let first =
+        tok.encode_prompt(&tok.apply_chat_template(&[ChatMessage::new("user", QUESTIONS[0])]).expect("r")).expect("e");
+    let out = cached.generate_ids(&first, &params()).expect("turn 1");
+    assert!(out.len() > 3);
+    // The next prompt keeps the first two generated tokens, then goes elsewhere.
+    let mut next = first.clone();
+    next.extend_from_slice(&out[..2]);
+    next.extend(
+        tok.encode_prompt("<|im_end|>\n<|im_start|>user\nWhere is the cat?<|im_end|>\n<|im_start|>assistant\n")
+            .expect("e"),
+    );
+    let before = cached.prompt_cache().expect("loaded").stats();
+    let got = cached.generate_ids(&next, &params()).expect("turn 2");
+    let after = cached.prompt_cache().expect("loaded").stats();
+    assert_eq!(got, fresh.generate_ids(&next, &params()).expect("fresh"), "same tokens as from scratch");
+    let reused = after.reused_tokens - before.reused_tokens;
+    assert!(reused > 0 && reused < first.len() as u64, "restored to the snapshot before the last turn start: {reused}");
+}
+
+#[test]
+fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
+    let Some(ctx) = gpu() else { return };
+    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
+    let opts = SessionOptions { max_context: 256, max_batch: 8 };
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let turn_start = tok.token_id("<|im_start|>");
+    let ids = |text: &str| tok.encode_prompt(text).expect("encode");
+    let first = ids("<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\nThe sky");
+    let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
+    let mut cache = qwen35_wgpu::runtime::PromptCache::default();
+    // Request 1, then three more tokens: the session is well past both snapshots.
+    let fed = cache.prepare(&mut s, &first, turn_start).expect("prepare");
+    assert_eq!(fed, first.len() - 1, "both snapshot points prefilled");
+    s.feed(&first[fed..]).expect("last token");
+    s.feed(&ids(" is blue")).expect("more");
+    cache.finish(&s, &first, &[]);
+    // Request 2 leaves request 1 inside its assistant turn: back to the snapshot before
+    // `<|im_start|>assistant`, whose GDN states must be those of that position.
+    let start = first.iter().rposition(|&t| Some(t) == turn_start).expect("turn start");
+    let mut second = first[..start].to_vec();
+    second.extend(ids("<|im_start|>user\nWhere is the cat?<|im_end|>\n<|im_start|>assistant\n"));
+    let fed = cache.prepare(&mut s, &second, turn_start).expect("prepare");
+    assert!(fed >= start, "reused up to the turn start at least: {fed}");
+    let got = s.feed(&second[fed..]).expect("rest");
+    let mut full = qwen35_wgpu::Session::new(model, opts).expect("session");
+    let want = full.feed(&second).expect("full prefill");
+    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
+}
