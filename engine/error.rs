@@ -191,28 +191,10 @@ pub enum ModelError {
         /// This tensor's dtype.
         found: String,
     },
-    /// A file the directory names is a directory, FIFO, device or socket.
-    #[error("{what} {path} is not a regular file (it is {kind})")]
-    NotRegularFile {
-        /// Which file.
-        what: String,
-        /// The path.
-        path: PathBuf,
-        /// What it is instead.
-        kind: &'static str,
-    },
-    /// A file is larger than the engine reads for its kind.
-    #[error("{what} {path} has {size} bytes, more than the {limit}-byte bound")]
-    FileTooLarge {
-        /// Which file.
-        what: String,
-        /// The path.
-        path: PathBuf,
-        /// Its length.
-        size: u64,
-        /// The bound.
-        limit: u64,
-    },
+    /// A file the directory names is not a regular file, or larger than the engine reads for
+    /// its kind ([`FileError::NotRegular`], [`FileError::TooLarge`]).
+    #[error(transparent)]
+    File(FileError),
     /// A GPU error while uploading.
     #[error(transparent)]
     Gpu(#[from] GpuError),
@@ -411,28 +393,10 @@ pub enum AdapterError {
     /// The scale is not a finite number of magnitude at most [`crate::lora::MAX_SCALE`].
     #[error("adapter scale {0} is not a finite number with |scale| <= 1000")]
     BadScale(f32),
-    /// A file of the adapter is a directory, FIFO, device or socket.
-    #[error("{what} {path} is not a regular file (it is {kind})")]
-    NotRegularFile {
-        /// Which file.
-        what: String,
-        /// The path.
-        path: PathBuf,
-        /// What it is instead.
-        kind: &'static str,
-    },
-    /// A file of the adapter is larger than the engine reads for its kind.
-    #[error("{what} {path} has {size} bytes, more than the {limit}-byte bound")]
-    FileTooLarge {
-        /// Which file.
-        what: String,
-        /// The path.
-        path: PathBuf,
-        /// Its length.
-        size: u64,
-        /// The bound.
-        limit: u64,
-    },
+    /// A file of the adapter is not a regular file, or larger than the engine reads for its
+    /// kind ([`FileError::NotRegular`], [`FileError::TooLarge`]).
+    #[error(transparent)]
+    File(FileError),
     /// The same (layer, projection) twice: under both the text-class and the VLM-class prefix,
     /// or a factor given twice.
     #[error("adapter key {key} adapts the same module as {other}")]
@@ -523,8 +487,7 @@ impl From<FileError> for ModelError {
     fn from(e: FileError) -> Self {
         match e {
             FileError::Io { path, source } => ModelError::Io { path, source },
-            FileError::NotRegular { what, path, kind } => ModelError::NotRegularFile { what, path, kind },
-            FileError::TooLarge { what, path, size, limit } => ModelError::FileTooLarge { what, path, size, limit },
+            other => ModelError::File(other),
         }
     }
 }
@@ -533,8 +496,7 @@ impl From<FileError> for AdapterError {
     fn from(e: FileError) -> Self {
         match e {
             FileError::Io { path, source } => AdapterError::Io { path, source },
-            FileError::NotRegular { what, path, kind } => AdapterError::NotRegularFile { what, path, kind },
-            FileError::TooLarge { what, path, size, limit } => AdapterError::FileTooLarge { what, path, size, limit },
+            other => AdapterError::File(other),
         }
     }
 }

@@ -4,7 +4,8 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{damaged_model, fixture_model, gpu, scratch_copy, write_tensors, Tensors};
+use common::{damaged_model, fixture_model, gpu, scratch_copy, Tensors};
+use qwen35_wgpu::error::FileError;
 use qwen35_wgpu::model::{Checkpoint, Dtype, Mixer};
 use qwen35_wgpu::{Model, ModelError, TextConfig};
 
@@ -210,14 +211,7 @@ fn vision_and_mtp_tensors_are_ignored() {
 /// A copy of the MLX 4-bit fixture with `edit` applied to its tensors and `config` to its
 /// config.json.
 fn damaged_mlx(tag: &str, edit: impl FnOnce(&mut Tensors), config: impl FnOnce(&mut serde_json::Value)) -> PathBuf {
-    let dir = scratch_copy(&fixture_model("mlx_q4_g64"), tag);
-    let file = dir.join("model.safetensors");
-    let bytes = std::fs::read(&file).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("parse");
-    let mut tensors: Tensors =
-        st.tensors().into_iter().map(|(n, v)| (n, v.dtype(), v.shape().to_vec(), v.data().to_vec())).collect();
-    edit(&mut tensors);
-    write_tensors(&file, tensors);
+    let dir = damaged_model("mlx_q4_g64", tag, edit);
     let path = dir.join("config.json");
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
@@ -433,7 +427,7 @@ fn devices_fifos_and_huge_files_are_refused_before_reading() {
         link(dev, &config);
         let e = TextConfig::from_dir(&dir).expect_err(dev);
         assert!(
-            matches!(&e, ModelError::NotRegularFile { what, kind, .. } if what == "config.json" && *kind == "a character device"),
+            matches!(&e, ModelError::File(FileError::NotRegular { what, kind, .. }) if what == "config.json" && *kind == "a character device"),
             "{e}"
         );
         assert!(e.to_string().contains("not a regular file"), "{e}");
@@ -443,28 +437,28 @@ fn devices_fifos_and_huge_files_are_refused_before_reading() {
     let ok = std::process::Command::new("mkfifo").arg(&config).status().expect("mkfifo");
     assert!(ok.success());
     let e = TextConfig::from_dir(&dir).expect_err("fifo");
-    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    assert!(matches!(&e, ModelError::File(FileError::NotRegular { kind, .. }) if *kind == "a FIFO"), "{e}");
     // A sparse 1 GiB config.json is refused by its length.
     std::fs::remove_file(&config).expect("rm");
     std::fs::File::create(&config).and_then(|f| f.set_len(1 << 30)).expect("sparse");
     let e = TextConfig::from_dir(&dir).expect_err("sparse");
-    assert!(matches!(&e, ModelError::FileTooLarge { size, .. } if *size == 1 << 30), "{e}");
+    assert!(matches!(&e, ModelError::File(FileError::TooLarge { size, .. }) if *size == 1 << 30), "{e}");
     // The weights file as a device or FIFO is named as such, not "no model.safetensors".
     link("/dev/null", &weights);
     let e = Checkpoint::open_dir(&dir).err().expect("/dev/null weights");
-    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a character device"), "{e}");
+    assert!(matches!(&e, ModelError::File(FileError::NotRegular { kind, .. }) if *kind == "a character device"), "{e}");
     std::fs::remove_file(&weights).expect("rm");
     let ok = std::process::Command::new("mkfifo").arg(&weights).status().expect("mkfifo");
     assert!(ok.success());
     let e = Checkpoint::open_dir(&dir).err().expect("fifo weights");
-    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    assert!(matches!(&e, ModelError::File(FileError::NotRegular { kind, .. }) if *kind == "a FIFO"), "{e}");
     // A sharded index that is a FIFO.
     std::fs::remove_file(&weights).expect("rm");
     let index = dir.join("model.safetensors.index.json");
     let ok = std::process::Command::new("mkfifo").arg(&index).status().expect("mkfifo");
     assert!(ok.success());
     let e = Checkpoint::open_dir(&dir).err().expect("fifo index");
-    assert!(matches!(&e, ModelError::NotRegularFile { kind, .. } if *kind == "a FIFO"), "{e}");
+    assert!(matches!(&e, ModelError::File(FileError::NotRegular { kind, .. }) if *kind == "a FIFO"), "{e}");
 }
 
 #[test]

@@ -500,10 +500,7 @@ impl From<ModelError> for AdapterError {
             ModelError::Io { path, source } => AdapterError::Io { path, source },
             ModelError::BadSafetensors { path, message } => AdapterError::BadSafetensors { path, message },
             ModelError::Gpu(g) => AdapterError::Gpu(g),
-            ModelError::NotRegularFile { what, path, kind } => AdapterError::NotRegularFile { what, path, kind },
-            ModelError::FileTooLarge { what, path, size, limit } => {
-                AdapterError::FileTooLarge { what, path, size, limit }
-            }
+            ModelError::File(f) => AdapterError::File(f),
             other => AdapterError::BadSafetensors { path: PathBuf::new(), message: other.to_string() },
         }
     }
