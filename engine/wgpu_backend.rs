@@ -66,12 +66,11 @@ impl WgpuBackend {
             Some((id, scale)) => Some((self.find(id)?.clone(), *scale)),
             None => None,
         };
-        let same = self.active == active;
         let loaded = self.loaded()?;
         loaded.session.set_adapter(adapter)?;
-        if !same {
-            loaded.cache.clear();
-        }
+        // Always: `session()` may have bound something else meanwhile, so an unchanged
+        // `self.active` does not prove the cached tokens were computed with this adapter.
+        loaded.cache.clear();
         self.active = active;
         Ok(())
     }

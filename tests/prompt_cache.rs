@@ -86,11 +86,29 @@ fn another_adapter_scale_or_a_learning_step_starts_over() {
         m
     };
     let stats = |b: &mut WgpuBackend| b.prompt_cache().expect("loaded").stats();
-    let changes: [(&str, Change); 4] = [
+    let shout = demo_dir().join("adapters/shout");
+    let changes: [(&str, Change); 7] = [
         ("nothing", Box::new(|_| {})),
         ("activate", Box::new(|b| b.activate_adapter(&id, 1.0).expect("activate"))),
         ("scale", Box::new(|b| b.set_adapter_scale(0.5).expect("scale"))),
         ("deactivate", Box::new(|b| b.deactivate_adapter().expect("off"))),
+        ("load", Box::new(|b| drop(b.load_adapter(&shout, 1.0).expect("load")))),
+        (
+            "remove",
+            Box::new(|b| {
+                let active = b.active_adapter().expect("query").expect("active").id;
+                b.remove_adapter(&active).expect("remove")
+            }),
+        ),
+        // Direct use of the session: the backend cannot know what it changed.
+        (
+            "session()",
+            Box::new(|b| {
+                let a = b.session().expect("session").model().clone();
+                let adapter = std::sync::Arc::new(qwen35_wgpu::LoraAdapter::load(&a, &shout).expect("adapter"));
+                b.session().expect("session").set_adapter(Some((adapter, 1.0))).expect("bind");
+            }),
+        ),
     ];
     for (what, change) in changes {
         let m = turn2(&mut b);
@@ -141,7 +159,10 @@ fn a_prompt_that_leaves_the_held_tokens_midway_goes_back_to_a_snapshot() {
     let after = cached.prompt_cache().expect("loaded").stats();
     assert_eq!(got, fresh.generate_ids(&next, &params()).expect("fresh"), "same tokens as from scratch");
     let reused = after.reused_tokens - before.reused_tokens;
-    assert!(reused > 0 && reused < first.len() as u64, "restored to the snapshot before the last turn start: {reused}");
+    assert!(
+        reused > 0 && reused < first.len() as u64,
+        "restored to the snapshot before request 1's last token: {reused}"
+    );
 }
 
 #[test]
