@@ -443,9 +443,8 @@ impl Session {
         self.check(prompt)?;
         let batch = self.opts.max_batch;
         let head = (prompt.len() - 1) / batch * batch;
-        for chunk in prompt[..head].chunks(batch) {
-            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
-            self.commit(chunk.len());
+        if head > 0 {
+            self.prefill(&prompt[..head])?;
         }
         Ok(&prompt[head..])
     }

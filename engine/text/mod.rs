@@ -138,19 +138,19 @@ impl TextTokenizer {
     /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
     /// ids; the post-processor's own additions are applied as transformers does by default).
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TextError> {
-        let enc = self
-            .inner
-            .encode(text, true)
-            .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
-        Ok(enc.get_ids().to_vec())
+        self.encode_with(text, true)
     }
 
     /// Token ids of a rendered chat prompt: as transformers' `apply_chat_template` tokenizes,
     /// without the post-processor's additions (the template writes any BOS itself).
     pub fn encode_prompt(&self, text: &str) -> Result<Vec<u32>, TextError> {
+        self.encode_with(text, false)
+    }
+
+    fn encode_with(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, TextError> {
         let enc = self
             .inner
-            .encode(text, false)
+            .encode(text, add_special_tokens)
             .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
         Ok(enc.get_ids().to_vec())
     }

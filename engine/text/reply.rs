@@ -97,16 +97,12 @@ pub struct ReplyParser {
     types: HashMap<String, HashMap<String, bool>>,
 }
 
-fn is_prefix_of_any(tail: &str, tags: &[&str]) -> bool {
-    tags.iter().any(|t| t.starts_with(tail))
-}
-
-/// The length of the longest suffix of `s` that is a proper prefix of one of `tags`.
-fn partial_tag_len(s: &str, tags: &[&str]) -> usize {
-    let longest = tags.iter().map(|t| t.len()).max().unwrap_or(0);
-    (1..longest.min(s.len() + 1))
+/// The length of the longest suffix of `s` that is a proper prefix of `tag` (text that may
+/// still become the tag).
+fn partial_tag_len(s: &str, tag: &str) -> usize {
+    (1..tag.len().min(s.len() + 1))
         .rev()
-        .find(|&n| s.is_char_boundary(s.len() - n) && is_prefix_of_any(&s[s.len() - n..], tags))
+        .find(|&n| s.is_char_boundary(s.len() - n) && tag.starts_with(&s[s.len() - n..]))
         .unwrap_or(0)
 }
 
@@ -218,7 +214,7 @@ impl ReplyParser {
                         continue;
                     }
                     None => {
-                        let keep = if end { 0 } else { partial_tag_len(&text, &[THINK_CLOSE]) };
+                        let keep = if end { 0 } else { partial_tag_len(&text, THINK_CLOSE) };
                         let (now, later) = text.split_at(text.len() - keep);
                         self.pending = later.to_string();
                         self.reasoning_text(now, end, emit)
@@ -235,7 +231,7 @@ impl ReplyParser {
                         continue;
                     }
                     None => {
-                        let keep = if end { 0 } else { partial_tag_len(&text, &[CALL_OPEN]) };
+                        let keep = if end { 0 } else { partial_tag_len(&text, CALL_OPEN) };
                         let (now, later) = text.split_at(text.len() - keep);
                         self.pending = later.to_string();
                         self.content(now, end, emit)
@@ -263,7 +259,7 @@ impl ReplyParser {
                         continue;
                     }
                     None => {
-                        let keep = partial_tag_len(&text, &[CALL_CLOSE]);
+                        let keep = partial_tag_len(&text, CALL_CLOSE);
                         let (now, later) = text.split_at(text.len() - keep);
                         self.call.push_str(now);
                         self.pending = later.to_string();
