@@ -13,7 +13,7 @@ use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse, FusedNorm, LinearIo,
-    LoraExpand, LoraSegment, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    LoraExpand, LoraSegment, ScaleTableAt, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
@@ -31,6 +31,12 @@ fn rand(n: usize, seed: u64, scale: f32) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
         })
         .collect()
+}
+
+/// Scale-table factors whose products with t are exact (powers of two of both signs), so the
+/// kernels' rounding is the same as without a table while a misplaced factor still shows.
+fn exact_factors(n: usize, seed: u64) -> Vec<f32> {
+    rand(n, seed, 1.0).iter().map(|v| [0.5, -1.0, 2.0, -0.25][((v + 1.0) * 2.0) as usize % 4]).collect()
 }
 
 fn upload(ctx: &GpuContext, data: &[f32]) -> wgpu::Buffer {
@@ -214,7 +220,17 @@ fn matvec_sweep_matches_reference() {
                     .iter()
                     .scan(if rank % 4 == 0 { 4 } else { 2 }, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r)))
                     .collect();
-                let t = rand(4 + segs.iter().map(|s| s.0).sum::<usize>(), seed + 3, 1.0);
+                let mut t = rand(4 + segs.iter().map(|s| s.0).sum::<usize>(), seed + 3, 1.0);
+                // A scale table (one factor per t column) after t, in the same buffer, for some
+                // cases: the element path (odd view start) and the vec4 path (rank 16).
+                let t_cols = t.len();
+                let table = (view0 % 2 == 1 || rank == 16).then(|| t_cols.next_multiple_of(4));
+                let factors = exact_factors(t_cols, seed + 6);
+                if let Some(at) = table {
+                    t.resize(at, 0.0);
+                    t.extend_from_slice(&factors);
+                }
+                let factor = |c: usize| if table.is_some() { factors[c] } else { 1.0 };
                 let (b, b_offs) = segment_b(&segs, seed + 4);
                 let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
                 let nb = upload(&ctx, &norm_w);
@@ -230,7 +246,8 @@ fn matvec_sweep_matches_reference() {
                         scale: scales[j],
                     })
                     .collect();
-                let lora = LoraExpand { t: &tb, t_stride: t.len(), b: &bg, segments };
+                let table = table.map(|offset| ScaleTableAt { offset, stride: 0 });
+                let lora = LoraExpand { t: &tb, t_stride: t_cols, b: &bg, segments, table };
                 let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
                 let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
@@ -244,7 +261,7 @@ fn matvec_sweep_matches_reference() {
                     for (j, &(r, seg_rows)) in segs.iter().enumerate() {
                         for (i, v) in vals[start..start + seg_rows].iter_mut().enumerate() {
                             let b0 = b_offs[j] + i * r;
-                            let d: f32 = (0..r).map(|c| t[t_offs[j] + c] * b[b0 + c]).sum();
+                            let d: f32 = (0..r).map(|c| t[t_offs[j] + c] * factor(t_offs[j] + c) * b[b0 + c]).sum();
                             *v += scales[j] * d;
                         }
                         start += seg_rows;
@@ -262,7 +279,7 @@ fn matvec_sweep_matches_reference() {
                     };
                 }
                 let what = format!(
-                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={}",
+                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={} table {table:?}",
                     gw.chunks.len()
                 );
                 assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
@@ -333,12 +350,26 @@ fn check_linear_with(
     // expand takes its 16-byte path: each token's t row aligned).
     let t0 = if rank % 4 == 0 { 4 } else { 2 };
     let stride = rank + t0;
-    let t = rand(m * stride, seed + 3, 1.0);
+    let mut t = rand(m * stride, seed + 3, 1.0);
+    // A scale table after t in the same buffer: none, one row for every token, or one per token.
+    let table = match seed / 7 % 3 {
+        0 => None,
+        shared => Some(ScaleTableAt {
+            offset: t.len().next_multiple_of(4),
+            stride: if shared == 1 { 0 } else { stride.next_multiple_of(4) },
+        }),
+    };
+    let factors = exact_factors(m * stride.next_multiple_of(4), seed + 6);
+    if let Some(at) = table {
+        t.resize(at.offset, 0.0);
+        t.extend_from_slice(&factors);
+    }
+    let factor = |i: usize, c: usize| table.map_or(1.0, |at| factors[i * at.stride + c]);
     let b = rand(n * rank.max(1), seed + 4, 1.0);
     let y0 = rand(m * (n + 1), seed + 2, 1.0);
     let (xb, yb, tb, bb) = (upload(ctx, &x), upload(ctx, &y0), upload(ctx, &t), upload(ctx, &b));
     let bg = ctx.weights_bind_group(&bb, "b");
-    let lora = LoraExpand::single(&tb, (t0, stride), (rank, 0), -0.5, &bg);
+    let lora = LoraExpand { table, ..LoraExpand::single(&tb, (t0, stride), (rank, 0), -0.5, &bg) };
     let accumulate = rank % 2 == 1;
     let io = LinearIo { x: &xb, x_offset: x_off, m, y: &yb, y_offset: 1, y_stride: n + 1, accumulate };
     run(ctx, |rec| linear(rec, gw, &io, (rank > 0).then_some(&lora)));
@@ -346,14 +377,14 @@ fn check_linear_with(
     let mut want = y0.clone();
     for i in 0..m {
         for j in 0..n {
-            let d: f32 = (0..rank).map(|r| t[i * stride + t0 + r] * b[j * rank + r]).sum();
+            let d: f32 = (0..rank).map(|r| t[i * stride + t0 + r] * factor(i, t0 + r) * b[j * rank + r]).sum();
             let v = prod[i * n + j] - 0.5 * d;
             let slot = &mut want[1 + i * (n + 1) + j];
             *slot = if accumulate { *slot + v } else { v };
         }
     }
     let what = format!(
-        "linear m{m} n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={}",
+        "linear m{m} n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} acc={accumulate} chunks={} table {table:?}",
         gw.chunks.len()
     );
     assert_close(&what, &read(ctx, &yb, m * (n + 1)), &want, KERNEL_ATOL, KERNEL_RTOL);

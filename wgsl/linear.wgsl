@@ -14,9 +14,16 @@
 //    its rank, its first column in t (f32 [M, lora_t_stride]), the element of B (f32, every
 //    segment's [rows, rank] in one buffer) of its row 0, and its scale. Rank 0: no adapter on
 //    those rows. matmul.wgsl takes segment 0 only (one projection per prefill dispatch).
+// Scale table: unless lora_sc is NO_TABLE, every t element is also multiplied by the element of
+//    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
+//    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
+//    of t when lora_sc_stride > 0.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override ACCUMULATE: bool = false;
+
+// lora_sc when the expand has no scale table.
+const NO_TABLE: u32 = 0xffffffffu;
 
 struct Params {
     m: u32,
@@ -31,6 +38,10 @@ struct Params {
     lora_row0: u32,
     eps: f32,        // matvec NORM
     q_sb: u32,
+    lora_sc: u32,
+    lora_sc_stride: u32,
+    pad0: u32,
+    pad1: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,
@@ -72,10 +83,10 @@ fn dot8(row_vec: u32, j: u32, xe: vec4<f32>, xo: vec4<f32>) -> f32 {
     return dot(wv[0], xe) + dot(wv[1], xo);
 }
 
-// s * t . B[row] for row `row` of the dispatch and the row of t from element t_row (added by the
-// invocation that stores the output), with the rank, t columns, B rows and scale of the segment
-// the row falls in (matvec kernels).
-fn lora_row(row: u32, t_row: u32) -> f32 {
+// s * t . B[row] for row `row` of the dispatch and row m of t (added by the invocation that
+// stores the output), with the rank, t columns, B rows and scale of the segment the row falls
+// in, and the scale table's factors when there is one (matvec kernels).
+fn lora_row(row: u32, m: u32) -> f32 {
     let g = p.lora_row0 + row;
     let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
     var start = 0u;
@@ -84,19 +95,30 @@ fn lora_row(row: u32, t_row: u32) -> f32 {
     }
     let rank = p.seg_rank[j];
     let b0 = p.seg_b[j] + (g - start) * rank;
-    let t0 = t_row + p.seg_t[j];
+    let t0 = m * p.lora_t_stride + p.seg_t[j];
+    let table = p.lora_sc != NO_TABLE;
+    let s0 = select(0u, p.lora_sc + m * p.lora_sc_stride + p.seg_t[j], table);
     var acc = 0.0;
-    if (((rank | b0 | t0) & 3u) == 0u) {
-        // B row and t columns 16-byte aligned (rank a multiple of 4): one vec4 load of each per
-        // 4 rank columns.
+    if (((rank | b0 | t0 | s0) & 3u) == 0u) {
+        // B row, t columns and factors 16-byte aligned (rank a multiple of 4): one vec4 load of
+        // each per 4 rank columns.
         let b4 = b0 >> 2u;
         let t4 = t0 >> 2u;
+        let s4 = s0 >> 2u;
         for (var c = 0u; c < rank / 4u; c++) {
-            acc += dot(lora_b[b4 + c], t[t4 + c]);
+            var tv = t[t4 + c];
+            if (table) {
+                tv *= t[s4 + c];
+            }
+            acc += dot(lora_b[b4 + c], tv);
         }
     } else {
         for (var c = 0u; c < rank; c++) {
-            acc = fma(b_elem(b0 + c), t_elem(t0 + c), acc);
+            var tv = t_elem(t0 + c);
+            if (table) {
+                tv *= t_elem(s0 + c);
+            }
+            acc = fma(b_elem(b0 + c), tv, acc);
         }
     }
     return acc * p.seg_scale[j];

@@ -219,7 +219,11 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
             let j = k0 + idx / TM;
             var tv = 0.0;
             if (j < rank) {
-                tv = t_elem(min(row0 + r, p.m - 1u) * p.lora_t_stride + p.seg_t.x + j) * p.seg_scale.x;
+                let m = min(row0 + r, p.m - 1u);
+                tv = t_elem(m * p.lora_t_stride + p.seg_t.x + j) * p.seg_scale.x;
+                if (p.lora_sc != NO_TABLE) {
+                    tv *= t_elem(p.lora_sc + m * p.lora_sc_stride + p.seg_t.x + j);
+                }
             }
             put_x(idx / TM, r, tv);
         }

@@ -136,7 +136,7 @@ fn matvec_batch_lora(
     stage(s, partials(s));
     for (var o = li; o < outputs(); o += WG) {
         if (inside(s, o)) {
-            store(s, o, lane_sum(o) + lora_row(s.row0 + o / TOK, (o % TOK) * p.lora_t_stride));
+            store(s, o, lane_sum(o) + lora_row(s.row0 + o / TOK, o % TOK));
         }
     }
 }

@@ -38,6 +38,12 @@ pub struct MatmulParams {
     pub eps: f32,
     /// Affine weights: the `u32` index of the chunk's scales and biases (`WeightChunk::sb`).
     pub q_sb: u32,
+    /// Element of t's buffer where the scale table's row 0 is ([`NO_TABLE`]: none).
+    pub lora_sc: u32,
+    /// Row stride of the scale table (0: one row for every row of t).
+    pub lora_sc_stride: u32,
+    /// Keeps the vectors 16-byte aligned.
+    pub pad: [u32; 2],
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -94,6 +100,19 @@ pub struct LoraSegment {
     pub scale: f32,
 }
 
+/// `lora_sc` of an expand without a scale table (`NO_TABLE` in `linear.wgsl`).
+pub const NO_TABLE: u32 = u32::MAX;
+
+/// Per-rank-column factors of an expand, in t's buffer: element `offset + m·stride + c`
+/// multiplies `t[m, c]` (stride 0: the same factors for every row).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct ScaleTableAt {
+    /// Element of t's buffer holding the factor of column 0 (a multiple of 4).
+    pub offset: usize,
+    /// Row stride (0 or a multiple of 4).
+    pub stride: usize,
+}
+
 /// The most projections one dispatch's LoRA expand covers (the four GDN input projections).
 pub const MAX_SEGMENTS: usize = 4;
 
@@ -108,6 +127,8 @@ pub struct LoraExpand<'a> {
     pub b: &'a wgpu::BindGroup,
     /// The segments, in row order, covering the rows.
     pub segments: Vec<LoraSegment>,
+    /// Per-rank-column factors (an adapter set's scales), if any.
+    pub table: Option<ScaleTableAt>,
 }
 
 /// The uniform fields of up to four segments: ends, ranks, t columns, B elements, scales.
@@ -124,7 +145,7 @@ impl<'a> LoraExpand<'a> {
         b: &'a wgpu::BindGroup,
     ) -> Self {
         let seg = LoraSegment { rows: usize::MAX, rank, t_offset, b_offset, scale };
-        Self { t, t_stride, b, segments: vec![seg] }
+        Self { t, t_stride, b, segments: vec![seg], table: None }
     }
 
     fn fields(&self) -> Result<SegmentFields, GpuError> {
@@ -331,6 +352,9 @@ pub fn linear_rows(
             lora_row0: row0 as u32,
             eps,
             q_sb: chunk.sb,
+            lora_sc: lora.and_then(|l| l.table).map_or(NO_TABLE, |s| s.offset as u32),
+            lora_sc_stride: lora.and_then(|l| l.table).map_or(0, |s| s.stride as u32),
+            pad: [0; 2],
             seg_end,
             seg_rank,
             seg_t,

@@ -109,6 +109,7 @@ impl<'a> Shrunk<'a> {
             t_stride: self.group.rank_total,
             b: &self.group.b_bind,
             segments,
+            table: None,
         })
     }
 }
