@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, LearnError, ModelError, RunError};
 use crate::learn::{FeedbackEvent, LearnOptions, LearnReport, TrainSpec};
-use crate::lora::AdapterInfo;
+use crate::lora::{AdapterInfo, LayerScales};
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
 use crate::text::{ChatDelta, ChatReply, ChatRequest, ReplyParser, TextError, TextTokenizer};
@@ -34,6 +34,20 @@ pub enum BackendError {
     /// No model is loaded.
     #[error("no model is loaded")]
     NoModel,
+    /// No open session has this id (never created, or closed).
+    #[error("no open session with id {id} (open: {open:?})")]
+    UnknownSession {
+        /// The id asked for.
+        id: u64,
+        /// The open sessions.
+        open: Vec<u64>,
+    },
+    /// A session limit: more sessions than the backend keeps, or closing the last one.
+    #[error("sessions: {why}")]
+    Sessions {
+        /// What was refused.
+        why: String,
+    },
     /// The model directory has no tokenizer, so text entry points cannot work.
     #[error("the {backend} backend has no tokenizer for this model (tokenizer.json missing)")]
     NoTokenizer {
@@ -81,6 +95,36 @@ pub struct ActiveAdapterInfo {
     pub scale: f32,
     /// What it is and covers.
     pub info: AdapterInfo,
+}
+
+/// One adapter of an active set ([`LlmBackend::set_adapters`]): a resident adapter's id, its
+/// scale (multiplies alpha / r; 0 = off) and per-layer / per-projection factors.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AdapterWeight {
+    /// The resident adapter's id.
+    pub id: AdapterId,
+    /// Its scale.
+    pub scale: f32,
+    /// Factors per (layer, projection) on top of the scale (none: 1 everywhere).
+    pub layers: LayerScales,
+}
+
+impl AdapterWeight {
+    /// Adapter `id` at `scale` on every layer.
+    pub fn new(id: impl Into<AdapterId>, scale: f32) -> Self {
+        Self { id: id.into(), scale, layers: LayerScales::default() }
+    }
+
+    /// With per-layer / per-projection factors.
+    pub fn with_layers(self, layers: LayerScales) -> Self {
+        Self { layers, ..self }
+    }
+}
+
+impl From<(&str, f32)> for AdapterWeight {
+    fn from((id, scale): (&str, f32)) -> Self {
+        Self::new(id, scale)
+    }
 }
 
 /// A request, made from a token callback, to switch adapters before the next token.
@@ -282,7 +326,7 @@ pub trait LlmBackend {
         Err(self.no_adapters())
     }
 
-    /// The adapter applied to the next generation.
+    /// The adapter applied to the next generation (the first of the set when several are).
     fn active_adapter(&self) -> Result<Option<ActiveAdapterInfo>, BackendError> {
         Err(self.no_adapters())
     }
@@ -304,9 +348,23 @@ pub trait LlmBackend {
         Err(self.no_adapters())
     }
 
-    /// Change the active adapter's scale.
+    /// Change the active adapter's scale (an error while several are active).
     fn set_adapter_scale(&mut self, scale: f32) -> Result<(), BackendError> {
         let _ = scale;
+        Err(self.no_adapters())
+    }
+
+    /// Replace the whole active set in one call: every resident adapter listed applies with its
+    /// scale and factors, their deltas summed as peft sums several active adapters (an empty
+    /// list: the base model). Setting the same set again changes nothing. On error (an unknown
+    /// id, an id given twice, a bad scale or factor) the active set is unchanged.
+    fn set_adapters(&mut self, set: &[AdapterWeight]) -> Result<(), BackendError> {
+        let _ = set;
+        Err(self.no_adapters())
+    }
+
+    /// The active set, as last given (the single-adapter calls set a set of one).
+    fn active_adapters(&self) -> Result<Vec<AdapterWeight>, BackendError> {
         Err(self.no_adapters())
     }
 

@@ -426,6 +426,38 @@ pub enum AdapterError {
         /// What is wrong with it.
         why: String,
     },
+    /// An adapter set that names one adapter twice.
+    #[error("adapter {id:?} appears twice in the adapter set (give each adapter once, with one scale)")]
+    DuplicateInSet {
+        /// The id given twice.
+        id: String,
+    },
+    /// A call about "the" active adapter while several are active.
+    #[error("several adapters are active ({ids:?}): give each its scale with set_adapters")]
+    SeveralActive {
+        /// The active ids.
+        ids: Vec<String>,
+    },
+    /// More adapters in one set than a set holds.
+    #[error("an adapter set holds at most {limit} adapters, found {found}")]
+    SetTooLarge {
+        /// Adapters given.
+        found: usize,
+        /// [`crate::lora::MAX_SET`].
+        limit: usize,
+    },
+    /// A per-layer / per-projection factor that cannot apply.
+    #[error("layer scales of adapter {adapter}: {field} expected {expected}, found {found}")]
+    BadLayerScales {
+        /// The adapter (name or id).
+        adapter: String,
+        /// Which rule.
+        field: String,
+        /// What is accepted.
+        expected: String,
+        /// What was given.
+        found: String,
+    },
     /// An adapter made for another model (or for a model since dropped).
     #[error("adapter {name} was loaded for another model")]
     WrongModel {

@@ -32,12 +32,12 @@ pub mod runtime;
 pub mod text;
 mod wgpu_backend;
 
-pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
+pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo};
 pub use error::{AdapterError, FileError, GpuError, LearnError, ModelError, RunError};
 pub use gpu::GpuContext;
 pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
-pub use lora::{AdapterInfo, LoraAdapter, Proj};
+pub use lora::{AdapterInfo, LayerScales, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
-pub use runtime::{GenerateParams, Logits, Sampler, Session, SessionOptions};
+pub use runtime::{ActiveAdapter, GenerateParams, Logits, Sampler, Session, SessionOptions};
 pub use text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
-pub use wgpu_backend::WgpuBackend;
+pub use wgpu_backend::{SessionId, WgpuBackend, MAX_SESSIONS};

@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, BackendError, LlmBackend, ModelInfo};
+use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo};
 use crate::error::{AdapterError, LearnError};
 use crate::gpu::GpuContext;
 use crate::learn::{
@@ -12,27 +12,76 @@ use crate::learn::{
 };
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::{LoadOptions, Model};
-use crate::runtime::{GenerateParams, PromptCache, Session, SessionOptions};
+use crate::runtime::{ActiveAdapter, GenerateParams, PromptCache, Session, SessionOptions};
 use crate::text::{ChatMessage, TextTokenizer};
+
+/// A backend session's id ([`WgpuBackend::create_session`]); never reused while the backend
+/// lives.
+pub type SessionId = u64;
+
+/// Most sessions one backend keeps open.
+pub const MAX_SESSIONS: usize = 64;
+
+/// One conversation: a session (KV cache, GDN states, sampler), what its state can be reused
+/// for, and its active adapter set.
+struct Conversation {
+    id: SessionId,
+    session: Session,
+    /// What the session's state can be reused for.
+    cache: PromptCache,
+    /// The active set, as given.
+    active: Vec<AdapterWeight>,
+}
 
 struct Loaded {
     path: PathBuf,
     model: Arc<Model>,
-    session: Session,
     tokenizer: Option<Arc<TextTokenizer>>,
-    /// What the session's state can be reused for.
-    cache: PromptCache,
     /// `<|im_start|>`, where chat turns start (a snapshot point of the prompt cache).
     turn_start: Option<u32>,
+    /// The open sessions; `current` is the one the [`LlmBackend`] calls use.
+    sessions: Vec<Conversation>,
+    current: usize,
+    next_id: SessionId,
 }
 
-/// The wgpu backend: one model, one session, any number of resident adapters, one active.
+impl Loaded {
+    fn cur(&mut self) -> &mut Conversation {
+        &mut self.sessions[self.current]
+    }
+
+    fn cur_ref(&self) -> &Conversation {
+        &self.sessions[self.current]
+    }
+
+    fn open(&mut self, opts: &SessionOptions) -> Result<SessionId, BackendError> {
+        if self.sessions.len() >= MAX_SESSIONS {
+            return Err(BackendError::Sessions { why: format!("at most {MAX_SESSIONS} sessions are open at once") });
+        }
+        let session = Session::new(self.model.clone(), opts.clone())?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.sessions.push(Conversation { id, session, cache: PromptCache::default(), active: Vec::new() });
+        Ok(id)
+    }
+
+    fn index(&self, id: SessionId) -> Result<usize, BackendError> {
+        self.sessions
+            .iter()
+            .position(|c| c.id == id)
+            .ok_or_else(|| BackendError::UnknownSession { id, open: self.sessions.iter().map(|c| c.id).collect() })
+    }
+}
+
+/// The wgpu backend: one model (its weights on the GPU once), any number of resident adapters
+/// (uploaded once, shared by every session), and sessions, each with its own caches, prompt
+/// cache and active adapter set. The [`LlmBackend`] calls use the current session
+/// ([`WgpuBackend::select_session`]); loading a model opens one.
 pub struct WgpuBackend {
     ctx: Arc<GpuContext>,
     opts: SessionOptions,
     loaded: Option<Loaded>,
     resident: Vec<(AdapterId, Arc<LoraAdapter>)>,
-    active: Option<(AdapterId, f32)>,
     trainer: Option<(AdapterId, Trainer)>,
 }
 
@@ -44,7 +93,7 @@ impl WgpuBackend {
 
     /// A backend on an existing context.
     pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
-        Self { ctx, opts, loaded: None, resident: Vec::new(), active: None, trainer: None }
+        Self { ctx, opts, loaded: None, resident: Vec::new(), trainer: None }
     }
 
     /// The GPU context (e.g. to read [`GpuContext::bytes_uploaded`]).
@@ -60,26 +109,46 @@ impl WgpuBackend {
         find_in(&self.resident, id)
     }
 
-    /// Bind `active` to the session (nothing else changes on error).
-    fn bind(&mut self, active: Option<(AdapterId, f32)>) -> Result<(), BackendError> {
-        let adapter = match &active {
-            Some((id, scale)) => Some((self.find(id)?.clone(), *scale)),
-            None => None,
-        };
-        let loaded = self.loaded()?;
-        loaded.session.set_adapter(adapter)?;
+    /// Bind the set `active` to the session (nothing else changes on error).
+    fn bind(&mut self, active: Vec<AdapterWeight>) -> Result<(), BackendError> {
+        let set = resolve(&self.resident, &active)?;
+        let conv = self.loaded()?.cur();
+        conv.session.set_adapters(set)?;
         // Always: `session()` may have bound something else meanwhile, so an unchanged
-        // `self.active` does not prove the cached tokens were computed with this adapter.
-        loaded.cache.clear();
-        self.active = active;
+        // active set does not prove the cached tokens were computed with this set.
+        conv.cache.clear();
+        conv.active = active;
         Ok(())
     }
 
-    /// Drop resident adapter `id` (and its trainer, if it was the trainable one).
+    /// The current session's active set (empty without a model).
+    fn active(&self) -> &[AdapterWeight] {
+        self.loaded.as_ref().map_or(&[], |l| l.cur_ref().active.as_slice())
+    }
+
+    /// Drop resident adapter `id` (and its trainer, if it was the trainable one). It must be in
+    /// no session's active set.
     fn forget(&mut self, id: &str) {
         self.resident.retain(|(i, _)| i != id);
+        if let Some(l) = self.loaded.as_mut() {
+            for c in &mut l.sessions {
+                // The cached stack may hold it.
+                c.session.forget_stack();
+            }
+        }
         if self.trainer.as_ref().is_some_and(|(t, _)| t == id) {
             self.trainer = None;
+        }
+    }
+
+    /// [`Self::forget`] `id` unless another session's set holds it (it stays resident for them).
+    fn forget_unless_shared(&mut self, id: &str) {
+        let shared = self.loaded.as_ref().is_some_and(|l| {
+            let current = l.cur_ref().id;
+            l.sessions.iter().any(|c| c.id != current && c.active.iter().any(|a| a.id == id))
+        });
+        if !shared {
+            self.forget(id);
         }
     }
 
@@ -94,15 +163,55 @@ impl WgpuBackend {
     /// The session (for token-level control: feed, logits, switching between tokens). What is
     /// done with it is unknown to the prompt cache, which is cleared.
     pub fn session(&mut self) -> Result<&mut Session, BackendError> {
+        let conv = self.loaded()?.cur();
+        conv.cache.clear();
+        Ok(&mut conv.session)
+    }
+
+    /// Open a new session on the loaded model (its own KV cache, GDN states, prompt cache and
+    /// adapter set; no adapter active). The current session stays current. Nothing changes on
+    /// error (at most [`MAX_SESSIONS`] open, or the GPU out of memory for its caches).
+    pub fn create_session(&mut self) -> Result<SessionId, BackendError> {
+        let opts = self.opts.clone();
+        self.loaded()?.open(&opts)
+    }
+
+    /// Make session `id` the one the [`LlmBackend`] calls (generation, chat, adapters, learning,
+    /// embeddings) use.
+    pub fn select_session(&mut self, id: SessionId) -> Result<(), BackendError> {
         let loaded = self.loaded()?;
-        loaded.cache.clear();
-        Ok(&mut loaded.session)
+        loaded.current = loaded.index(id)?;
+        Ok(())
+    }
+
+    /// Close session `id` and free its caches (not the last one: a loaded backend keeps one).
+    /// Closing the current session makes the first remaining one current.
+    pub fn close_session(&mut self, id: SessionId) -> Result<(), BackendError> {
+        let loaded = self.loaded()?;
+        let i = loaded.index(id)?;
+        if loaded.sessions.len() == 1 {
+            return Err(BackendError::Sessions { why: "the last open session cannot be closed".into() });
+        }
+        let current = loaded.sessions[loaded.current].id;
+        loaded.sessions.remove(i);
+        loaded.current = loaded.sessions.iter().position(|c| c.id == current).unwrap_or(0);
+        Ok(())
+    }
+
+    /// The current session's id.
+    pub fn current_session(&self) -> Option<SessionId> {
+        self.loaded.as_ref().map(|l| l.cur_ref().id)
+    }
+
+    /// The open sessions' ids, oldest first.
+    pub fn sessions(&self) -> Vec<SessionId> {
+        self.loaded.as_ref().map_or_else(Vec::new, |l| l.sessions.iter().map(|c| c.id).collect())
     }
 
     /// The prompt cache: a request whose prompt starts with tokens the session already holds
     /// prefills only the rest (see [`PromptCache`]; on by default).
     pub fn prompt_cache(&mut self) -> Result<&mut PromptCache, BackendError> {
-        Ok(&mut self.loaded()?.cache)
+        Ok(&mut self.loaded()?.cur().cache)
     }
 
     /// Like [`LlmBackend::generate_tokens`], but the callback may switch adapters between
@@ -116,36 +225,36 @@ impl WgpuBackend {
         on_token: &mut dyn FnMut(u32, &mut AdapterSwitch) -> bool,
     ) -> Result<Vec<u32>, BackendError> {
         let resident = &self.resident;
-        let mut active = self.active.clone();
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
-        let fed = match loaded.cache.prepare(&mut loaded.session, prompt, loaded.turn_start) {
+        let turn_start = loaded.turn_start;
+        let conv = loaded.cur();
+        let mut active = conv.active.clone();
+        let fed = match conv.cache.prepare(&mut conv.session, prompt, turn_start) {
             Ok(fed) => fed,
             Err(e) => {
-                loaded.cache.clear();
+                conv.cache.clear();
                 return Err(e.into());
             }
         };
         let mut switched = false;
-        let out = loaded.session.generate_from_with(prompt, fed, params, |token, session| {
+        let out = conv.session.generate_from_with(prompt, fed, params, |token, session| {
             let mut switch = AdapterSwitch::default();
             let go_on = on_token(token, &mut switch);
             if let Some(request) = switch.request {
-                let adapter = match &request {
-                    Some((id, scale)) => Some((find_in(resident, id)?.clone(), *scale)),
-                    None => None,
-                };
-                session.set_adapter(adapter)?;
-                active = request;
+                let set: Vec<AdapterWeight> =
+                    request.into_iter().map(|(id, scale)| AdapterWeight::new(id, scale)).collect();
+                session.set_adapters(resolve(resident, &set)?)?;
+                active = set;
                 switched = true;
             }
             Ok::<bool, BackendError>(go_on)
         });
         match &out {
             // Tokens before a switch were computed under another adapter.
-            Ok(tokens) if !switched => loaded.cache.finish(&loaded.session, prompt, tokens),
-            _ => loaded.cache.clear(),
+            Ok(tokens) if !switched => conv.cache.finish(&conv.session, prompt, tokens),
+            _ => conv.cache.clear(),
         }
-        self.active = active;
+        conv.active = active;
         out
     }
 
@@ -154,13 +263,20 @@ impl WgpuBackend {
         let model = Arc::new(Model::load_with(self.ctx.clone(), path, opts)?);
         let tokenizer =
             if path.join("tokenizer.json").is_file() { Some(Arc::new(TextTokenizer::from_dir(path)?)) } else { None };
-        let session = Session::new(model.clone(), self.opts.clone())?;
-        self.resident.clear();
-        self.active = None;
-        self.trainer = None;
         let turn_start = tokenizer.as_ref().and_then(|t| t.token_id("<|im_start|>"));
-        let cache = PromptCache::default();
-        self.loaded = Some(Loaded { path: path.to_path_buf(), model, session, tokenizer, cache, turn_start });
+        let mut loaded = Loaded {
+            path: path.to_path_buf(),
+            model,
+            tokenizer,
+            turn_start,
+            sessions: Vec::new(),
+            current: 0,
+            next_id: 1,
+        };
+        loaded.open(&self.opts)?;
+        self.resident.clear();
+        self.trainer = None;
+        self.loaded = Some(loaded);
         Ok(())
     }
 
@@ -194,17 +310,40 @@ impl WgpuBackend {
     /// or 1 when another adapter is active).
     fn training(&mut self) -> Result<(&mut Session, &mut Trainer, f32), BackendError> {
         let (id, trainer) = self.trainer.as_mut().ok_or(LearnError::NoTrainableAdapter)?;
-        let scale = self.active.as_ref().filter(|(a, _)| a == id).map_or(1.0, |(_, s)| *s);
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
-        // A step changes the adapter's weights and runs its passes in the session.
-        loaded.cache.clear();
-        Ok((&mut loaded.session, trainer, scale))
+        let current = loaded.cur_ref().id;
+        for c in &mut loaded.sessions {
+            // A step changes the adapter's weights and runs its passes in the current session:
+            // every session that applies the adapter holds states computed with the old ones.
+            if c.id == current || c.active.iter().any(|a| a.id == *id) {
+                c.cache.clear();
+            }
+        }
+        let conv = loaded.cur();
+        let scale = conv.active.iter().find(|a| a.id == *id).map_or(1.0, |a| a.scale);
+        Ok((&mut conv.session, trainer, scale))
     }
 
     /// One learning step on token-level events (see [`crate::learn`] for the loss).
     pub fn learn_tokens(&mut self, events: &[TokenEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
         let (session, trainer, scale) = self.training()?;
-        Ok(trainer.learn(session, events, opts, scale)?)
+        let report = trainer.learn(session, events, opts, scale)?;
+        self.restack_trainable()?;
+        Ok(report)
+    }
+
+    /// Rebuild the stacks of the other sessions whose set holds the trainable adapter (the
+    /// current session's was rebuilt by the step).
+    fn restack_trainable(&mut self) -> Result<(), BackendError> {
+        let (Some((id, _)), Some(loaded)) = (&self.trainer, self.loaded.as_mut()) else { return Ok(()) };
+        let current = loaded.cur_ref().id;
+        for c in loaded.sessions.iter_mut().filter(|c| c.id != current) {
+            if c.active.len() > 1 && c.active.iter().any(|a| a.id == *id) {
+                c.session.forget_stack();
+                c.session.set_adapters(resolve(&self.resident, &c.active)?)?;
+            }
+        }
+        Ok(())
     }
 
     /// The gradients of the loss of `events` with respect to every adapted A and B, without
@@ -252,6 +391,22 @@ fn check_id(id: &str) -> Result<(), AdapterError> {
     Ok(())
 }
 
+/// The session's form of the set `set` (ids resolved; an id given twice is an error).
+fn resolve(
+    resident: &[(AdapterId, Arc<LoraAdapter>)],
+    set: &[AdapterWeight],
+) -> Result<Vec<ActiveAdapter>, AdapterError> {
+    set.iter()
+        .enumerate()
+        .map(|(i, a)| {
+            if set[..i].iter().any(|b| b.id == a.id) {
+                return Err(AdapterError::DuplicateInSet { id: a.id.clone() });
+            }
+            Ok(ActiveAdapter::new(find_in(resident, &a.id)?.clone(), a.scale).with_layers(a.layers.clone()))
+        })
+        .collect()
+}
+
 /// The resident adapter `id`.
 fn find_in<'a>(resident: &'a [(AdapterId, Arc<LoraAdapter>)], id: &str) -> Result<&'a Arc<LoraAdapter>, AdapterError> {
     resident.iter().find(|(i, _)| i == id).map(|(_, a)| a).ok_or_else(|| AdapterError::UnknownId {
@@ -272,7 +427,6 @@ impl LlmBackend for WgpuBackend {
     fn unload_model(&mut self) {
         self.loaded = None;
         self.resident.clear();
-        self.active = None;
         self.trainer = None;
     }
 
@@ -302,9 +456,9 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn embeddings_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
-        let loaded = self.loaded()?;
-        loaded.cache.clear();
-        let session = &mut loaded.session;
+        let conv = self.loaded()?.cur();
+        conv.cache.clear();
+        let session = &mut conv.session;
         session.reset();
         let hidden = session.final_hidden(ids)?;
         session.reset();
@@ -317,30 +471,31 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn load_adapter(&mut self, path: &Path, scale: f32) -> Result<AdapterId, BackendError> {
-        let previous = self.active.clone();
+        let previous = self.active().to_vec();
         let id = self.preload_adapter(path, None)?;
         if let Err(e) = self.activate_adapter(&id, scale) {
             self.resident.retain(|(i, _)| *i != id);
             return Err(e);
         }
-        if let Some((old, _)) = previous {
-            self.forget(&old);
+        for old in previous {
+            self.forget_unless_shared(&old.id);
         }
         Ok(id)
     }
 
     fn unload_adapter(&mut self) -> Result<(), BackendError> {
-        if let Some((id, _)) = self.active.clone() {
-            self.bind(None)?;
-            self.forget(&id);
+        let previous = self.active().to_vec();
+        self.bind(Vec::new())?;
+        for old in previous {
+            self.forget_unless_shared(&old.id);
         }
         Ok(())
     }
 
     fn active_adapter(&self) -> Result<Option<ActiveAdapterInfo>, BackendError> {
-        Ok(self.active.as_ref().and_then(|(id, scale)| {
-            let adapter = self.find(id).ok()?;
-            Some(ActiveAdapterInfo { id: id.clone(), scale: *scale, info: adapter.info.clone() })
+        Ok(self.active().first().and_then(|a| {
+            let adapter = self.find(&a.id).ok()?;
+            Some(ActiveAdapterInfo { id: a.id.clone(), scale: a.scale, info: adapter.info.clone() })
         }))
     }
 
@@ -356,18 +511,27 @@ impl LlmBackend for WgpuBackend {
     }
 
     fn activate_adapter(&mut self, id: &str, scale: f32) -> Result<(), BackendError> {
-        self.bind(Some((id.to_string(), scale)))
+        self.bind(vec![AdapterWeight::new(id, scale)])
     }
 
     fn deactivate_adapter(&mut self) -> Result<(), BackendError> {
-        self.bind(None)
+        self.bind(Vec::new())
     }
 
     fn set_adapter_scale(&mut self, scale: f32) -> Result<(), BackendError> {
-        match self.active.clone() {
-            Some((id, _)) => self.bind(Some((id, scale))),
-            None => Err(AdapterError::UnknownId { id: "(active adapter)".into(), resident: Vec::new() }.into()),
+        match self.active() {
+            [one] => self.bind(vec![AdapterWeight { scale, ..one.clone() }]),
+            [] => Err(AdapterError::UnknownId { id: "(active adapter)".into(), resident: Vec::new() }.into()),
+            many => Err(AdapterError::SeveralActive { ids: many.iter().map(|a| a.id.clone()).collect() }.into()),
         }
+    }
+
+    fn set_adapters(&mut self, set: &[AdapterWeight]) -> Result<(), BackendError> {
+        self.bind(set.to_vec())
+    }
+
+    fn active_adapters(&self) -> Result<Vec<AdapterWeight>, BackendError> {
+        Ok(self.active().to_vec())
     }
 
     fn list_adapters(&self) -> Result<Vec<(AdapterId, AdapterInfo)>, BackendError> {
@@ -376,8 +540,24 @@ impl LlmBackend for WgpuBackend {
 
     fn remove_adapter(&mut self, id: &str) -> Result<(), BackendError> {
         self.find(id)?;
-        if self.active.as_ref().is_some_and(|(a, _)| a == id) {
-            self.bind(None)?;
+        let resident: Vec<(AdapterId, Arc<LoraAdapter>)> =
+            self.resident.iter().filter(|(i, _)| i != id).cloned().collect();
+        if let Some(loaded) = self.loaded.as_mut() {
+            // Out of every session's set first (each rebinds without it; nothing is removed
+            // unless all of them can).
+            let mut rebound = Vec::new();
+            for c in &loaded.sessions {
+                if c.active.iter().any(|a| a.id == id) {
+                    let rest: Vec<AdapterWeight> = c.active.iter().filter(|a| a.id != id).cloned().collect();
+                    rebound.push((c.id, resolve(&resident, &rest)?, rest));
+                }
+            }
+            for (sid, set, rest) in rebound {
+                let c = loaded.sessions.iter_mut().find(|c| c.id == sid).ok_or(BackendError::NoModel)?;
+                c.session.set_adapters(set)?;
+                c.cache.clear();
+                c.active = rest;
+            }
         }
         self.forget(id);
         Ok(())

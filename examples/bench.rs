@@ -19,8 +19,8 @@ use qwen35_wgpu::model::Mixer;
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::runtime::PromptCache;
 use qwen35_wgpu::{
-    GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model, QuantizeRecipe, Session,
-    SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
+    ActiveAdapter, GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model,
+    QuantizeRecipe, Session, SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
 };
 
 #[derive(Parser)]
@@ -396,6 +396,14 @@ fn main() -> Result<()> {
         };
         let (fixed_tps, fixed_bytes) = count(&mut session, false, &mut logits)?;
         let (swap_tps, swap_step_bytes) = count(&mut session, true, &mut logits)?;
+        // Two adapters stacked (the adapter and its second copy at half scale each: the same
+        // delta as the adapter at scale 1, twice the rank): one shrink and one fused expand per
+        // group, like one adapter of rank 32.
+        session
+            .set_adapters(vec![ActiveAdapter::new(adapter.clone(), 0.5), ActiveAdapter::new(second.clone(), 0.5)])?;
+        let (sp, sd) = measure(&mut session, &ids, &args, "stacked")?;
+        let stacked_counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
+        session.set_adapter(Some((adapter.clone(), 1.0)))?;
         let adapter_profile = if args.profile {
             profile(&mut session, &ids, args.decode.min(16), Some((adapter.clone(), 1.0)))?
         } else {
@@ -424,6 +432,14 @@ fn main() -> Result<()> {
             "bytes_uploaded_per_decode_step_fixed": fixed_bytes,
             "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
             "profile": adapter_profile,
+            "stacked": {
+                "adapters": 2,
+                "prefill_tok_s": sp.json(),
+                "decode_tok_s": sd.json(),
+                "dispatches_per_token": stacked_counts["dispatches_per_token"],
+                "decode_ratio_stacked_over_one": ratio(&sd, &ld),
+                "prefill_ratio_stacked_over_one": ratio(&sp, &lp),
+            },
         });
     }
     if args.profile {

@@ -10,7 +10,7 @@ mod tensor;
 
 pub use context::{Access, Counters, GpuContext, IoSpec};
 pub use dtype::{Affine, Dtype, HalfType};
-pub use readback::{read_f32, read_f32_via, Staging};
+pub use readback::{read_f32, read_f32_many, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};
 pub use registry::{
     matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, Kernel, KernelDesc, PipelineKey, Shader,

@@ -86,3 +86,43 @@ pub fn read_f32_via(
     }
     Ok(bytemuck::pod_collect_to_vec(&staging.read(ctx, index, size)?))
 }
+
+/// Read several ranges `(buffer, first element, elements)` of f32 in one submission and one
+/// mapping (waits for the GPU).
+pub fn read_f32_many(ctx: &GpuContext, parts: &[(&wgpu::Buffer, usize, usize)]) -> Result<Vec<Vec<f32>>, GpuError> {
+    let total: u64 = parts.iter().map(|&(_, _, len)| (len * 4) as u64).sum();
+    if total == 0 {
+        return Ok(parts.iter().map(|_| Vec::new()).collect());
+    }
+    if total > ctx.limits.max_buffer_size {
+        return Err(GpuError::BufferTooLarge {
+            name: "readback staging".into(),
+            needed: total,
+            limit: ctx.limits.max_buffer_size,
+        });
+    }
+    let staging = Staging::new(ctx, "readback", total);
+    let scope = ctx.device.push_error_scope(wgpu::ErrorFilter::Validation);
+    let mut encoder = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("readback") });
+    let mut at = 0u64;
+    for &(buffer, offset, len) in parts {
+        let size = (len * 4) as u64;
+        if size > 0 {
+            encoder.copy_buffer_to_buffer(buffer, (offset * 4) as u64, staging.buffer(), at, size);
+        }
+        at += size;
+    }
+    let index = ctx.submit(encoder.finish(), 0);
+    if let Some(e) = pollster::block_on(scope.pop()) {
+        return Err(GpuError::Validation { during: "reading buffers back".into(), message: e.to_string() });
+    }
+    let bytes = staging.read(ctx, index, total)?;
+    let all: Vec<f32> = bytemuck::pod_collect_to_vec(&bytes);
+    let mut out = Vec::with_capacity(parts.len());
+    let mut at = 0;
+    for &(_, _, len) in parts {
+        out.push(all[at..at + len].to_vec());
+        at += len;
+    }
+    Ok(out)
+}

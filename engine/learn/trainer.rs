@@ -216,7 +216,7 @@ impl Trainer {
         let vocab = self.model.config.vocab_size;
         validate_events(events, vocab, self.max_tokens.min(session.opts.max_context), self.max_rows)?;
         let coefs = self.coefficients(events);
-        let previous = session.adapter().cloned();
+        let previous = session.adapters().to_vec();
         session.set_adapter(Some((self.adapter.clone(), scale)))?;
         let mut ce = Vec::with_capacity(events.len());
         let mut result = Ok(());
@@ -230,7 +230,7 @@ impl Trainer {
             }
         }
         session.reset();
-        session.set_adapter(previous.map(|a| (a.adapter, a.scale)))?;
+        session.set_adapters(previous)?;
         result.map(|_| ce)
     }
 
@@ -535,6 +535,12 @@ impl Trainer {
         }
         rec.submit()?;
         self.step += 1;
+        // A stack that holds this adapter holds its weights from before the step: rebuild it.
+        let set = session.adapters().to_vec();
+        if set.len() > 1 && set.iter().any(|a| Arc::ptr_eq(&a.adapter, &self.adapter)) {
+            session.forget_stack();
+            session.set_adapters(set)?;
+        }
         let norms = read_f32(&ctx, &self.norms, 0, self.tensors.len())?;
         let scores: Vec<f32> =
             events.iter().filter_map(|e| if let Signal::Score(s) = e.signal { Some(s) } else { None }).collect();

@@ -12,10 +12,12 @@ pub mod adapter;
 pub mod mlx;
 pub(crate) mod pattern;
 pub mod peft;
+pub mod set;
 pub mod target;
 
-pub use adapter::{AdapterInfo, LoraAdapter, LoraGroup, LoraMember};
+pub use adapter::{AdapterInfo, LoraAdapter, LoraGroup, LoraMember, RankPart};
 pub use peft::{ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig};
+pub use set::{LayerScales, MAX_SET};
 pub use target::{InputGroup, Proj};
 
 /// Largest LoRA rank accepted (config `r`, `rank_pattern`, metadata, tensor shapes, trainable

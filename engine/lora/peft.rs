@@ -48,6 +48,9 @@ pub enum ConfigSource {
     Trainable,
     /// An MLX adapter's `adapter_config.json` (`lora_parameters.scale`, absolute).
     MlxConfig,
+    /// A stack of resident adapters ([`crate::lora::LoraAdapter::stack`]): each part keeps its
+    /// source's alpha / r.
+    Stacked,
 }
 
 /// `target_modules` / `exclude_modules`.

@@ -62,6 +62,18 @@ impl Proj {
         Proj::DownProj,
     ];
 
+    /// The gated attention's projections (full-attention layers).
+    pub const ATTENTION: [Proj; 4] = [Proj::QProj, Proj::KProj, Proj::VProj, Proj::OProj];
+    /// The Gated DeltaNet's projections (linear-attention layers).
+    pub const GDN: [Proj; 5] = [Proj::InProjQkv, Proj::InProjZ, Proj::InProjB, Proj::InProjA, Proj::OutProj];
+    /// The MLP's projections (every layer).
+    pub const MLP: [Proj; 3] = [Proj::GateProj, Proj::UpProj, Proj::DownProj];
+
+    /// Position in [`Proj::ALL`].
+    pub fn index(self) -> usize {
+        self as usize
+    }
+
     /// The leaf name PEFT's `target_modules` uses.
     pub fn name(self) -> &'static str {
         self.path().rsplit('.').next().unwrap_or_default()

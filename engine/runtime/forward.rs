@@ -18,12 +18,13 @@ use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
+    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, WeightRows,
 };
 use crate::kernels::misc::{argmax, embed, swiglu, topk, TopkIo};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
-use crate::lora::{InputGroup, LoraAdapter, LoraGroup, Proj};
+use crate::lora::{InputGroup, LoraGroup, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
+use crate::runtime::adapters::BoundSet;
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::session::{Logits, Session};
 
@@ -46,8 +47,7 @@ pub(crate) enum Input<'a> {
 /// The active adapter as one layer's step sees it.
 #[derive(Clone, Copy)]
 struct LayerLora<'a> {
-    adapter: &'a LoraAdapter,
-    scale: f32,
+    bound: &'a BoundSet,
     t: &'a wgpu::Buffer,
     layer: usize,
 }
@@ -60,7 +60,7 @@ struct Shrunk<'a> {
 
 impl<'a> LayerLora<'a> {
     fn shrink(self, rec: &mut Recorder, group: InputGroup, src: Src, m: usize) -> Result<Option<Shrunk<'a>>, GpuError> {
-        let Some(g) = self.adapter.group(self.layer, group) else {
+        let Some(g) = self.bound.lora.group(self.layer, group) else {
             return Ok(None);
         };
         rec.tagged("lora_shrink", |rec| linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse))?;
@@ -100,16 +100,18 @@ impl<'a> Shrunk<'a> {
                     rank: m.rank,
                     t_offset: m.t_offset,
                     b_offset: m.b_offset,
-                    scale: m.scaling * self.lora.scale,
+                    scale: self.lora.bound.seg_scale[self.lora.layer][p.index()],
                 })
             })
             .collect();
+        let group = projs.first()?.group();
+        let table = self.lora.bound.tables[self.lora.layer][group as usize];
         segments.iter().any(|s| s.rank > 0).then_some(LoraExpand {
             t: self.lora.t,
             t_stride: self.group.rank_total,
             b: &self.group.b_bind,
             segments,
-            table: None,
+            table: table.map(|offset| ScaleTableAt { offset, stride: 0 }),
         })
     }
 }
@@ -453,10 +455,9 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
         let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
         embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
         capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
-        let active = s.adapter.as_ref().zip(s.lora_t.as_ref());
+        let active = s.lora.bound.as_ref().zip(s.lora.t.as_ref());
         for (i, layer) in model.layers.iter().enumerate() {
-            let lora =
-                active.map(|(a, (t_buf, _))| LayerLora { adapter: &a.adapter, scale: a.scale, t: t_buf, layer: i });
+            let lora = active.map(|(bound, (t, _))| LayerLora { bound, t, layer: i });
             let mixer_src = if fold {
                 Src::normed(&sc.hidden, &layer.input_norm.buffer, eps)
             } else {

@@ -1,5 +1,6 @@
 //! Running the model: per-session caches and scratch, the layer loop, sampling, generation.
 
+mod adapters;
 pub(crate) mod cache;
 pub(crate) mod forward;
 mod generate;
@@ -7,9 +8,10 @@ mod prompt_cache;
 mod sampler;
 mod session;
 
+pub use adapters::ActiveAdapter;
 pub use cache::rope_table;
 pub use generate::GenerateParams;
 pub use prompt_cache::{PromptCache, PromptCacheStats, MAX_SNAPSHOTS};
 pub(crate) use sampler::SplitMix64;
 pub use sampler::{argmax, Sampler, MIN_TEMPERATURE};
-pub use session::{ActiveAdapter, Logits, Session, SessionOptions, StateSnapshot, MAX_BATCH, MAX_CONTEXT};
+pub use session::{Logits, Session, SessionOptions, StateSnapshot, MAX_BATCH, MAX_CONTEXT};

@@ -8,6 +8,7 @@ use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Stagi
 use crate::kernels::misc::{argmax_scratch_bytes, topk_max, topk_scratch_bytes, topk_value};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
+use crate::runtime::adapters::{ActiveAdapter, LoraState};
 use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerState, Scratch};
 use crate::runtime::forward::{self, Capture, Input, Rows};
 use crate::runtime::sampler::Candidates;
@@ -55,15 +56,6 @@ impl Logits {
     pub fn last(&self) -> &[f32] {
         self.row(self.rows - 1)
     }
-}
-
-/// The adapter a session applies, with the user's scale.
-#[derive(Clone)]
-pub struct ActiveAdapter {
-    /// The resident adapter.
-    pub adapter: Arc<LoraAdapter>,
-    /// Multiplies alpha / r.
-    pub scale: f32,
 }
 
 /// The buffers of a sampled step's candidate pass (`topk.wgsl`), reused for every token.
@@ -127,8 +119,7 @@ pub struct Session {
     pub(crate) logits: wgpu::Buffer,
     pub(crate) logits_rows: usize,
     pub(crate) io: IoBindCache,
-    pub(crate) adapter: Option<ActiveAdapter>,
-    pub(crate) lora_t: Option<(wgpu::Buffer, usize)>,
+    pub(crate) lora: LoraState,
     /// Which buffer of each GDN state pair holds the committed state.
     pub(crate) parity: usize,
     /// Bumped by every change of what the next step computes (a committed step, a reset, an
@@ -214,8 +205,7 @@ impl Session {
             logits,
             logits_rows,
             io: IoBindCache::new(params),
-            adapter: None,
-            lora_t: None,
+            lora: LoraState::default(),
             parity: 0,
             epoch: 0,
             parts,
@@ -244,37 +234,42 @@ impl Session {
         self.pos
     }
 
-    /// The adapter the next step applies.
+    /// The adapter the next step applies, when exactly one is active.
     pub fn adapter(&self) -> Option<&ActiveAdapter> {
-        self.adapter.as_ref()
+        match self.lora.active.as_slice() {
+            [one] => Some(one),
+            _ => None,
+        }
     }
 
-    /// Apply `adapter` with `scale` from the next step on (`None`: the base model). This binds
-    /// other bind groups; nothing is uploaded unless the session's LoRA scratch must grow. The
-    /// caches are kept: tokens already in them keep the states computed under the previous
-    /// adapter (switching between tokens of one generation). Call [`Session::reset`] to start a
-    /// request cleanly under the new adapter. On error nothing changes.
+    /// The active adapter set, as given to [`Session::set_adapters`].
+    pub fn adapters(&self) -> &[ActiveAdapter] {
+        &self.lora.active
+    }
+
+    /// Apply `adapter` with `scale` from the next step on (`None`: the base model): the set of
+    /// that one adapter ([`Session::set_adapters`]).
     pub fn set_adapter(&mut self, adapter: Option<(Arc<LoraAdapter>, f32)>) -> Result<(), AdapterError> {
-        let Some((adapter, scale)) = adapter else {
-            self.adapter = None;
-            self.epoch += 1;
-            return Ok(());
-        };
-        if !(scale.is_finite() && scale.abs() <= crate::lora::MAX_SCALE) {
-            return Err(AdapterError::BadScale(scale));
-        }
-        if !adapter.is_for(&self.model) {
-            return Err(AdapterError::WrongModel { name: adapter.info.name.clone() });
-        }
-        let width = adapter.max_group_rank();
-        if self.lora_t.as_ref().is_none_or(|(_, w)| *w < width) {
-            let bytes = (self.opts.max_batch * width * 4) as u64;
-            let buffer = self.model.ctx.storage_buffer("lora t", bytes, true)?;
-            self.lora_t = Some((buffer, width));
-        }
-        self.adapter = Some(ActiveAdapter { adapter, scale });
+        self.set_adapters(adapter.into_iter().map(|(a, s)| ActiveAdapter::new(a, s)).collect())
+    }
+
+    /// Apply the adapter set `set` from the next step on: every adapter with its scale and
+    /// per-layer factors, their deltas summed (an empty set, or scales of 0: the base model).
+    /// One adapter binds its own bind groups; several bind a stack of them, built once per
+    /// combination of members (scale and factor changes only rewrite the scale table). The
+    /// caches are kept: tokens already in them keep the states computed under the previous set
+    /// (switching between tokens of one generation). Call [`Session::reset`] to start a
+    /// request cleanly under the new set. On error nothing changes.
+    pub fn set_adapters(&mut self, set: Vec<ActiveAdapter>) -> Result<(), AdapterError> {
+        self.lora.bind(&self.model, self.opts.max_batch, set)?;
         self.epoch += 1;
         Ok(())
+    }
+
+    /// Forget the stack built for the current set, so that the next [`Session::set_adapters`]
+    /// rebuilds it from its members' current weights (after a learning step).
+    pub fn forget_stack(&mut self) {
+        self.lora.forget_stack();
     }
 
     /// Forget the sequence: zero the GDN states and rewind the position.

@@ -89,7 +89,13 @@ fn main() -> Result<()> {
         Some("test-long") => test_long(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
         Some("fixtures") => {
-            python(&["make_fixtures.py", "make_adapters.py", "make_learn.py", "make_peft_semantics.py"])?;
+            python(&[
+                "make_fixtures.py",
+                "make_adapters.py",
+                "make_adapter_sets.py",
+                "make_learn.py",
+                "make_peft_semantics.py",
+            ])?;
             mlx_fixtures()
         }
         Some("train-demo") => python(&["train_demo.py"]),
