@@ -1,6 +1,7 @@
 //! The README's main command: the embedded demo model answers the same questions with no
 //! adapter and with each LoRA adapter, switching adapters live between requests and once in the
-//! middle of a generation, with the measured swap time and tokens/s.
+//! middle of a generation, with the measured swap time and tokens/s; then conversations side by
+//! side on the same loaded model, each a session with its own adapter and its own prompt cache.
 //!
 //! `cargo run --release --example live_swap [-- --model DIR --adapter DIR --adapter DIR --prompt TEXT]`
 //!
@@ -11,7 +12,7 @@ use std::time::Instant;
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use qwen35_wgpu::{ChatMessage, GenerateParams, LlmBackend, SessionOptions, WgpuBackend};
+use qwen35_wgpu::{AdapterWeight, ChatMessage, ChatRequest, GenerateParams, LlmBackend, SessionOptions, WgpuBackend};
 
 #[derive(Parser)]
 struct Args {
@@ -132,6 +133,7 @@ fn main() -> Result<()> {
         );
         swaps_us.push(switch_us);
     }
+    conversations(&mut backend, &ids, &prompts, &params)?;
     swaps_us.sort_by(f64::total_cmp);
     if !swaps_us.is_empty() {
         eprintln!(
@@ -140,6 +142,48 @@ fn main() -> Result<()> {
             swaps_us[swaps_us.len() / 2],
             swaps_us[swaps_us.len() - 1]
         );
+    }
+    Ok(())
+}
+
+/// Conversations on one model, turn by turn: one session per adapter. Each chat grows by a
+/// question a turn; each session's prompt cache prefills only the new turn.
+fn conversations(backend: &mut WgpuBackend, ids: &[String], prompts: &[String], params: &GenerateParams) -> Result<()> {
+    if ids.is_empty() {
+        return Ok(());
+    }
+    println!("Conversations side by side on one model (a session and an adapter each):");
+    let home = backend.current_session().context("a model is loaded")?;
+    let mut sessions = Vec::new();
+    for id in ids {
+        let session = backend.create_session()?;
+        backend.select_session(session)?;
+        backend.set_adapters(&[AdapterWeight::new(id.as_str(), 1.0)])?;
+        sessions.push((session, id.clone(), Vec::<ChatMessage>::new()));
+    }
+    let width = sessions.iter().map(|(_, n, _)| n.len()).max().unwrap_or(4);
+    for question in prompts {
+        println!("  user: {question}");
+        for (session, name, messages) in &mut sessions {
+            backend.select_session(*session)?;
+            messages.push(ChatMessage::new("user", question));
+            let t = Instant::now();
+            let reply = backend.chat(&ChatRequest::new(messages.clone()), params, &mut |_| true)?;
+            let secs = t.elapsed().as_secs_f64();
+            println!("  {name:>width$} | {}", reply.content.trim());
+            let stats = backend.prompt_cache()?.stats();
+            eprintln!(
+                "  {name:>width$}: {:.0} ms; this conversation's prompt cache so far: {} tokens reused, {} prefilled",
+                secs * 1e3,
+                stats.reused_tokens,
+                stats.prefilled_tokens
+            );
+            messages.push(ChatMessage::new("assistant", reply.content.trim()));
+        }
+    }
+    backend.select_session(home)?;
+    for (session, _, _) in sessions {
+        backend.close_session(session)?;
     }
     Ok(())
 }

@@ -110,3 +110,31 @@ fn stop_strings_end_the_text_before_them() {
     let reply = b.chat(&request, &params, &mut |_| true);
     assert_eq!(reply.expect("chat").text, full[..cut]);
 }
+
+#[test]
+fn two_sessions_with_different_adapters_answer_as_transformers_when_interleaved() {
+    let Some(ctx) = gpu() else { return };
+    let r = reference();
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
+    let params = GenerateParams { max_tokens, ..Default::default() };
+    let mut sessions = Vec::new();
+    for variant in ["shout", "french"] {
+        b.preload_adapter(&demo_dir().join("adapters").join(variant), Some(variant)).expect("adapter");
+        let id = b.create_session().expect("session");
+        b.select_session(id).expect("select");
+        b.activate_adapter(variant, 1.0).expect("activate");
+        sessions.push((id, variant));
+    }
+    let rows = r["outputs"]["shout"].as_array().expect("rows").len();
+    for i in 0..rows {
+        for &(id, variant) in &sessions {
+            b.select_session(id).expect("select");
+            let row = &r["outputs"][variant][i];
+            let q = row["question"].as_str().expect("q");
+            let reply = b.chat(&ChatRequest::new(vec![ChatMessage::new("user", q)]), &params, &mut |_| true);
+            assert_eq!(reply.expect("chat").text, row["text"].as_str().expect("text"), "{variant}: {q}");
+        }
+    }
+}
