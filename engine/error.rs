@@ -241,6 +241,9 @@ pub enum RunError {
         /// The sequence position (0-based) of the token whose logits were not finite.
         position: usize,
     },
+    /// An adapter set that cannot be bound (a batched step stacks the rows' adapters).
+    #[error(transparent)]
+    Adapter(#[from] Box<AdapterError>),
     /// A GPU error.
     #[error(transparent)]
     Gpu(#[from] GpuError),

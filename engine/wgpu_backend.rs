@@ -12,7 +12,7 @@ use crate::learn::{
 };
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::{LoadOptions, Model};
-use crate::runtime::{ActiveAdapter, GenerateParams, PromptCache, Session, SessionOptions};
+use crate::runtime::{ActiveAdapter, Batch, GenerateParams, PromptCache, Session, SessionOptions};
 use crate::text::{ChatMessage, TextTokenizer};
 
 /// A backend session's id ([`WgpuBackend::create_session`]); never reused while the backend
@@ -43,6 +43,8 @@ struct Loaded {
     sessions: Vec<Conversation>,
     current: usize,
     next_id: SessionId,
+    /// The buffers of batched steps ([`WgpuBackend::generate_batch`]), made on first use.
+    batch: Option<Batch>,
 }
 
 impl Loaded {
@@ -198,6 +200,62 @@ impl WgpuBackend {
         Ok(())
     }
 
+    /// Generate for several sessions at once: request `i` continues session `requests[i].0`
+    /// with the prompt `requests[i].1` (token ids) under that session's adapter set, and the
+    /// sessions decode together, one batched step per token (every weight read once for all of
+    /// them; see [`Batch`]). Each session's prompt cache applies as in
+    /// [`LlmBackend::generate_tokens`]; stop strings do not (token ids only). Returns each
+    /// request's new tokens, in order.
+    pub fn generate_batch(
+        &mut self,
+        requests: &[(SessionId, &[u32])],
+        params: &GenerateParams,
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
+        let loaded = self.loaded()?;
+        for (i, (id, _)) in requests.iter().enumerate() {
+            loaded.index(*id)?;
+            if requests[..i].iter().any(|(other, _)| other == id) {
+                return Err(BackendError::Sessions { why: format!("session {id} is asked for twice in one batch") });
+            }
+        }
+        if requests.is_empty() {
+            return Ok(Vec::new());
+        }
+        let n = requests.len();
+        if loaded.batch.as_ref().is_none_or(|b| b.rows() < n) {
+            loaded.batch = Some(Batch::new(loaded.model.clone(), n)?);
+        }
+        let turn_start = loaded.turn_start;
+        let Loaded { sessions, batch, .. } = loaded;
+        let mut convs: Vec<(usize, &mut Conversation)> = sessions
+            .iter_mut()
+            .filter_map(|c| requests.iter().position(|(id, _)| *id == c.id).map(|i| (i, c)))
+            .collect();
+        convs.sort_by_key(|(i, _)| *i);
+        let mut fed = Vec::with_capacity(n);
+        for (i, c) in convs.iter_mut() {
+            match c.cache.prepare(&mut c.session, requests[*i].1, turn_start) {
+                Ok(f) => fed.push(f),
+                Err(e) => {
+                    c.cache.clear();
+                    return Err(e.into());
+                }
+            }
+        }
+        let prompts: Vec<&[u32]> = requests.iter().map(|(_, p)| *p).collect();
+        let out = {
+            let mut rows: Vec<&mut Session> = convs.iter_mut().map(|(_, c)| &mut c.session).collect();
+            batch.as_mut().ok_or(BackendError::NoModel)?.generate(&mut rows, &prompts, &fed, params)
+        };
+        for (i, c) in convs.iter_mut() {
+            match &out {
+                Ok(tokens) => c.cache.finish(&c.session, prompts[*i], &tokens[*i]),
+                Err(_) => c.cache.clear(),
+            }
+        }
+        Ok(out?)
+    }
+
     /// The current session's id.
     pub fn current_session(&self) -> Option<SessionId> {
         self.loaded.as_ref().map(|l| l.cur_ref().id)
@@ -272,6 +330,7 @@ impl WgpuBackend {
             sessions: Vec::new(),
             current: 0,
             next_id: 1,
+            batch: None,
         };
         loaded.open(&self.opts)?;
         self.resident.clear();
@@ -295,7 +354,7 @@ impl WgpuBackend {
             return Err(e);
         }
         if let Some((old, _)) = self.trainer.take() {
-            self.resident.retain(|(i, _)| *i != old);
+            self.forget_unless_shared(&old);
         }
         self.trainer = Some((id.clone(), trainer));
         Ok(id)
@@ -332,15 +391,18 @@ impl WgpuBackend {
         Ok(report)
     }
 
-    /// Rebuild the stacks of the other sessions whose set holds the trainable adapter (the
-    /// current session's was rebuilt by the step).
+    /// After a step: every session forgets a stack that holds the trainable adapter (its weights
+    /// are from before the step), and a session whose active set is such a stack rebuilds it. An
+    /// error here (the GPU out of memory for a stack) comes after the step was taken.
     fn restack_trainable(&mut self) -> Result<(), BackendError> {
         let (Some((id, _)), Some(loaded)) = (&self.trainer, self.loaded.as_mut()) else { return Ok(()) };
-        let current = loaded.cur_ref().id;
-        for c in loaded.sessions.iter_mut().filter(|c| c.id != current) {
-            if c.active.len() > 1 && c.active.iter().any(|a| a.id == *id) {
+        let trainable = find_in(&self.resident, id)?.clone();
+        for c in &mut loaded.sessions {
+            if c.session.stack_holds(&trainable) {
                 c.session.forget_stack();
-                c.session.set_adapters(resolve(&self.resident, &c.active)?)?;
+                if c.active.len() > 1 && c.active.iter().any(|a| a.id == *id) {
+                    c.session.set_adapters(resolve(&self.resident, &c.active)?)?;
+                }
             }
         }
         Ok(())
@@ -543,8 +605,9 @@ impl LlmBackend for WgpuBackend {
         let resident: Vec<(AdapterId, Arc<LoraAdapter>)> =
             self.resident.iter().filter(|(i, _)| i != id).cloned().collect();
         if let Some(loaded) = self.loaded.as_mut() {
-            // Out of every session's set first (each rebinds without it; nothing is removed
-            // unless all of them can).
+            // Out of every session's set first (each rebinds without it). If one cannot (the
+            // GPU out of memory for its new stack), the error is returned and the adapter stays
+            // resident; sessions rebound before it keep their new set.
             let mut rebound = Vec::new();
             for c in &loaded.sessions {
                 if c.active.iter().any(|a| a.id == id) {

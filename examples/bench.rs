@@ -19,7 +19,7 @@ use qwen35_wgpu::model::Mixer;
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::runtime::PromptCache;
 use qwen35_wgpu::{
-    ActiveAdapter, GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model,
+    ActiveAdapter, Batch, GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model,
     QuantizeRecipe, Session, SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
 };
 
@@ -61,6 +61,10 @@ struct Args {
     /// each turn adds `--prompt` / 4 user tokens to the conversation and decodes `--decode`.
     #[arg(long, default_value_t = 0)]
     chat_turns: usize,
+    /// Session counts for batched decode (e.g. `1,2,4,8`; needs `--adapter`): that many
+    /// sessions, cycling through the adapter, a second copy of it and none, decode together.
+    #[arg(long, value_delimiter = ',')]
+    batch_sessions: Vec<usize>,
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
@@ -404,6 +408,7 @@ fn main() -> Result<()> {
         let (sp, sd) = measure(&mut session, &ids, &args, "stacked")?;
         let stacked_counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
         session.set_adapter(Some((adapter.clone(), 1.0)))?;
+        let batched_json = batched(&model, [&adapter, &second], &ids, &args)?;
         let adapter_profile = if args.profile {
             profile(&mut session, &ids, args.decode.min(16), Some((adapter.clone(), 1.0)))?
         } else {
@@ -432,6 +437,7 @@ fn main() -> Result<()> {
             "bytes_uploaded_per_decode_step_fixed": fixed_bytes,
             "bytes_uploaded_per_decode_step_swapping": swap_step_bytes,
             "profile": adapter_profile,
+            "batched": batched_json,
             "stacked": {
                 "adapters": 2,
                 "prefill_tok_s": sp.json(),
@@ -482,6 +488,55 @@ fn main() -> Result<()> {
     Ok(())
 }
 
+/// Decode throughput of `args.batch_sessions` sessions stepped together (an 8-token prompt each,
+/// then `args.decode` batched steps, at most 16; greedy on the host from each row; at most 3
+/// timed repeats), every session with its own set: session k applies `adapters[0]`,
+/// `adapters[1]` or none, by k mod 3.
+fn batched(
+    model: &Arc<Model>,
+    adapters: [&Arc<LoraAdapter>; 2],
+    ids: &[u32],
+    args: &Args,
+) -> Result<serde_json::Value> {
+    let prompt = &ids[..ids.len().min(8)];
+    let steps = args.decode.min(16);
+    let opts = SessionOptions { max_context: prompt.len() + steps + 1, max_batch: prompt.len() };
+    let mut rows = Vec::new();
+    for &n in &args.batch_sessions {
+        let mut sessions = Vec::with_capacity(n);
+        for k in 0..n {
+            let mut s = Session::new(model.clone(), opts.clone())?;
+            s.set_adapter(adapters.get(k % 3).map(|a| ((*a).clone(), 1.0)))?;
+            sessions.push(s);
+        }
+        let mut batch = Batch::new(model.clone(), n)?;
+        let mut tps = Series::default();
+        for rep in 0..=args.repeats.min(3) {
+            let mut next = Vec::with_capacity(n);
+            for s in &mut sessions {
+                s.reset();
+                if prompt.len() > 1 {
+                    s.prefill(&prompt[..prompt.len() - 1])?;
+                }
+                next.push(prompt[prompt.len() - 1]);
+            }
+            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            let t = Instant::now();
+            for _ in 0..steps {
+                let logits = batch.step(&mut refs, &next)?;
+                next = (0..n).map(|r| argmax(logits.row(r))).collect();
+            }
+            let rate = (n * steps) as f64 / t.elapsed().as_secs_f64();
+            eprintln!("batched {n} rep {rep}: {rate:.2} tok/s in all");
+            if rep > 0 {
+                tps.0.push(rate);
+            }
+        }
+        rows.push(serde_json::json!({ "sessions": n, "steps": steps, "decode_tok_s": tps.json() }));
+    }
+    Ok(serde_json::Value::Array(rows))
+}
+
 /// The last turn of an `args.chat_turns`-turn chat (token ids; the conversation so far, plus
 /// the reply, plus the new user tokens), timed with the prompt cache (turns 1..N−1 run first, so
 /// the session holds the conversation up to the last reply) and without (a full prefill).
@@ -489,8 +544,10 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     let vocab = model.config.vocab_size as u32;
     let user = (args.prompt / 4).max(1);
     let turns = args.chat_turns;
-    let opts = SessionOptions { max_context: turns * (user + args.decode) + 16, max_batch: args.prompt.max(1) };
-    let params = GenerateParams { stop_at_eos: false, ..greedy(args.decode) };
+    // Replies of at most 8 tokens, at most 2 timed repeats: the turn's prefill is what differs.
+    let decode = args.decode.min(8);
+    let opts = SessionOptions { max_context: turns * (user + decode) + 16, max_batch: args.prompt.max(1) };
+    let params = GenerateParams { stop_at_eos: false, ..greedy(decode) };
     let turn = |session: &mut Session, cache: &mut PromptCache, prompt: &[u32]| -> Result<(Vec<u32>, f64)> {
         let t = Instant::now();
         let fed = cache.prepare(session, prompt, None)?;
@@ -501,7 +558,7 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     };
     let (mut with, mut without) = (Series::default(), Series::default());
     let mut last_prompt = 0;
-    for repeat in 0..=args.repeats {
+    for repeat in 0..=args.repeats.min(2) {
         for cached in [true, false] {
             let mut session = Session::new(model.clone(), opts.clone())?;
             let mut cache = PromptCache::default();
@@ -527,7 +584,7 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     Ok(serde_json::json!({
         "turns": turns,
         "last_turn_prompt_tokens": last_prompt,
-        "decode_tokens": args.decode,
+        "decode_tokens": decode,
         "last_turn_s_with_cache": with.json(),
         "last_turn_s_without_cache": without.json(),
         "speedup": without.median() / with.median(),

@@ -169,13 +169,23 @@ fn bad_sets_are_typed_errors_and_change_nothing() {
 }
 
 #[test]
-fn a_learning_step_reaches_a_stack_that_holds_the_trainable_adapter() {
+fn a_learning_step_reaches_every_stack_that_holds_the_trainable_adapter() {
     let Some(mut b) = backend() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
     let id = b.create_trainable_adapter(&TrainSpec { rank: 4, ..TrainSpec::default() }).expect("trainable");
     let set = [AdapterWeight::new(id.clone(), 1.0), AdapterWeight::new("all12_r8", 1.0)];
+    let learner = b.current_session().expect("session");
     b.set_adapters(&set).expect("stack with the trainable adapter");
+    // Another session applies the same stack; a third built it, then moved to one adapter.
+    let other = b.create_session().expect("other");
+    b.select_session(other).expect("select");
+    b.set_adapters(&set).expect("set");
     let before = logits(&mut b, &ids);
+    let idle = b.create_session().expect("idle");
+    b.select_session(idle).expect("select");
+    b.set_adapters(&set).expect("set");
+    b.activate_adapter("all12_r8", 1.0).expect("one adapter: the stack stays cached");
+    b.select_session(learner).expect("select");
     let events: Vec<_> = (0..2)
         .map(|i| TokenEvent {
             prompt: ids[..6 + i].to_vec(),
@@ -186,13 +196,20 @@ fn a_learning_step_reaches_a_stack_that_holds_the_trainable_adapter() {
     let opts = LearnOptions { lr: 1e-2, ..LearnOptions::default() };
     b.learn_tokens(&events, &opts).expect("step");
     assert_eq!(b.active_adapters().expect("query"), set, "learning keeps the set");
+    let fresh = |b: &mut WgpuBackend| {
+        b.session().expect("session").forget_stack();
+        b.set_adapters(&set).expect("rebuilt");
+        logits(b, &ids)
+    };
     let after = logits(&mut b, &ids);
     let (rel, _) = rel_and_max(&after, &before);
     assert!(rel > 1e-6, "the step does not reach the stacked set (rel {rel:.2e})");
-    // A stack built afresh from the adapters' current weights gives the same logits.
-    b.session().expect("session").forget_stack();
-    b.set_adapters(&set).expect("rebuilt");
-    assert_eq!(logits(&mut b, &ids), after, "the stack after the step holds the stepped weights");
+    assert_eq!(fresh(&mut b), after, "the learner's stack after the step holds the stepped weights");
+    b.select_session(other).expect("select");
+    assert_eq!(logits(&mut b, &ids), after, "another session's active stack holds the stepped weights");
+    b.select_session(idle).expect("select");
+    b.set_adapters(&set).expect("back to the stack");
+    assert_eq!(logits(&mut b, &ids), after, "a cached stack not active during the step is not reused stale");
 }
 
 #[test]

@@ -535,12 +535,6 @@ impl Trainer {
         }
         rec.submit()?;
         self.step += 1;
-        // A stack that holds this adapter holds its weights from before the step: rebuild it.
-        let set = session.adapters().to_vec();
-        if set.len() > 1 && set.iter().any(|a| Arc::ptr_eq(&a.adapter, &self.adapter)) {
-            session.forget_stack();
-            session.set_adapters(set)?;
-        }
         let norms = read_f32(&ctx, &self.norms, 0, self.tensors.len())?;
         let scores: Vec<f32> =
             events.iter().filter_map(|e| if let Signal::Score(s) = e.signal { Some(s) } else { None }).collect();

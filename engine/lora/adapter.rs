@@ -222,7 +222,7 @@ impl LoraAdapter {
     /// trainable adapter stacks with its current weights) and uploaded once more. Scales are not
     /// applied: every member's `scaling` is 1 and the session's scale table carries each part's
     /// alpha / r with the user's scale.
-    pub fn stack(model: &Arc<Model>, sources: &[Arc<LoraAdapter>]) -> Result<Self, AdapterError> {
+    pub(crate) fn stack(model: &Arc<Model>, sources: &[Arc<LoraAdapter>]) -> Result<Self, AdapterError> {
         let ctx: &GpuContext = &model.ctx;
         if let Some(other) = sources.iter().find(|a| !a.is_for(model)) {
             return Err(AdapterError::WrongModel { name: other.info.name.clone() });

@@ -48,8 +48,8 @@ pub enum ConfigSource {
     Trainable,
     /// An MLX adapter's `adapter_config.json` (`lora_parameters.scale`, absolute).
     MlxConfig,
-    /// A stack of resident adapters ([`crate::lora::LoraAdapter::stack`]): each part keeps its
-    /// source's alpha / r.
+    /// A stack of resident adapters (an adapter set of several): each part keeps its source's
+    /// alpha / r.
     Stacked,
 }
 

@@ -3,12 +3,13 @@
 //! (`base_model.set_adapter([...])`): `y = W·x + Σᵢ sᵢ·fᵢ(layer, proj)·(alpha/r)ᵢ·Bᵢ·Aᵢ·x`.
 //!
 //! On the GPU a set of one adapter binds it directly (the factors go into each segment's scale).
-//! Several adapters are stacked ([`crate::lora::LoraAdapter::stack`]): per (layer, input group)
+//! Several adapters are stacked (`LoraAdapter::stack`): per (layer, input group)
 //! their A matrices are concatenated along the rank (`[A₁; A₂]`, one shrink dispatch) and each
 //! projection's B matrices side by side (`[B₁ | B₂]`, one fused expand), and a table of one factor
 //! per rank column (`sᵢ·fᵢ·(alpha/r)ᵢ`, written into the session's t buffer) gives every
 //! adapter's ranks their own scale. Changing scales or factors rewrites that table only; the
-//! stack is rebuilt (on the GPU, from the resident adapters) only when the set's members change.
+//! stack is rebuilt (the resident adapters' weights read back and uploaded as one) when the set's
+//! nonzero members change; a session keeps the last stack it built.
 
 use std::ops::Range;
 

@@ -3,6 +3,7 @@
 use std::sync::Arc;
 
 use crate::error::AdapterError;
+use crate::kernels::matmul::ScaleTableAt;
 use crate::lora::{InputGroup, LayerScales, LoraAdapter, Proj, MAX_SCALE, MAX_SET};
 use crate::model::Model;
 
@@ -35,9 +36,9 @@ pub(crate) struct BoundSet {
     pub(crate) lora: Arc<LoraAdapter>,
     /// Per layer, per projection ([`Proj::index`]): the expand's segment scale.
     pub(crate) seg_scale: Vec<[f32; 12]>,
-    /// Per layer, per input group: the element of the t buffer where the group's scale table
-    /// starts (a stack's per-rank-column factors).
-    pub(crate) tables: Vec<[Option<usize>; 4]>,
+    /// Per layer, per input group: where the group's scale table is in the t buffer (a stack's
+    /// per-rank-column factors; one row per row of t in a batched step).
+    pub(crate) tables: Vec<[Option<ScaleTableAt>; 4]>,
 }
 
 /// A session's adapter state.
@@ -60,6 +61,11 @@ impl LoraState {
         self.stack = None;
     }
 
+    /// Whether the cached stack (bound or not) holds `adapter`.
+    pub(crate) fn stack_holds(&self, adapter: &Arc<LoraAdapter>) -> bool {
+        self.stack.as_ref().is_some_and(|(sources, _)| sources.iter().any(|s| Arc::ptr_eq(s, adapter)))
+    }
+
     /// Make `set` the active set for steps of at most `max_batch` tokens. Nothing changes on
     /// error.
     pub(crate) fn bind(
@@ -78,6 +84,12 @@ impl LoraState {
             }
             if !a.adapter.is_for(model) {
                 return Err(AdapterError::WrongModel { name: a.adapter.info.name.clone() });
+            }
+            if a.adapter.sources() > 1 {
+                return Err(AdapterError::BadId {
+                    id: a.adapter.info.name.clone(),
+                    why: "a stack is not a member of a set: give its adapters instead".into(),
+                });
             }
             if set[..i].iter().any(|b| Arc::ptr_eq(&a.adapter, &b.adapter)) {
                 return Err(AdapterError::DuplicateInSet { id: a.adapter.info.name.clone() });
@@ -110,22 +122,8 @@ impl LoraState {
                     None => Arc::new(LoraAdapter::stack(model, &sources)?),
                 };
                 let base = table_base(max_batch, &stack);
-                let mut table: Vec<f32> = Vec::new();
-                let mut tables = vec![[None; 4]; layers];
-                for (l, slots) in tables.iter_mut().enumerate() {
-                    for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
-                        let Some(g) = stack.group(l, group) else { continue };
-                        slots[group as usize] = Some(base + table.len());
-                        for m in &g.members {
-                            for part in &m.parts {
-                                let a = many[part.source];
-                                let f = a.scale * a.layers.factor(l, m.proj) * part.scaling;
-                                table.extend(std::iter::repeat_n(f, part.rank));
-                            }
-                        }
-                        table.resize(table.len().next_multiple_of(4), 0.0);
-                    }
-                }
+                let rows: [&[&ActiveAdapter]; 1] = [many];
+                let (table, tables) = stack_tables(&stack, &sources, &rows, base, layers);
                 let seg_scale = vec![[1.0; 12]; layers];
                 let bound = BoundSet { lora: stack.clone(), seg_scale, tables };
                 (Some(bound), Some((sources, stack)), table)
@@ -151,7 +149,44 @@ impl LoraState {
     }
 }
 
+/// The scale tables of `stack` (built from `sources`, in order) for steps whose row `r` applies
+/// the set `rows[r]`: per (layer, input group) with an adapter, one factor per rank column and
+/// row, `scale · factor(layer, proj) · alpha / r` of the row's entry for the column's source (0
+/// where the row's set does not hold it), rows `Σr` rounded up to 4 apart. Returns the factors
+/// (to be written at element `base` of the t buffer) and where each group's table is (row
+/// stride 0 for one row: every row of t reads it).
+pub(crate) fn stack_tables(
+    stack: &LoraAdapter,
+    sources: &[Arc<LoraAdapter>],
+    rows: &[&[&ActiveAdapter]],
+    base: usize,
+    layers: usize,
+) -> (Vec<f32>, Vec<[Option<ScaleTableAt>; 4]>) {
+    let mut table: Vec<f32> = Vec::new();
+    let mut tables = vec![[None; 4]; layers];
+    for (l, slots) in tables.iter_mut().enumerate() {
+        for group in [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut] {
+            let Some(g) = stack.group(l, group) else { continue };
+            let stride = g.rank_total.next_multiple_of(4);
+            slots[group as usize] =
+                Some(ScaleTableAt { offset: base + table.len(), stride: if rows.len() > 1 { stride } else { 0 } });
+            for set in rows {
+                let row0 = table.len();
+                for m in &g.members {
+                    for part in &m.parts {
+                        let entry = set.iter().find(|a| Arc::ptr_eq(&a.adapter, &sources[part.source]));
+                        let f = entry.map_or(0.0, |a| a.scale * a.layers.factor(l, m.proj) * part.scaling);
+                        table.extend(std::iter::repeat_n(f, part.rank));
+                    }
+                }
+                table.resize(row0 + stride, 0.0);
+            }
+        }
+    }
+    (table, tables)
+}
+
 /// Where the scale tables start in the t buffer: after `[max_batch, Σr]` of t (16-byte aligned).
-fn table_base(max_batch: usize, lora: &LoraAdapter) -> usize {
+pub(crate) fn table_base(max_batch: usize, lora: &LoraAdapter) -> usize {
     (max_batch * lora.max_group_rank()).next_multiple_of(4)
 }

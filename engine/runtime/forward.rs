@@ -18,7 +18,7 @@ use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, AttnIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, WeightRows,
+    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
 };
 use crate::kernels::misc::{argmax, embed, swiglu, topk, TopkIo};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -46,14 +46,14 @@ pub(crate) enum Input<'a> {
 
 /// The active adapter as one layer's step sees it.
 #[derive(Clone, Copy)]
-struct LayerLora<'a> {
-    bound: &'a BoundSet,
-    t: &'a wgpu::Buffer,
-    layer: usize,
+pub(crate) struct LayerLora<'a> {
+    pub(crate) bound: &'a BoundSet,
+    pub(crate) t: &'a wgpu::Buffer,
+    pub(crate) layer: usize,
 }
 
 /// The shrink of one input group (`t = x·A_catᵀ`), when the adapter covers it.
-struct Shrunk<'a> {
+pub(crate) struct Shrunk<'a> {
     lora: LayerLora<'a>,
     group: &'a LoraGroup,
 }
@@ -71,13 +71,13 @@ impl<'a> LayerLora<'a> {
 /// The input of a block's projections: a buffer and what to do to it first (single-token steps
 /// fold the block's RMSNorm or the SwiGLU product into the projections that read it).
 #[derive(Clone, Copy)]
-struct Src<'a> {
-    x: &'a wgpu::Buffer,
-    fuse: Fuse<'a>,
+pub(crate) struct Src<'a> {
+    pub(crate) x: &'a wgpu::Buffer,
+    pub(crate) fuse: Fuse<'a>,
 }
 
 impl<'a> Src<'a> {
-    fn plain(x: &'a wgpu::Buffer) -> Self {
+    pub(crate) fn plain(x: &'a wgpu::Buffer) -> Self {
         Self { x, fuse: Fuse::NONE }
     }
 
@@ -111,21 +111,21 @@ impl<'a> Shrunk<'a> {
             t_stride: self.group.rank_total,
             b: &self.group.b_bind,
             segments,
-            table: table.map(|offset| ScaleTableAt { offset, stride: 0 }),
+            table,
         })
     }
 }
 
 /// The row order of the concatenated weights (`weights.rs`).
-const GDN_IN: [Proj; 4] = [Proj::InProjQkv, Proj::InProjZ, Proj::InProjB, Proj::InProjA];
-const ATTN_IN: [Proj; 3] = [Proj::QProj, Proj::KProj, Proj::VProj];
+pub(crate) const GDN_IN: [Proj; 4] = [Proj::InProjQkv, Proj::InProjZ, Proj::InProjB, Proj::InProjA];
+pub(crate) const ATTN_IN: [Proj; 3] = [Proj::QProj, Proj::KProj, Proj::VProj];
 const MLP_IN: [Proj; 2] = [Proj::GateProj, Proj::UpProj];
 
 /// Projections `parts` of the concatenated weight `w` whose row order is `order`.
-struct Parts<'a> {
-    w: &'a GpuWeight,
-    order: &'a [Proj],
-    parts: std::ops::Range<usize>,
+pub(crate) struct Parts<'a> {
+    pub(crate) w: &'a GpuWeight,
+    pub(crate) order: &'a [Proj],
+    pub(crate) parts: std::ops::Range<usize>,
 }
 
 impl Parts<'_> {
@@ -136,7 +136,7 @@ impl Parts<'_> {
 }
 
 /// Shrink `src` for `group` if an adapter is active and covers it.
-fn shrink<'a>(
+pub(crate) fn shrink<'a>(
     rec: &mut Recorder,
     lora: Option<LayerLora<'a>>,
     group: InputGroup,
@@ -151,7 +151,7 @@ fn shrink<'a>(
 
 /// `linear` over some projections of a concatenated weight, with their LoRA expand when their
 /// group was shrunk; `io.x` is `src.x`.
-fn project(
+pub(crate) fn project(
     rec: &mut Recorder,
     c: &TextConfig,
     w: Parts,
@@ -164,7 +164,7 @@ fn project(
 }
 
 /// A linear layer reading `[m, k]` from the start of `x` and writing `[m, y_stride]` into `y`.
-fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
+pub(crate) fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
     LinearIo { x, x_offset: 0, m, y, y_offset: 0, y_stride, accumulate: false }
 }
 
@@ -183,17 +183,8 @@ fn gdn_block(
     let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
-    let params = GdnParams {
-        t: t as u32,
-        c: cd as u32,
-        k: c.conv_kernel as u32,
-        hk: c.linear_key_heads as u32,
-        hv: hv as u32,
-        dk: c.linear_key_dim as u32,
-        dv: c.linear_value_dim as u32,
-        eps: c.rms_norm_eps,
-    };
-    let fused = t == 1 && c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D;
+    let params = gdn_params(c, t);
+    let fused = t == 1 && gdn_step_fits(c);
     if fused {
         // One token: one dispatch for the four projections, one for conv, rule and gated norm.
         let all = Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..4 };
@@ -241,6 +232,49 @@ fn gdn_block(
     project(rec, c, Parts { w: &w.out_proj, order: &[Proj::OutProj], parts: 0..1 }, &out, mid, &s)
 }
 
+/// The GDN kernels' parameters for `t` tokens.
+pub(crate) fn gdn_params(c: &TextConfig, t: usize) -> GdnParams {
+    GdnParams {
+        t: t as u32,
+        c: c.conv_dim() as u32,
+        k: c.conv_kernel as u32,
+        hk: c.linear_key_heads as u32,
+        hv: c.linear_value_heads as u32,
+        dk: c.linear_key_dim as u32,
+        dv: c.linear_value_dim as u32,
+        eps: c.rms_norm_eps,
+    }
+}
+
+/// Whether one token of a GDN layer runs as one `gdn_decode` dispatch.
+pub(crate) fn gdn_step_fits(c: &TextConfig) -> bool {
+    c.linear_key_dim.max(c.linear_value_dim) <= GDN_STEP_MAX_D
+}
+
+/// The attention kernels' parameters: `t` tokens from position `pos0` in a cache of `s_max`, k
+/// and v at those offsets of their rows.
+pub(crate) fn attn_params(
+    c: &TextConfig,
+    (t, pos0, s_max): (usize, usize, usize),
+    (k_offset, v_offset): (usize, usize),
+) -> AttnParams {
+    let hd = c.head_dim;
+    AttnParams {
+        t: t as u32,
+        pos0: pos0 as u32,
+        hq: c.num_heads as u32,
+        hkv: c.num_kv_heads as u32,
+        hd: hd as u32,
+        rot_half: (c.rotary_dim / 2) as u32,
+        s_max: s_max as u32,
+        eps: c.rms_norm_eps,
+        scale: (hd as f32).powf(-0.5),
+        k_offset: k_offset as u32,
+        v_offset: v_offset as u32,
+        _pad: 0,
+    }
+}
+
 #[allow(clippy::too_many_arguments)]
 fn attention_block(
     rec: &mut Recorder,
@@ -269,20 +303,7 @@ fn attention_block(
         project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, t, kv), src, &s)?;
         (&sc.wide_a, &sc.mid_a, &sc.mid_c, 0, 0)
     };
-    let params = AttnParams {
-        t: t as u32,
-        pos0: pos0 as u32,
-        hq: hq as u32,
-        hkv: hkv as u32,
-        hd: hd as u32,
-        rot_half: (c.rotary_dim / 2) as u32,
-        s_max: s_max as u32,
-        eps: c.rms_norm_eps,
-        scale: (hd as f32).powf(-0.5),
-        k_offset: k_offset as u32,
-        v_offset: v_offset as u32,
-        _pad: 0,
-    };
+    let params = attn_params(c, (t, pos0, s_max), (k_offset, v_offset));
     let io = AttnIo { qg, kraw, vraw, q: &sc.wide_b, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
@@ -293,7 +314,7 @@ fn attention_block(
 
 /// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
 /// the weight is in one binding).
-fn mlp_block(
+pub(crate) fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
@@ -319,7 +340,7 @@ fn mlp_block(
     project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, act, &s)
 }
 
-fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
+pub(crate) fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
     NormIo {
         x: &sc.hidden,
         y: &sc.xnorm,
@@ -331,7 +352,7 @@ fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> Nor
     }
 }
 
-fn lm_head(
+pub(crate) fn lm_head(
     rec: &mut Recorder,
     model: &Model,
     src: Src,

@@ -1,6 +1,7 @@
 //! Running the model: per-session caches and scratch, the layer loop, sampling, generation.
 
 mod adapters;
+mod batch;
 pub(crate) mod cache;
 pub(crate) mod forward;
 mod generate;
@@ -9,6 +10,7 @@ mod sampler;
 mod session;
 
 pub use adapters::ActiveAdapter;
+pub use batch::{Batch, MAX_BATCH_SESSIONS};
 pub use cache::rope_table;
 pub use generate::GenerateParams;
 pub use prompt_cache::{PromptCache, PromptCacheStats, MAX_SNAPSHOTS};

@@ -272,6 +272,11 @@ impl Session {
         self.lora.forget_stack();
     }
 
+    /// Whether the stack this session keeps (bound or not) holds `adapter`.
+    pub fn stack_holds(&self, adapter: &Arc<LoraAdapter>) -> bool {
+        self.lora.stack_holds(adapter)
+    }
+
     /// Forget the sequence: zero the GDN states and rewind the position.
     pub fn reset(&mut self) {
         let ctx = &self.model.ctx;

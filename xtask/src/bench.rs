@@ -230,7 +230,7 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
     ours.current_dir(root).args(["run", "--release", "--example", "bench", "--"]).arg("--model").arg(&model);
     ours.arg("--adapter").arg(&adapter);
     ours.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
-    ours.args(["--repeats", &sizes.repeats.to_string(), "--chat-turns", "4"]);
+    ours.args(["--repeats", &sizes.repeats.to_string(), "--chat-turns", "4", "--batch-sessions", "1,2,4,8"]);
     if opts.profile {
         ours.arg("--profile");
     }
@@ -404,6 +404,19 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
             (1.0 - ratio) * 100.0,
             verdict_noisy(ratio >= 0.97, overlap(&stacked["decode_tok_s"], &a["decode_tok_s"])),
         ));
+    }
+    if let Some(rows) = a["batched"].as_array().filter(|r| !r.is_empty()) {
+        md.push_str(
+            "Batched decode (sessions cycling through the adapter, a second copy and none, each its own set; \
+             one step decodes a token of every session):\n\n| sessions | tok/s in all | × one session |\n|---|---|---|\n",
+        );
+        let one = rows.first().map_or(f64::NAN, |r| med(&r["decode_tok_s"]));
+        for r in rows {
+            let v = med(&r["decode_tok_s"]);
+            md.push_str(&format!("| {} | {} | {:.2} |\n", r["sessions"], spread(&r["decode_tok_s"], 2), v / one));
+        }
+        let eight = rows.iter().find(|r| r["sessions"] == 8).map_or(f64::NAN, |r| med(&r["decode_tok_s"]));
+        md.push_str(&format!("\nTarget: 8 sessions ≥ 3× one: {}.\n\n", verdict(eight >= 3.0 * one)));
     }
     let cache = &engine["prompt_cache"];
     if cache.is_object() {

@@ -1,0 +1,188 @@
+//! Batched decode: several sessions, each with its own adapter set (one with none), stepped
+//! together equal each session stepped alone.
+
+mod common;
+
+use std::sync::Arc;
+
+use common::tolerance::PATHS_REL;
+use common::{fixture_model, gpu, rel_and_max, root, Reference};
+use qwen35_wgpu::{
+    ActiveAdapter, Batch, GenerateParams, LayerScales, LoraAdapter, Model, Proj, RunError, Session, SessionOptions,
+};
+
+fn opts() -> SessionOptions {
+    SessionOptions { max_context: 64, max_batch: 16 }
+}
+
+struct Fixture {
+    model: Arc<Model>,
+    adapters: Vec<Arc<LoraAdapter>>,
+    ids: Vec<u32>,
+}
+
+fn fixture() -> Option<Fixture> {
+    let ctx = gpu()?;
+    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let adapters = ["all12_r8", "gdn_mlp_r4_rslora", "patterns_r16"]
+        .iter()
+        .map(|n| Arc::new(LoraAdapter::load(&model, &root().join("tests/fixtures/adapters").join(n)).expect("adapter")))
+        .collect();
+    Some(Fixture { model, adapters, ids: Reference::load("adapter_sets").ids("ids") })
+}
+
+/// Four sets: one adapter, a stacked pair, none, and an adapter with layer factors.
+fn sets(f: &Fixture) -> Vec<Vec<ActiveAdapter>> {
+    let a = |i: usize, s: f32| ActiveAdapter::new(f.adapters[i].clone(), s);
+    vec![
+        vec![a(0, 1.0)],
+        vec![a(0, 0.7), a(1, -0.5)],
+        vec![],
+        vec![a(2, 0.5).with_layers(LayerScales::default().layers(0..2, 0.0).projections(&Proj::ATTENTION, 2.0))],
+    ]
+}
+
+fn session(f: &Fixture, set: &[ActiveAdapter]) -> Session {
+    let mut s = Session::new(f.model.clone(), opts()).expect("session");
+    s.set_adapters(set.to_vec()).expect("set");
+    s
+}
+
+#[test]
+fn a_batched_step_equals_each_session_stepped_alone() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    // Prompts of different lengths: the sessions are at different positions.
+    let prompts: Vec<&[u32]> = (0..sets.len()).map(|i| &f.ids[..3 + 2 * i]).collect();
+    let mut batch = Batch::new(f.model.clone(), 8).expect("batch");
+    for n in [1, 2, 4] {
+        let mut alone = Vec::new();
+        let mut together: Vec<Session> = Vec::new();
+        for (k, set) in sets.iter().cycle().take(n).enumerate() {
+            let prompt = prompts[k % prompts.len()];
+            let mut s = session(&f, set);
+            s.feed(&prompt[..prompt.len() - 1]).expect("prefill");
+            let mut t = session(&f, set);
+            t.feed(&prompt[..prompt.len() - 1]).expect("prefill");
+            alone.push(s.feed(&prompt[prompt.len() - 1..]).expect("alone").data);
+            together.push(t);
+        }
+        let last: Vec<u32> = (0..n).map(|k| *prompts[k % prompts.len()].last().expect("id")).collect();
+        let mut rows: Vec<&mut Session> = together.iter_mut().collect();
+        let got = batch.step(&mut rows, &last).expect("batched step");
+        for (k, want) in alone.iter().enumerate() {
+            let (rel, _) = rel_and_max(got.row(k), want);
+            assert!(rel <= PATHS_REL, "n {n}, session {k}: rel {rel:.2e}");
+        }
+        for (k, s) in together.iter().enumerate() {
+            assert_eq!(s.position(), prompts[k % prompts.len()].len(), "the step is committed");
+        }
+    }
+}
+
+#[test]
+fn batched_generation_equals_each_session_generating_alone() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
+    let prompts: Vec<Vec<u32>> = (0..sets.len()).map(|i| f.ids[..4 + i].to_vec()).collect();
+    let want: Vec<Vec<u32>> = sets
+        .iter()
+        .zip(&prompts)
+        .map(|(set, p)| session(&f, set).generate(p, &params, |_| true).expect("alone"))
+        .collect();
+    assert!(want.iter().any(|w| w != &want[2]), "the sets must change the text for this test to mean anything");
+    let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+    let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
+    assert_eq!(got, want, "batched greedy ids");
+    // A shorter limit for one row: the others go on without it.
+    let params = GenerateParams { max_tokens: 2, ..params };
+    let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
+    assert_eq!(got, want.iter().map(|w| w[..2].to_vec()).collect::<Vec<_>>());
+}
+
+#[test]
+fn bad_batches_are_typed_errors_and_change_nothing() {
+    let Some(f) = fixture() else { return };
+    let mut batch = Batch::new(f.model.clone(), 2).expect("batch");
+    let mut a = session(&f, &[]);
+    let mut b = session(&f, &[]);
+    a.feed(&f.ids[..3]).expect("prefill");
+    let other = Arc::new(Model::load(f.model.ctx.clone(), &fixture_model("gva_tied_f32")).expect("model"));
+    let mut foreign = Session::new(other, opts()).expect("session");
+    let mut c = session(&f, &[]);
+    let mut rows = vec![&mut a, &mut b];
+    assert!(matches!(batch.step(&mut rows, &[1]), Err(RunError::BadParam { .. })), "one id per session");
+    let mut rows = vec![&mut a, &mut foreign];
+    assert!(matches!(batch.step(&mut rows, &[1, 2]), Err(RunError::BadParam { .. })), "a session of another model");
+    let mut rows = vec![&mut a, &mut b, &mut c];
+    assert!(matches!(batch.step(&mut rows, &[1, 2, 3]), Err(RunError::BadParam { .. })), "more rows than the batch");
+    let mut rows = vec![&mut a, &mut b];
+    assert!(matches!(batch.step(&mut rows, &[1, u32::MAX]), Err(RunError::TokenOutOfRange { .. })));
+    assert_eq!((a.position(), b.position()), (3, 0), "refused steps change no session");
+    assert!(matches!(Batch::new(f.model.clone(), 0), Err(RunError::BadParam { .. })));
+}
+
+#[test]
+fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
+    use qwen35_wgpu::{AdapterWeight, BackendError, LlmBackend, WgpuBackend};
+    let Some(ctx) = gpu() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let make = || {
+        let mut b = WgpuBackend::with_context(ctx.clone(), opts());
+        b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+        for name in ["all12_r8", "gdn_mlp_r4_rslora"] {
+            b.preload_adapter(&root().join("tests/fixtures/adapters").join(name), Some(name)).expect(name);
+        }
+        b
+    };
+    let sets = [
+        vec![AdapterWeight::new("all12_r8", 1.0)],
+        vec![],
+        vec![AdapterWeight::new("all12_r8", 0.5), AdapterWeight::new("gdn_mlp_r4_rslora", 1.0)],
+    ];
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    // Two requests per session: the second prompt extends the first and its reply.
+    let turns = |first: &[u32], reply: &[u32], k: usize| -> Vec<u32> {
+        let mut p = first.to_vec();
+        p.extend(reply);
+        p.extend(&ids[k..k + 2]);
+        p
+    };
+    let mut want = Vec::new();
+    for (k, set) in sets.iter().enumerate() {
+        let mut b = make();
+        b.set_adapters(set).expect("set");
+        let first = &ids[..3 + k];
+        let r1 = b.generate_ids(first, &params).expect("alone");
+        let r2 = b.generate_ids(&turns(first, &r1, k), &params).expect("alone");
+        want.push((r1, r2));
+    }
+    let mut b = make();
+    let mut sids = vec![b.current_session().expect("session")];
+    sids.extend((1..sets.len()).map(|_| b.create_session().expect("session")));
+    for (sid, set) in sids.iter().zip(&sets) {
+        b.select_session(*sid).expect("select");
+        b.set_adapters(set).expect("set");
+    }
+    let firsts: Vec<&[u32]> = (0..sets.len()).map(|k| &ids[..3 + k]).collect();
+    let requests: Vec<_> = sids.iter().copied().zip(firsts.iter().copied()).collect();
+    let r1 = b.generate_batch(&requests, &params).expect("batch 1");
+    let seconds: Vec<Vec<u32>> = (0..sets.len()).map(|k| turns(firsts[k], &r1[k], k)).collect();
+    let requests: Vec<_> = sids.iter().copied().zip(seconds.iter().map(|p| p.as_slice())).collect();
+    let r2 = b.generate_batch(&requests, &params).expect("batch 2");
+    for k in 0..sets.len() {
+        assert_eq!((&r1[k], &r2[k]), (&want[k].0, &want[k].1), "session {k}");
+        b.select_session(sids[k]).expect("select");
+        let stats = b.prompt_cache().expect("cache").stats();
+        assert!(stats.reused_tokens > 0, "session {k}: the second request reused the first: {stats:?}");
+    }
+    let twice = [(sids[0], firsts[0]), (sids[0], firsts[0])];
+    assert!(matches!(b.generate_batch(&twice, &params), Err(BackendError::Sessions { .. })));
+    assert!(matches!(b.generate_batch(&[(999, firsts[0])], &params), Err(BackendError::UnknownSession { .. })));
+}
