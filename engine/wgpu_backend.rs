@@ -137,6 +137,9 @@ impl WgpuBackend {
                 // The cached stack may hold it.
                 c.session.forget_stack();
             }
+            if let Some(batch) = l.batch.as_mut() {
+                batch.forget_stack();
+            }
         }
         if self.trainer.as_ref().is_some_and(|(t, _)| t == id) {
             self.trainer = None;
@@ -196,6 +199,8 @@ impl WgpuBackend {
         }
         let current = loaded.sessions[loaded.current].id;
         loaded.sessions.remove(i);
+        // The batch's bind groups hold the closed session's buffers.
+        loaded.batch = None;
         loaded.current = loaded.sessions.iter().position(|c| c.id == current).unwrap_or(0);
         Ok(())
     }
@@ -397,6 +402,9 @@ impl WgpuBackend {
     fn restack_trainable(&mut self) -> Result<(), BackendError> {
         let (Some((id, _)), Some(loaded)) = (&self.trainer, self.loaded.as_mut()) else { return Ok(()) };
         let trainable = find_in(&self.resident, id)?.clone();
+        if let Some(batch) = loaded.batch.as_mut().filter(|b| b.holds(&trainable)) {
+            batch.forget_stack();
+        }
         for c in &mut loaded.sessions {
             if c.session.stack_holds(&trainable) {
                 c.session.forget_stack();

@@ -54,8 +54,9 @@ fn a_batched_step_equals_each_session_stepped_alone() {
     let sets = sets(&f);
     // Prompts of different lengths: the sessions are at different positions.
     let prompts: Vec<&[u32]> = (0..sets.len()).map(|i| &f.ids[..3 + 2 * i]).collect();
-    let mut batch = Batch::new(f.model.clone(), 8).expect("batch");
-    for n in [1, 2, 4] {
+    let mut batch = Batch::new(f.model.clone(), 16).expect("batch");
+    // 9 and more rows take the tiled matmul (a per-row scale table in its LoRA K steps).
+    for n in [1, 2, 4, 9] {
         let mut alone = Vec::new();
         let mut together: Vec<Session> = Vec::new();
         for (k, set) in sets.iter().cycle().take(n).enumerate() {
@@ -98,12 +99,18 @@ fn batched_generation_equals_each_session_generating_alone() {
     let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
     let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
     assert_eq!(got, want, "batched greedy ids");
-    // A shorter limit for one row: the others go on without it.
-    let params = GenerateParams { max_tokens: 2, ..params };
+    // One row's context holds 2 tokens past its prompt, so it stops after 3 (the last one is
+    // chosen from the full context, as alone): the others go on with the kept stack (its
+    // adapters' factors zeroed for the finished row).
     let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+    let short = SessionOptions { max_context: prompts[1].len() + 2, max_batch: 16 };
+    sessions[1] = Session::new(f.model.clone(), short).expect("session");
+    sessions[1].set_adapters(sets[1].clone()).expect("set");
     let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
     let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
-    assert_eq!(got, want.iter().map(|w| w[..2].to_vec()).collect::<Vec<_>>());
+    let mut expect = want.clone();
+    expect[1].truncate(3);
+    assert_eq!(got, expect, "one row stops early, the others as alone");
 }
 
 #[test]
@@ -185,4 +192,34 @@ fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
     let twice = [(sids[0], firsts[0]), (sids[0], firsts[0])];
     assert!(matches!(b.generate_batch(&twice, &params), Err(BackendError::Sessions { .. })));
     assert!(matches!(b.generate_batch(&[(999, firsts[0])], &params), Err(BackendError::UnknownSession { .. })));
+}
+
+#[test]
+fn a_learning_step_between_batches_reaches_the_next_batch() {
+    use qwen35_wgpu::{LearnOptions, LlmBackend, Signal, TokenEvent, TrainSpec, WgpuBackend};
+    let Some(ctx) = gpu() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let mut b = WgpuBackend::with_context(ctx, opts());
+    b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+    b.preload_adapter(&root().join("tests/fixtures/adapters/all12_r8"), Some("x")).expect("adapter");
+    let learner = b.current_session().expect("session");
+    b.create_trainable_adapter(&TrainSpec { rank: 4, ..TrainSpec::default() }).expect("trainable");
+    let other = b.create_session().expect("session");
+    b.select_session(other).expect("select");
+    b.activate_adapter("x", 1.0).expect("x");
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    let prompt = &ids[..5];
+    let before = b.generate_batch(&[(learner, prompt), (other, prompt)], &params).expect("batch 1");
+    b.select_session(learner).expect("select");
+    let events = [TokenEvent { prompt: ids[..4].to_vec(), response: ids[4..8].to_vec(), signal: Signal::Preferred }];
+    for _ in 0..5 {
+        b.learn_tokens(&events, &LearnOptions { lr: 5e-2, ..LearnOptions::default() }).expect("step");
+    }
+    let want = b.generate_ids(prompt, &params).expect("alone after the steps");
+    assert_ne!(want, before[0], "the steps must change the greedy tokens for this test to mean anything");
+    // A closed session drops the batch's buffers; the next batch makes new ones.
+    let gone = b.create_session().expect("session");
+    b.close_session(gone).expect("close");
+    let got = b.generate_batch(&[(learner, prompt), (other, prompt)], &params).expect("batch 2");
+    assert_eq!(got[0], want, "the batch decodes with the stepped weights");
 }

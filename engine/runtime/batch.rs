@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
-use crate::gpu::{read_f32, IoBindCache, Recorder};
+use crate::gpu::{read_f32_via, IoBindCache, Recorder, Staging};
 use crate::kernels::attention::{attention, AttnIo};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
 use crate::kernels::misc::embed;
@@ -48,6 +48,7 @@ pub struct Batch {
     scratch: Scratch,
     ids: wgpu::Buffer,
     logits: wgpu::Buffer,
+    staging: Staging,
     io: IoBindCache,
     lora: Option<BatchLora>,
 }
@@ -67,13 +68,55 @@ impl Batch {
         let scratch = Scratch::new(&ctx, c, rows)?;
         let ids = ctx.storage_buffer("batch ids", (rows * 4) as u64, true)?;
         let logits = ctx.storage_buffer("batch logits", (rows * c.vocab_size * 4) as u64, true)?;
+        let staging = Staging::new(&ctx, "batch logits readback", (rows * c.vocab_size * 4) as u64);
         let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("batch uniform arena"),
             size: 512 * 256,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        Ok(Self { model, rows, scratch, ids, logits, io: IoBindCache::new(params), lora: None })
+        Ok(Self { model, rows, scratch, ids, logits, staging, io: IoBindCache::new(params), lora: None })
+    }
+
+    /// Forget the stack of the last rows (its adapters changed: a learning step, a removal).
+    pub fn forget_stack(&mut self) {
+        self.lora = None;
+    }
+
+    /// Whether the kept stack holds `adapter`.
+    pub fn holds(&self, adapter: &Arc<LoraAdapter>) -> bool {
+        self.lora.as_ref().is_some_and(|l| l.sources.iter().any(|s| Arc::ptr_eq(s, adapter)))
+    }
+
+    /// What a step of `sessions` needs that does not depend on their tokens: a row each, the
+    /// batch's model, at most `MAX_SET` distinct adapters over all rows.
+    fn check_rows(&self, sessions: &[&mut Session]) -> Result<(), RunError> {
+        let n = sessions.len();
+        if n == 0 || n > self.rows {
+            return Err(RunError::BadParam {
+                name: "sessions",
+                value: format!("{n} sessions"),
+                expected: "1 to the batch's rows",
+            });
+        }
+        if sessions.iter().any(|s| !Arc::ptr_eq(&s.model, &self.model)) {
+            return Err(RunError::BadParam {
+                name: "sessions",
+                value: "a session of another model".into(),
+                expected: "sessions of the batch's model",
+            });
+        }
+        let mut sources: Vec<&Arc<LoraAdapter>> = Vec::new();
+        for a in sessions.iter().flat_map(|s| s.adapters()).filter(|a| a.scale != 0.0) {
+            if !sources.iter().any(|s| Arc::ptr_eq(s, &a.adapter)) {
+                sources.push(&a.adapter);
+            }
+        }
+        if sources.len() > crate::lora::MAX_SET {
+            let e = AdapterError::SetTooLarge { found: sources.len(), limit: crate::lora::MAX_SET };
+            return Err(Box::new(e).into());
+        }
+        Ok(())
     }
 
     /// The most sessions one step takes.
@@ -86,21 +129,15 @@ impl Batch {
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
         let n = sessions.len();
-        if n == 0 || n > self.rows || ids.len() != n {
+        if ids.len() != n {
             return Err(RunError::BadParam {
-                name: "sessions",
+                name: "ids",
                 value: format!("{n} sessions, {} ids", ids.len()),
-                expected: "one id per session, 1 to the batch's rows",
+                expected: "one id per session",
             });
         }
+        self.check_rows(sessions)?;
         for (s, id) in sessions.iter().zip(ids) {
-            if !Arc::ptr_eq(&s.model, &self.model) {
-                return Err(RunError::BadParam {
-                    name: "sessions",
-                    value: "a session of another model".into(),
-                    expected: "sessions of the batch's model",
-                });
-            }
             s.check(std::slice::from_ref(id))?;
         }
         self.bind_lora(sessions)?;
@@ -125,7 +162,7 @@ impl Batch {
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
         rec.submit()?;
-        let data = read_f32(ctx, &self.logits, 0, n * c.vocab_size)?;
+        let data = read_f32_via(ctx, &self.logits, 0, n * c.vocab_size, &self.staging)?;
         for s in sessions.iter_mut() {
             s.commit(1);
         }
@@ -135,7 +172,9 @@ impl Batch {
     /// Continue every session with its prompt and generate up to `params.max_tokens` tokens for
     /// each, decoding the sessions together: each prompt is prefilled on its own session but
     /// its last token, then every step decodes one token of every session not yet finished (EOS
-    /// with `stop_at_eos`, or `max_tokens`). Each session samples with its own [`Sampler`] from
+    /// with `stop_at_eos`, or `max_tokens`; a session whose context fills stops there too, with
+    /// what it has, where [`Session::generate`] would return `ContextFull`: the other sessions
+    /// go on). Each session samples with its own [`Sampler`] from
     /// its row (the whole row is read back; greedy ties and NaN follow `sampler::argmax`).
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
     /// without one).
@@ -147,6 +186,7 @@ impl Batch {
         params: &GenerateParams,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let n = sessions.len();
+        self.check_rows(sessions)?;
         if prompts.len() != n || fed.len() != n {
             return Err(RunError::BadParam {
                 name: "prompts",
@@ -237,18 +277,20 @@ impl Batch {
             self.lora = None;
             return Ok(());
         }
-        if sources.len() > crate::lora::MAX_SET {
-            return Err(
-                Box::new(AdapterError::SetTooLarge { found: sources.len(), limit: crate::lora::MAX_SET }).into()
-            );
-        }
-        let same_sources = self.lora.as_ref().is_some_and(|l| {
-            l.sources.len() == sources.len() && l.sources.iter().zip(&sources).all(|(a, b)| Arc::ptr_eq(a, b))
-        });
-        let stack = match (&self.lora, same_sources, sources.as_slice()) {
-            (Some(l), true, _) => l.bound.lora.clone(),
-            (_, _, [one]) => one.clone(),
-            _ => Arc::new(LoraAdapter::stack(&self.model, &sources).map_err(Box::new)?),
+        // The kept stack serves any rows whose adapters it holds (a row that finished, or a
+        // session that left, only zeroes factors): no rebuild in the middle of a generation.
+        let kept = self
+            .lora
+            .as_ref()
+            .filter(|l| sources.iter().all(|s| l.sources.iter().any(|k| Arc::ptr_eq(k, s))))
+            .map(|l| (l.sources.clone(), l.bound.lora.clone()));
+        let (sources, stack) = match (kept, sources.as_slice()) {
+            (Some(kept), _) => kept,
+            (None, [one]) => (sources.clone(), one.clone()),
+            (None, _) => {
+                let stack = Arc::new(LoraAdapter::stack(&self.model, &sources).map_err(Box::new)?);
+                (sources, stack)
+            }
         };
         let layers = self.model.config.num_layers();
         let base = table_base(self.rows, &stack);
@@ -257,9 +299,9 @@ impl Batch {
         let (table, tables) = stack_tables(&stack, &sources, &row_refs, base, layers);
         let ctx = &self.model.ctx;
         let bytes = ((base + table.len()) * 4) as u64;
-        let t = match self.lora.take() {
-            Some(l) if l.t.size() >= bytes => l.t,
-            _ => ctx.storage_buffer("batch lora t", bytes, true)?,
+        let t = match self.lora.as_ref().filter(|l| l.t.size() >= bytes) {
+            Some(l) => l.t.clone(),
+            None => ctx.storage_buffer("batch lora t", bytes, true)?,
         };
         ctx.write(&t, (base * 4) as u64, bytemuck::cast_slice(&table));
         let bound = BoundSet { lora: stack, seg_scale: vec![[1.0; 12]; layers], tables };

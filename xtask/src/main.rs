@@ -21,12 +21,19 @@ cargo xtask <command>
   test                 set up a GPU (installs Mesa lavapipe as root on Debian/Ubuntu when no
                        adapter exists), then run every test (also `test-long`'s) on Vulkan
                        (Linux), the parity tests once more on GL (installing Mesa's GL driver
-                       when missing), then `fuzz --short`; with CI=true a missing adapter fails
+                       when missing), the C API's test program (bindings/c/tests/api_test.c, built
+                       with the system cc), then `fuzz --short`; with CI=true a missing adapter
+                       fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
                        run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
                        refuses a CPU adapter unless --allow-cpu
+  header               regenerate bindings/c/include/qwen35_wgpu.h with cbindgen (a test fails
+                       when the committed header is stale)
+  xcframework          macOS only: the C API as a static library for aarch64 and x86_64 macOS,
+                       lipo'd, with the header and module map, as
+                       bindings/swift/Qwen35Wgpu.xcframework (bindings/swift/Package.swift uses it)
   fixtures             regenerate tests/fixtures (models, PEFT adapters, reference outputs) with
                        transformers + peft (creates target/fixtures-venv with pinned
                        torch/transformers/peft/tokenizers; CPU only), and the MLX checkpoints with
@@ -88,6 +95,12 @@ fn main() -> Result<()> {
         Some("test") => test(),
         Some("test-long") => test_long(),
         Some("test-gpu") => test_gpu(args.iter().any(|a| a == "--allow-cpu")),
+        Some("header") => {
+            let mut cmd = cargo();
+            cmd.args(["test", "-p", "qwen35-wgpu-c", "--test", "header"]).env("QE_WRITE_HEADER", "1");
+            run(cmd)
+        }
+        Some("xcframework") => xcframework(),
         Some("fixtures") => {
             python(&[
                 "make_fixtures.py",
@@ -216,7 +229,85 @@ fn test() -> Result<()> {
     if cfg!(target_os = "linux") && std::env::var("WGPU_BACKEND").is_err() {
         parity_on_gl()?;
     }
+    c_api_test()?;
     fuzz_short()
+}
+
+/// Build the C API (cdylib), compile bindings/c/tests/api_test.c against it with the system
+/// C compiler and run it on the demo model; its exit code is the result.
+fn c_api_test() -> Result<()> {
+    if !cfg!(unix) {
+        eprintln!("skipping the C API test: it is built with a Unix cc");
+        return Ok(());
+    }
+    let root = root();
+    let mut build = cargo();
+    build.args(["build", "-p", "qwen35-wgpu-c"]);
+    run(build)?;
+    let lib_dir = root.join("target/debug");
+    let out = root.join("target/c-api-test");
+    let scratch = out.join("scratch");
+    let _ = std::fs::remove_dir_all(&scratch);
+    std::fs::create_dir_all(&scratch).context("creating target/c-api-test")?;
+    let exe = out.join("api_test");
+    let mut cc = Command::new(std::env::var("CC").unwrap_or_else(|_| "cc".into()));
+    cc.args(["-std=c11", "-Wall", "-Wextra", "-Werror", "-O1", "-o"])
+        .arg(&exe)
+        .arg(root.join("bindings/c/tests/api_test.c"))
+        .arg("-I")
+        .arg(root.join("bindings/c/include"))
+        .arg("-L")
+        .arg(&lib_dir)
+        .args(["-lqwen35_wgpu_c", "-lpthread", "-lm"])
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()));
+    run(cc)?;
+    let mut test = Command::new(&exe);
+    test.arg(root.join("examples/assets/demo")).arg(&scratch);
+    if let Some(backend) = test_backend() {
+        test.env("WGPU_BACKEND", backend);
+    }
+    run(test)
+}
+
+/// macOS: the static library for both architectures, lipo'd, and an XCFramework with the
+/// header and module map (what bindings/swift/Package.swift's binary target points at).
+fn xcframework() -> Result<()> {
+    if !cfg!(target_os = "macos") {
+        bail!("`cargo xtask xcframework` needs macOS (rustup targets for Apple, lipo, xcodebuild)");
+    }
+    let root = root();
+    let targets = ["aarch64-apple-darwin", "x86_64-apple-darwin"];
+    for t in targets {
+        let mut cmd = cargo();
+        cmd.args(["build", "--release", "-p", "qwen35-wgpu-c", "--target", t]);
+        run(cmd)?;
+    }
+    let out = root.join("target/xcframework");
+    let headers = out.join("include");
+    let _ = std::fs::remove_dir_all(&out);
+    std::fs::create_dir_all(&headers).context("creating target/xcframework")?;
+    for f in ["qwen35_wgpu.h", "module.modulemap"] {
+        std::fs::copy(root.join("bindings/c/include").join(f), headers.join(f))
+            .with_context(|| format!("copying {f}"))?;
+    }
+    let fat = out.join("libqwen35_wgpu_c.a");
+    let mut lipo = Command::new("lipo");
+    lipo.arg("-create").arg("-output").arg(&fat);
+    for t in targets {
+        lipo.arg(root.join("target").join(t).join("release/libqwen35_wgpu_c.a"));
+    }
+    run(lipo)?;
+    let framework = root.join("bindings/swift/Qwen35Wgpu.xcframework");
+    let _ = std::fs::remove_dir_all(&framework);
+    let mut xc = Command::new("xcodebuild");
+    xc.arg("-create-xcframework")
+        .arg("-library")
+        .arg(&fat)
+        .arg("-headers")
+        .arg(&headers)
+        .arg("-output")
+        .arg(&framework);
+    run(xc)
 }
 
 /// The parity tests once more on wgpu's GL backend (GLSL instead of SPIR-V; llvmpipe on a

@@ -1,0 +1,960 @@
+//! The C API of qwen35-wgpu: `include/qwen35_wgpu.h` (generated from this file by cbindgen).
+//!
+//! The boundary's rules:
+//! - Every function returns a [`qe_status`]; after a failure [`qe_last_error`] gives the typed
+//!   error's text on the calling thread.
+//! - Nothing unwinds into the caller: every call runs inside `catch_unwind`, and a panic becomes
+//!   [`qe_status::QE_PANIC`]. An engine whose lock a panic poisoned refuses further calls
+//!   (`QE_PANIC`); free it.
+//! - Handles are numbers in a table, never reused, so a freed or unknown handle is an error
+//!   ([`qe_status::QE_INVALID_HANDLE`]), never a dangling pointer. The table is the one piece of
+//!   global state, and it lives here, at the boundary: the engine library has none.
+//! - Null pointers, invalid UTF-8 and malformed JSON are [`qe_status::QE_INVALID_ARGUMENT`]
+//!   errors naming the argument.
+//! - Calls on one engine take its lock in turn; [`qe_cancel`] never takes it.
+
+#![allow(non_camel_case_types)]
+
+use std::cell::RefCell;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void, CStr, CString};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use qwen35_wgpu::learn::LEARNABLE;
+use qwen35_wgpu::{
+    AdapterError, AdapterWeight, BackendError, ChatMessage, ChatRequest, FeedbackEvent, GenerateParams, LayerScales,
+    LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionOptions, Signal, TrainSpec, WgpuBackend,
+};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+/// What a call did.
+#[repr(i32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum qe_status {
+    /// Success.
+    QE_OK = 0,
+    /// A null pointer, invalid UTF-8, malformed JSON, an unknown field or an out-of-range value.
+    QE_INVALID_ARGUMENT = 1,
+    /// An engine or session handle that is not open (never made, or freed).
+    QE_INVALID_HANDLE = 2,
+    /// The model could not be loaded (missing or invalid files), or none is loaded.
+    QE_MODEL = 3,
+    /// An adapter could not be loaded, found or applied.
+    QE_ADAPTER = 4,
+    /// Generation failed (context full, non-finite logits, a bad parameter).
+    QE_RUN = 5,
+    /// A learning step, the trainable adapter or its export failed.
+    QE_LEARN = 6,
+    /// The GPU failed (no adapter, out of memory, a device error).
+    QE_GPU = 7,
+    /// Tokenizer or chat template failure.
+    QE_TEXT = 8,
+    /// Stopped by qe_cancel (what was generated until then is returned).
+    QE_CANCELLED = 9,
+    /// A panic inside the library (a bug): caught at the boundary.
+    QE_PANIC = 10,
+}
+
+/// An engine: one loaded model on the GPU, its resident adapters and its sessions. 0 is never a
+/// valid handle.
+pub type qe_engine = u64;
+
+/// A session (one conversation: KV cache, GDN states, prompt cache, active adapter set) of an
+/// engine. 0 is never a valid handle.
+pub type qe_session = u64;
+
+/// Streaming callback: `len` bytes of UTF-8 text at `text` (not NUL-terminated, valid only
+/// during the call) and the caller's `user` pointer. Return nonzero to go on, 0 to stop the
+/// generation (the call then returns QE_OK with the text so far).
+pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
+
+/// The ABI version: bumped whenever a function's signature or meaning changes.
+pub const QE_ABI_VERSION: u32 = 1;
+
+struct Engine {
+    backend: Mutex<WgpuBackend>,
+    cancel: AtomicBool,
+}
+
+fn engines() -> &'static Mutex<BTreeMap<u64, Arc<Engine>>> {
+    static ENGINES: OnceLock<Mutex<BTreeMap<u64, Arc<Engine>>>> = OnceLock::new();
+    ENGINES.get_or_init(|| Mutex::new(BTreeMap::new()))
+}
+
+static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
+
+thread_local! {
+    static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+}
+
+/// A failed call: its status and message.
+struct Fail {
+    status: qe_status,
+    message: String,
+}
+
+impl Fail {
+    fn arg(message: impl Into<String>) -> Self {
+        Self { status: qe_status::QE_INVALID_ARGUMENT, message: message.into() }
+    }
+}
+
+impl From<BackendError> for Fail {
+    fn from(e: BackendError) -> Self {
+        let status = match &e {
+            BackendError::NoModel | BackendError::Model(_) => qe_status::QE_MODEL,
+            BackendError::UnknownSession { .. } => qe_status::QE_INVALID_HANDLE,
+            BackendError::Sessions { .. } => qe_status::QE_INVALID_ARGUMENT,
+            BackendError::Adapter(AdapterError::Gpu(_)) | BackendError::Gpu(_) => qe_status::QE_GPU,
+            BackendError::Adapter(_) | BackendError::AdapterNotSupported { .. } => qe_status::QE_ADAPTER,
+            BackendError::Run(_) => qe_status::QE_RUN,
+            BackendError::Learn(_) | BackendError::LearningNotSupported { .. } => qe_status::QE_LEARN,
+            BackendError::Text(_) | BackendError::NoTokenizer { .. } => qe_status::QE_TEXT,
+        };
+        Self { status, message: e.to_string() }
+    }
+}
+
+type Res<T> = Result<T, Fail>;
+
+fn set_error(message: &str) {
+    let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
+    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+}
+
+/// Run `f` at the boundary: its error or panic becomes a status and the thread's last error.
+fn guard(f: impl FnOnce() -> Res<()>) -> qe_status {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(Ok(())) => qe_status::QE_OK,
+        Ok(Err(fail)) => {
+            set_error(&fail.message);
+            fail.status
+        }
+        Err(payload) => {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".into());
+            set_error(&format!("panic inside qwen35-wgpu (a bug; please report it): {what}"));
+            qe_status::QE_PANIC
+        }
+    }
+}
+
+fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
+    let table =
+        engines().lock().map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?;
+    table.get(&handle).cloned().ok_or_else(|| Fail {
+        status: qe_status::QE_INVALID_HANDLE,
+        message: format!("engine handle {handle} is not open (never made, or freed)"),
+    })
+}
+
+fn lock(e: &Engine) -> Res<MutexGuard<'_, WgpuBackend>> {
+    e.backend.lock().map_err(|_| Fail {
+        status: qe_status::QE_PANIC,
+        message: "this engine is unusable after an earlier panic; free it and load the model again".into(),
+    })
+}
+
+/// The backend of `handle` with session `session` current.
+fn with_session<T>(
+    handle: qe_engine,
+    session: qe_session,
+    f: impl FnOnce(&mut WgpuBackend, &Engine) -> Res<T>,
+) -> Res<T> {
+    let e = engine(handle)?;
+    let mut b = lock(&e)?;
+    b.select_session(session)?;
+    f(&mut b, &e)
+}
+
+/// The NUL-terminated UTF-8 string at `p`, named `name` in errors.
+///
+/// # Safety
+/// `p` is null or points to a NUL-terminated string that stays valid during the call.
+unsafe fn text<'a>(p: *const c_char, name: &str) -> Res<&'a str> {
+    if p.is_null() {
+        return Err(Fail::arg(format!("{name} is null")));
+    }
+    // SAFETY: the caller guarantees a NUL-terminated string (checked non-null above).
+    let bytes = unsafe { CStr::from_ptr(p) };
+    bytes.to_str().map_err(|e| Fail::arg(format!("{name} is not valid UTF-8 (at byte {})", e.valid_up_to())))
+}
+
+/// Like [`text`], with null meaning "none".
+///
+/// # Safety
+/// As [`text`].
+unsafe fn opt_text<'a>(p: *const c_char, name: &str) -> Res<Option<&'a str>> {
+    if p.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: as the caller's contract.
+    unsafe { text(p, name) }.map(Some)
+}
+
+/// Parse the JSON text at `p` (null: `T::default()` when `optional`).
+///
+/// # Safety
+/// As [`text`].
+unsafe fn parse<T: for<'de> Deserialize<'de> + Default>(p: *const c_char, name: &str, optional: bool) -> Res<T> {
+    if p.is_null() && optional {
+        return Ok(T::default());
+    }
+    // SAFETY: as the caller's contract.
+    let s = unsafe { text(p, name) }?;
+    serde_json::from_str(s).map_err(|e| Fail::arg(format!("{name}: {e}")))
+}
+
+/// Write `value` to the out pointer `out` (named `name`).
+///
+/// # Safety
+/// `out` is null or valid for one write of `T`.
+unsafe fn put<T>(out: *mut T, value: T, name: &str) -> Res<()> {
+    if out.is_null() {
+        return Err(Fail::arg(format!("{name} is null")));
+    }
+    // SAFETY: non-null and, by the caller's contract, valid for a write.
+    unsafe { out.write(value) };
+    Ok(())
+}
+
+/// Hand `s` to the caller through `out` (freed with qe_string_free).
+///
+/// # Safety
+/// As [`put`].
+unsafe fn put_string(out: *mut *mut c_char, s: String, name: &str) -> Res<()> {
+    let c =
+        CString::new(s).map_err(|e| Fail::arg(format!("{name}: the text holds a NUL byte at {}", e.nul_position())))?;
+    // SAFETY: as the caller's contract.
+    unsafe { put(out, c.into_raw(), name) }
+}
+
+/// Check that an out pointer is not null before the work it reports is done.
+fn need<T>(out: *mut T, name: &str) -> Res<()> {
+    if out.is_null() {
+        return Err(Fail::arg(format!("{name} is null")));
+    }
+    Ok(())
+}
+
+/// The text of the last failed call on this thread ("" if none failed yet). Valid until the
+/// next call on this thread; owned by the library (do not free).
+#[no_mangle]
+pub extern "C" fn qe_last_error() -> *const c_char {
+    LAST_ERROR.with(|e| e.borrow().as_ptr())
+}
+
+/// The library's version, e.g. "0.1.0" (static; do not free).
+#[no_mangle]
+pub extern "C" fn qe_version() -> *const c_char {
+    static VERSION: OnceLock<CString> = OnceLock::new();
+    VERSION.get_or_init(|| CString::new(env!("CARGO_PKG_VERSION")).unwrap_or_default()).as_ptr()
+}
+
+/// The ABI version of the library ([`QE_ABI_VERSION`] of the header it was built with).
+#[no_mangle]
+pub extern "C" fn qe_abi_version() -> u32 {
+    QE_ABI_VERSION
+}
+
+/// Free a string the library returned (null: nothing).
+///
+/// # Safety
+/// `s` is null or a string returned through a `char **` of this library, not freed before.
+#[no_mangle]
+pub unsafe extern "C" fn qe_string_free(s: *mut c_char) {
+    if !s.is_null() {
+        // SAFETY: the caller passes a pointer from CString::into_raw, once.
+        drop(unsafe { CString::from_raw(s) });
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct EngineOptions {
+    max_context: Option<usize>,
+    max_batch: Option<usize>,
+    quantize: Option<String>,
+}
+
+/// Load the model in `model_dir` (a Hugging Face or MLX directory) on the default GPU and open
+/// an engine for it. `options_json` (may be null): `{"max_context": 2048, "max_batch": 128,
+/// "quantize": "q8" | "q4" | "q4-quality"}` (sessions' sizes; quantize 16/32-bit weights at
+/// load). Writes the handle to `out`; free it with qe_engine_free.
+///
+/// # Safety
+/// `model_dir` and `options_json` are null or NUL-terminated strings; `out` is null or valid
+/// for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_engine_load(
+    model_dir: *const c_char,
+    options_json: *const c_char,
+    out: *mut qe_engine,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let dir = unsafe { text(model_dir, "model_dir") }?;
+        // SAFETY: the caller's contract.
+        let o: EngineOptions = unsafe { parse(options_json, "options_json", true) }?;
+        need(out, "out")?;
+        let defaults = SessionOptions::default();
+        let opts = SessionOptions {
+            max_context: o.max_context.unwrap_or(defaults.max_context),
+            max_batch: o.max_batch.unwrap_or(defaults.max_batch),
+        };
+        let quantize = match o.quantize.as_deref() {
+            None => None,
+            Some(q) => Some(QuantizeRecipe::parse(q).ok_or_else(|| {
+                Fail::arg(format!("options_json quantize: expected \"q8\", \"q4\" or \"q4-quality\", found {q:?}"))
+            })?),
+        };
+        let mut backend = WgpuBackend::new(opts)?;
+        backend.load_model_with(Path::new(dir), &LoadOptions { quantize, ..Default::default() })?;
+        let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
+        let e = Arc::new(Engine { backend: Mutex::new(backend), cancel: AtomicBool::new(false) });
+        engines()
+            .lock()
+            .map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?
+            .insert(id, e);
+        // SAFETY: checked non-null by `need`; the caller's contract.
+        unsafe { put(out, id, "out") }
+    })
+}
+
+/// Close an engine: its sessions, adapters and model are freed once no call on it is running.
+/// The handle is invalid afterwards.
+#[no_mangle]
+pub extern "C" fn qe_engine_free(engine: qe_engine) -> qe_status {
+    guard(|| {
+        let mut table = engines()
+            .lock()
+            .map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?;
+        table.remove(&engine).map(|_| ()).ok_or_else(|| Fail {
+            status: qe_status::QE_INVALID_HANDLE,
+            message: format!("engine handle {engine} is not open (never made, or freed)"),
+        })
+    })
+}
+
+/// Stop the generation running on `engine` (if any) after its current token; that call returns
+/// QE_CANCELLED with the text so far. Safe from any thread; never waits for the engine.
+#[no_mangle]
+pub extern "C" fn qe_cancel(engine: qe_engine) -> qe_status {
+    guard(|| {
+        self::engine(engine)?.cancel.store(true, Ordering::SeqCst);
+        Ok(())
+    })
+}
+
+/// Open a session on `engine` (no adapter active, an empty context). Free it with
+/// qe_session_free.
+///
+/// # Safety
+/// `out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_session_create(engine: qe_engine, out: *mut qe_session) -> qe_status {
+    guard(|| {
+        need(out, "out")?;
+        let e = self::engine(engine)?;
+        let id = lock(&e)?.create_session()?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put(out, id, "out") }
+    })
+}
+
+/// Close a session and free its caches. The handle is invalid afterwards.
+#[no_mangle]
+pub extern "C" fn qe_session_free(engine: qe_engine, session: qe_session) -> qe_status {
+    guard(|| {
+        let e = self::engine(engine)?;
+        let mut b = lock(&e)?;
+        b.close_session(session)?;
+        Ok(())
+    })
+}
+
+/// Forget a session's context (its adapter set stays).
+#[no_mangle]
+pub extern "C" fn qe_session_reset(engine: qe_engine, session: qe_session) -> qe_status {
+    guard(|| {
+        with_session(engine, session, |b, _| {
+            b.session()?.reset();
+            Ok(())
+        })
+    })
+}
+
+/// Load the PEFT or MLX LoRA adapter at `path` (directory or .safetensors) and keep it
+/// resident on the GPU under `id` (null: its directory name; a taken id gets a suffix). It is
+/// not active in any session. Writes the id given to `id_out` (free with qe_string_free). A
+/// failed load changes nothing.
+///
+/// # Safety
+/// `path` and `id` are null or NUL-terminated strings; `id_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_adapter_load(
+    engine: qe_engine,
+    path: *const c_char,
+    id: *const c_char,
+    id_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let path = unsafe { text(path, "path") }?;
+        // SAFETY: the caller's contract.
+        let id = unsafe { opt_text(id, "id") }?;
+        need(id_out, "id_out")?;
+        let e = self::engine(engine)?;
+        let got = lock(&e)?.preload_adapter(Path::new(path), id)?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(id_out, got, "id_out") }
+    })
+}
+
+/// Unload resident adapter `id` (it leaves every session's set).
+///
+/// # Safety
+/// `id` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn qe_adapter_remove(engine: qe_engine, id: *const c_char) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let id = unsafe { text(id, "id") }?;
+        let e = self::engine(engine)?;
+        let mut b = lock(&e)?;
+        b.remove_adapter(id)?;
+        Ok(())
+    })
+}
+
+/// The resident adapters as JSON: `[{"id", "name", "path", "ranks", "modules", "gpu_bytes"}]`
+/// (`modules`: the number of (layer, projection) pairs adapted). Free with qe_string_free.
+///
+/// # Safety
+/// `json_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_adapters_list(engine: qe_engine, json_out: *mut *mut c_char) -> qe_status {
+    guard(|| {
+        need(json_out, "json_out")?;
+        let e = self::engine(engine)?;
+        let list = lock(&e)?.list_adapters()?;
+        let v: Vec<Value> = list
+            .iter()
+            .map(|(id, a)| {
+                json!({"id": id, "name": a.name, "path": a.path, "ranks": a.ranks,
+                       "modules": a.modules.len(), "gpu_bytes": a.gpu_bytes})
+            })
+            .collect();
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(json_out, Value::Array(v).to_string(), "json_out") }
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SetEntry {
+    id: String,
+    scale: f32,
+    #[serde(default)]
+    layers: Vec<LayerRule>,
+}
+
+/// One per-layer rule: `{"layers": [start, end], "projections": ["q_proj", ...], "factor": f}`
+/// (either of layers / projections may be left out: all of them).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LayerRule {
+    layers: Option<[usize; 2]>,
+    projections: Option<Vec<String>>,
+    factor: f32,
+}
+
+fn projections(names: &[String]) -> Res<Vec<Proj>> {
+    names
+        .iter()
+        .map(|n| {
+            Proj::ALL.into_iter().find(|p| p.name() == n).ok_or_else(|| {
+                Fail::arg(format!("set_json projections: expected a projection name such as \"q_proj\", found {n:?}"))
+            })
+        })
+        .collect()
+}
+
+fn weights(set: Vec<SetEntry>) -> Res<Vec<AdapterWeight>> {
+    set.into_iter()
+        .map(|e| {
+            let mut scales = LayerScales::default();
+            for r in e.layers {
+                scales = match (r.layers, r.projections) {
+                    (Some([a, b]), Some(p)) => scales.at(a..b, &projections(&p)?, r.factor),
+                    (Some([a, b]), None) => scales.layers(a..b, r.factor),
+                    (None, Some(p)) => scales.projections(&projections(&p)?, r.factor),
+                    (None, None) => scales.projections(&Proj::ALL, r.factor),
+                };
+            }
+            Ok(AdapterWeight::new(e.id, e.scale).with_layers(scales))
+        })
+        .collect()
+}
+
+/// Replace a session's whole active adapter set: `set_json` = `[{"id": "shout", "scale": 1.0,
+/// "layers": [{"layers": [16, 24], "factor": 1.0}, {"projections": ["q_proj"], "factor": 0}]}]`
+/// (`layers` optional; rules that match a (layer, projection) multiply). `[]`: the base model.
+/// The adapters' deltas are summed (stacked into one pass). On error nothing changes.
+///
+/// # Safety
+/// `set_json` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn qe_session_set_adapters(
+    engine: qe_engine,
+    session: qe_session,
+    set_json: *const c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let set: Vec<SetEntry> = unsafe { parse(set_json, "set_json", false) }?;
+        let set = weights(set)?;
+        with_session(engine, session, |b, _| Ok(b.set_adapters(&set)?))
+    })
+}
+
+/// Make resident adapter `id` the session's only active adapter, at `scale`.
+///
+/// # Safety
+/// `id` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn qe_session_activate(
+    engine: qe_engine,
+    session: qe_session,
+    id: *const c_char,
+    scale: f32,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let id = unsafe { text(id, "id") }?;
+        with_session(engine, session, |b, _| Ok(b.activate_adapter(id, scale)?))
+    })
+}
+
+/// Change the scale of the session's one active adapter (an error while several are active).
+#[no_mangle]
+pub extern "C" fn qe_session_set_scale(engine: qe_engine, session: qe_session, scale: f32) -> qe_status {
+    guard(|| with_session(engine, session, |b, _| Ok(b.set_adapter_scale(scale)?)))
+}
+
+/// Deactivate every adapter of the session (they stay resident): the base model.
+#[no_mangle]
+pub extern "C" fn qe_session_deactivate(engine: qe_engine, session: qe_session) -> qe_status {
+    guard(|| with_session(engine, session, |b, _| Ok(b.deactivate_adapter()?)))
+}
+
+/// The session's active set as JSON `[{"id", "scale"}]` (free with qe_string_free).
+///
+/// # Safety
+/// `json_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_session_adapters(
+    engine: qe_engine,
+    session: qe_session,
+    json_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        need(json_out, "json_out")?;
+        let set = with_session(engine, session, |b, _| Ok(b.active_adapters()?))?;
+        let v: Vec<Value> = set.iter().map(|a| json!({"id": a.id, "scale": a.scale})).collect();
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(json_out, Value::Array(v).to_string(), "json_out") }
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Params {
+    max_tokens: usize,
+    temperature: f32,
+    top_k: usize,
+    top_p: f32,
+    seed: u64,
+    repetition_penalty: f32,
+    stop: Vec<String>,
+    stop_at_eos: bool,
+}
+
+impl Default for Params {
+    fn default() -> Self {
+        let d = GenerateParams::default();
+        Self {
+            max_tokens: d.max_tokens,
+            temperature: d.temperature,
+            top_k: d.top_k,
+            top_p: d.top_p,
+            seed: d.seed,
+            repetition_penalty: d.repetition_penalty,
+            stop: d.stop,
+            stop_at_eos: d.stop_at_eos,
+        }
+    }
+}
+
+impl From<Params> for GenerateParams {
+    fn from(p: Params) -> Self {
+        Self {
+            max_tokens: p.max_tokens,
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            seed: p.seed,
+            repetition_penalty: p.repetition_penalty,
+            stop: p.stop,
+            stop_at_eos: p.stop_at_eos,
+        }
+    }
+}
+
+/// A streaming sink over the C callback and the engine's cancel flag; `cancelled` tells whether
+/// the flag stopped it.
+struct Sink<'a> {
+    cb: qe_delta_fn,
+    user: *mut c_void,
+    cancel: &'a AtomicBool,
+    cancelled: bool,
+}
+
+impl Sink<'_> {
+    /// Whether to go on (false once qe_cancel was called).
+    fn tick(&mut self) -> bool {
+        if self.cancel.swap(false, Ordering::SeqCst) {
+            self.cancelled = true;
+        }
+        !self.cancelled
+    }
+
+    fn push(&mut self, delta: &str) -> bool {
+        if !self.tick() {
+            return false;
+        }
+        match self.cb {
+            // SAFETY: the caller's callback, given valid text for the duration of the call.
+            Some(f) => unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) != 0 },
+            None => true,
+        }
+    }
+}
+
+fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<()> {
+    // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
+    unsafe { put_string(out, text, name) }?;
+    if sink.cancelled {
+        return Err(Fail { status: qe_status::QE_CANCELLED, message: "cancelled by qe_cancel".into() });
+    }
+    Ok(())
+}
+
+/// Continue `session` with the raw text `prompt` (no chat template) and generate. `params_json`
+/// (may be null): `{"max_tokens", "temperature", "top_k", "top_p", "seed",
+/// "repetition_penalty", "stop": [...], "stop_at_eos"}`. `on_delta` (may be null) gets the text
+/// as it is generated; returning 0 stops. Writes the whole text to `text_out` (free with
+/// qe_string_free), also after QE_CANCELLED.
+///
+/// # Safety
+/// `prompt` and `params_json` are null or NUL-terminated strings; `text_out` is null or valid
+/// for a write; `on_delta` is null or a function that may be called with `user` during the
+/// call.
+#[no_mangle]
+pub unsafe extern "C" fn qe_generate(
+    engine: qe_engine,
+    session: qe_session,
+    prompt: *const c_char,
+    params_json: *const c_char,
+    on_delta: qe_delta_fn,
+    user: *mut c_void,
+    text_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let prompt = unsafe { text(prompt, "prompt") }?;
+        // SAFETY: the caller's contract.
+        let params: Params = unsafe { parse(params_json, "params_json", true) }?;
+        need(text_out, "text_out")?;
+        with_session(engine, session, |b, e| {
+            e.cancel.store(false, Ordering::SeqCst);
+            let mut sink = Sink { cb: on_delta, user, cancel: &e.cancel, cancelled: false };
+            let text = b.generate_stream(prompt, &params.into(), &mut |d| sink.push(d))?;
+            finish(&sink, text_out, text, "text_out")
+        })
+    })
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Chat {
+    messages: Vec<ChatMessage>,
+    #[serde(default)]
+    tools: Option<Vec<Value>>,
+    #[serde(default)]
+    enable_thinking: Option<bool>,
+    #[serde(default)]
+    vars: serde_json::Map<String, Value>,
+}
+
+/// One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
+/// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...}}` (OpenAI / transformers
+/// message dicts; the model's chat template renders them). `params_json` and `on_delta` as in
+/// qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
+/// Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
+/// "text"}` (free with qe_string_free). A conversation that grows turn by turn prefills only
+/// the new turn (the session's prompt cache).
+///
+/// # Safety
+/// As qe_generate, with `request_json` for `prompt`.
+#[no_mangle]
+pub unsafe extern "C" fn qe_chat(
+    engine: qe_engine,
+    session: qe_session,
+    request_json: *const c_char,
+    params_json: *const c_char,
+    on_delta: qe_delta_fn,
+    user: *mut c_void,
+    reply_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let chat: Chat = unsafe { parse(request_json, "request_json", false) }?;
+        // SAFETY: the caller's contract.
+        let params: Params = unsafe { parse(params_json, "params_json", true) }?;
+        need(reply_out, "reply_out")?;
+        let mut request = ChatRequest::new(chat.messages);
+        request.tools = chat.tools;
+        request.vars = chat.vars;
+        if let Some(on) = chat.enable_thinking {
+            request = request.thinking(on);
+        }
+        with_session(engine, session, |b, e| {
+            e.cancel.store(false, Ordering::SeqCst);
+            let mut sink = Sink { cb: on_delta, user, cancel: &e.cancel, cancelled: false };
+            let reply = b.chat(&request, &params.into(), &mut |d| match d {
+                qwen35_wgpu::ChatDelta::Content(c) => sink.push(c),
+                _ => sink.tick(),
+            })?;
+            let v = json!({
+                "content": reply.content,
+                "reasoning_content": reply.reasoning_content,
+                "tool_calls": reply.tool_calls,
+                "text": reply.text,
+            });
+            finish(&sink, reply_out, v.to_string(), "reply_out")
+        })
+    })
+}
+
+/// An embedding of `text` (the mean of the final hidden states; uses and resets `session`):
+/// writes up to `capacity` floats to `out` and their number to `len_out`. When `capacity` is
+/// too small nothing is written to `out`, `len_out` gets the size needed and the call returns
+/// QE_INVALID_ARGUMENT.
+///
+/// # Safety
+/// `text` is null or a NUL-terminated string; `out` is null or valid for `capacity` floats;
+/// `len_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_embeddings(
+    engine: qe_engine,
+    session: qe_session,
+    text: *const c_char,
+    out: *mut f32,
+    capacity: usize,
+    len_out: *mut usize,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let text = unsafe { self::text(text, "text") }?;
+        need(len_out, "len_out")?;
+        let v = with_session(engine, session, |b, _| Ok(b.embeddings(text)?))?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put(len_out, v.len(), "len_out") }?;
+        if v.len() > capacity || out.is_null() {
+            return Err(Fail::arg(format!("out: {} floats needed, capacity {capacity}", v.len())));
+        }
+        // SAFETY: out is valid for `capacity` ≥ v.len() floats by the caller's contract.
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len()) };
+        Ok(())
+    })
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct Spec {
+    rank: Option<usize>,
+    alpha: Option<f32>,
+    targets: Option<Vec<String>>,
+    layers: Option<Vec<usize>>,
+    seed: Option<u64>,
+    id: Option<String>,
+}
+
+/// Create a trainable adapter (PEFT initialisation: the answers do not change until the first
+/// step) and make it the session's active adapter. `spec_json` (may be null): `{"rank": 8,
+/// "alpha": 16, "targets": ["q_proj", ...], "layers": [...], "seed": 0, "id": "feedback"}`.
+/// Writes its id to `id_out` (free with qe_string_free).
+///
+/// # Safety
+/// `spec_json` is null or a NUL-terminated string; `id_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_trainable_create(
+    engine: qe_engine,
+    session: qe_session,
+    spec_json: *const c_char,
+    id_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let s: Spec = unsafe { parse(spec_json, "spec_json", true) }?;
+        need(id_out, "id_out")?;
+        let d = TrainSpec::default();
+        let targets = match s.targets {
+            Some(t) => projections(&t)?,
+            None => LEARNABLE.to_vec(),
+        };
+        let spec = TrainSpec {
+            rank: s.rank.unwrap_or(d.rank),
+            alpha: s.alpha.unwrap_or(d.alpha),
+            targets,
+            layers: s.layers,
+            seed: s.seed.unwrap_or(d.seed),
+            id: s.id,
+        };
+        let id = with_session(engine, session, |b, _| Ok(b.create_trainable_adapter(&spec)?))?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(id_out, id, "id_out") }
+    })
+}
+
+/// Load a PEFT adapter as the trainable one (continue training it), active in the session.
+///
+/// # Safety
+/// As qe_adapter_load.
+#[no_mangle]
+pub unsafe extern "C" fn qe_trainable_import(
+    engine: qe_engine,
+    session: qe_session,
+    path: *const c_char,
+    id_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let path = unsafe { text(path, "path") }?;
+        need(id_out, "id_out")?;
+        let id = with_session(engine, session, |b, _| Ok(b.import_trainable_adapter(Path::new(path))?))?;
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(id_out, id, "id_out") }
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Event {
+    prompt: String,
+    response: String,
+    /// `"preferred"` (default) or a score in [0, 1].
+    #[serde(default)]
+    score: Option<f32>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields, default)]
+struct Options {
+    lr: f32,
+    beta1: f32,
+    beta2: f32,
+    eps: f32,
+    weight_decay: f32,
+    max_grad_norm: f32,
+    anchor_l2: f32,
+    baseline_momentum: f32,
+}
+
+impl Default for Options {
+    fn default() -> Self {
+        let d = LearnOptions::default();
+        Self {
+            lr: d.lr,
+            beta1: d.beta1,
+            beta2: d.beta2,
+            eps: d.eps,
+            weight_decay: d.weight_decay,
+            max_grad_norm: d.max_grad_norm,
+            anchor_l2: d.anchor_l2,
+            baseline_momentum: d.baseline_momentum,
+        }
+    }
+}
+
+/// One learning step of the trainable adapter on feedback, run in `session`: `events_json` =
+/// `[{"prompt": "...", "response": "...", "score": 0.9}]` (no score: the response is the
+/// preferred one); `options_json` (may be null): AdamW `{"lr", "beta1", "beta2", "eps",
+/// "weight_decay", "max_grad_norm", "anchor_l2", "baseline_momentum"}`. Writes the report
+/// `{"step", "event_ce", "grad_norm", "baseline"}` to `report_out` (free with qe_string_free).
+///
+/// # Safety
+/// The strings are null or NUL-terminated; `report_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_learn(
+    engine: qe_engine,
+    session: qe_session,
+    events_json: *const c_char,
+    options_json: *const c_char,
+    report_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let events: Vec<Event> = unsafe { parse(events_json, "events_json", false) }?;
+        // SAFETY: the caller's contract.
+        let o: Options = unsafe { parse(options_json, "options_json", true) }?;
+        need(report_out, "report_out")?;
+        let events: Vec<FeedbackEvent> = events
+            .into_iter()
+            .map(|e| FeedbackEvent {
+                prompt: e.prompt,
+                response: e.response,
+                signal: e.score.map_or(Signal::Preferred, Signal::Score),
+            })
+            .collect();
+        let opts = LearnOptions {
+            lr: o.lr,
+            beta1: o.beta1,
+            beta2: o.beta2,
+            eps: o.eps,
+            weight_decay: o.weight_decay,
+            max_grad_norm: o.max_grad_norm,
+            anchor_l2: o.anchor_l2,
+            baseline_momentum: o.baseline_momentum,
+        };
+        let r = with_session(engine, session, |b, _| Ok(b.learn(&events, &opts)?))?;
+        let v = json!({"step": r.step, "event_ce": r.event_ce, "grad_norm": r.grad_norm, "baseline": r.baseline});
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(report_out, v.to_string(), "report_out") }
+    })
+}
+
+/// Write the trainable adapter to `dir` as a PEFT adapter (adapter_config.json +
+/// adapter_model.safetensors), loadable by peft, vLLM and qe_adapter_load.
+///
+/// # Safety
+/// `dir` is null or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn qe_trainable_export(engine: qe_engine, dir: *const c_char) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let dir = unsafe { text(dir, "dir") }?;
+        let e = self::engine(engine)?;
+        let mut b = lock(&e)?;
+        b.export_trainable_adapter(Path::new(dir))?;
+        Ok(())
+    })
+}

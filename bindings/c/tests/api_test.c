@@ -1,0 +1,342 @@
+/* The C API from C, on the embedded demo model: `api_test DEMO_DIR SCRATCH_DIR`.
+   Built and run by `cargo xtask test` (the system cc, linked against libqwen35_wgpu_c).
+   The exit code is the result: 0 when every check passed. */
+
+#define _POSIX_C_SOURCE 200809L
+#include <ctype.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+
+#include "qwen35_wgpu.h"
+
+static int failures = 0;
+
+#define CHECK(cond, ...)                                                   \
+    do {                                                                   \
+        if (!(cond)) {                                                     \
+            fprintf(stderr, "FAIL %s:%d: ", __FILE__, __LINE__);           \
+            fprintf(stderr, __VA_ARGS__);                                  \
+            fprintf(stderr, " (last error: %s)\n", qe_last_error());       \
+            failures++;                                                    \
+        }                                                                  \
+    } while (0)
+
+/* A call that must succeed; on failure the test cannot go on. */
+#define MUST(call)                                                         \
+    do {                                                                   \
+        qe_status s_ = (call);                                             \
+        if (s_ != QE_OK) {                                                 \
+            fprintf(stderr, "FATAL %s:%d: %s -> %d: %s\n", __FILE__, __LINE__, #call, (int)s_, qe_last_error()); \
+            exit(2);                                                       \
+        }                                                                  \
+    } while (0)
+
+static const char *QUESTION = "{\"messages\": [{\"role\": \"user\", \"content\": \"What color is the sky?\"}]}";
+static const char *PARAMS = "{\"max_tokens\": 32}";
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+/* Counts deltas; stops after `stop_after` of them when that is > 0. */
+typedef struct {
+    int deltas;
+    int stop_after;
+    size_t bytes;
+} counter;
+
+static int32_t count_deltas(const char *text, size_t len, void *user) {
+    counter *c = (counter *)user;
+    (void)text;
+    c->deltas++;
+    c->bytes += len;
+    return c->stop_after > 0 && c->deltas >= c->stop_after ? 0 : 1;
+}
+
+/* The "content" string of a reply JSON (a copy; the demo's answers hold no escapes). */
+static char *content_of(const char *reply) {
+    const char *key = "\"content\":\"";
+    const char *p = strstr(reply, key);
+    if (!p) return strdup("");
+    p += strlen(key);
+    const char *end = strchr(p, '"');
+    size_t n = end ? (size_t)(end - p) : strlen(p);
+    char *out = malloc(n + 1);
+    memcpy(out, p, n);
+    out[n] = 0;
+    return out;
+}
+
+/* One chat turn; returns the answer's content (caller frees) and its status. */
+static char *ask(qe_engine e, qe_session s, qe_status *status, counter *c) {
+    char *reply = NULL;
+    *status = qe_chat(e, s, QUESTION, PARAMS, c ? count_deltas : NULL, c, &reply);
+    char *content = reply ? content_of(reply) : strdup("");
+    qe_string_free(reply);
+    return content;
+}
+
+static char *ask_ok(qe_engine e, qe_session s) {
+    qe_status st;
+    char *a = ask(e, s, &st, NULL);
+    CHECK(st == QE_OK, "chat failed with %d", (int)st);
+    return a;
+}
+
+static int has_lower(const char *s) {
+    for (; *s; s++)
+        if (islower((unsigned char)*s)) return 1;
+    return 0;
+}
+
+typedef struct {
+    qe_engine engine;
+    volatile int done;
+} canceller;
+
+static void *cancel_loop(void *arg) {
+    canceller *c = (canceller *)arg;
+    struct timespec ms = {0, 1000000};
+    while (!c->done) {
+        qe_cancel(c->engine);
+        nanosleep(&ms, NULL);
+    }
+    return NULL;
+}
+
+static void write_file(const char *path, const char *data, size_t len) {
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(data, 1, len, f) != len) {
+        fprintf(stderr, "FATAL: cannot write %s\n", path);
+        exit(2);
+    }
+    fclose(f);
+}
+
+int main(int argc, char **argv) {
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s DEMO_DIR SCRATCH_DIR\n", argv[0]);
+        return 2;
+    }
+    const char *demo = argv[1];
+    const char *scratch = argv[2];
+    char path[4096];
+
+    CHECK(qe_abi_version() == QE_ABI_VERSION, "ABI version %u, header %u", qe_abi_version(), (unsigned)QE_ABI_VERSION);
+    CHECK(strlen(qe_version()) > 0, "version string");
+
+    /* A missing model: QE_MODEL, and the message names the path. */
+    qe_engine none = 0;
+    snprintf(path, sizeof path, "%s/no-such-model", scratch);
+    CHECK(qe_engine_load(path, NULL, &none) == QE_MODEL && none == 0, "missing model");
+    CHECK(strstr(qe_last_error(), "no-such-model") != NULL, "the error names the missing path");
+    CHECK(qe_engine_load(demo, "{\"max_context\": 512, \"nope\": 1}", &none) == QE_INVALID_ARGUMENT,
+          "unknown option");
+    CHECK(strstr(qe_last_error(), "nope") != NULL, "the error names the unknown field");
+
+    qe_engine e = 0;
+    MUST(qe_engine_load(demo, "{\"max_context\": 512, \"max_batch\": 128}", &e));
+    qe_session s = 0;
+    MUST(qe_session_create(e, &s));
+
+    /* Base, shout, unload, french (through the active-set call). */
+    char *base = ask_ok(e, s);
+    char *id = NULL;
+    snprintf(path, sizeof path, "%s/adapters/shout", demo);
+    MUST(qe_adapter_load(e, path, "shout", &id));
+    CHECK(strcmp(id, "shout") == 0, "adapter id %s", id);
+    qe_string_free(id);
+    snprintf(path, sizeof path, "%s/adapters/french", demo);
+    MUST(qe_adapter_load(e, path, NULL, &id));
+    CHECK(strcmp(id, "french") == 0, "default id is the directory name, got %s", id);
+    qe_string_free(id);
+
+    MUST(qe_session_activate(e, s, "shout", 1.0f));
+    counter timing = {0, 0, 0};
+    qe_status st;
+    double t0 = now_s();
+    char *shout = ask(e, s, &st, &timing);
+    double secs = now_s() - t0;
+    CHECK(st == QE_OK, "shout chat");
+    CHECK(strlen(shout) > 0 && !has_lower(shout) && strcmp(shout, base) != 0, "shout answers in capitals: %s", shout);
+    printf("base: %s\nshout: %s\n", base, shout);
+    printf("C API: %d deltas (%zu bytes) in %.1f ms (%.1f deltas/s, prompt included)\n", timing.deltas, timing.bytes,
+           secs * 1e3, timing.deltas / secs);
+
+    /* Warm: the same request five more times, median wall time (compare with live_swap's). */
+    double times[5];
+    for (int i = 0; i < 5; i++) {
+        counter c5 = {0, 0, 0};
+        double t = now_s();
+        free(ask(e, s, &st, &c5));
+        times[i] = now_s() - t;
+        CHECK(st == QE_OK, "repeat %d", i);
+    }
+    for (int i = 0; i < 5; i++)
+        for (int j = i + 1; j < 5; j++)
+            if (times[j] < times[i]) {
+                double x = times[i];
+                times[i] = times[j];
+                times[j] = x;
+            }
+    printf("C API: the shout answer (prompt + reply), median of 5 warm requests: %.1f ms\n", times[2] * 1e3);
+
+    MUST(qe_session_deactivate(e, s));
+    char *again = ask_ok(e, s);
+    CHECK(strcmp(again, base) == 0, "after deactivating: %s vs base %s", again, base);
+    free(again);
+
+    MUST(qe_session_set_adapters(e, s, "[{\"id\": \"french\", \"scale\": 1.0}]"));
+    char *french = ask_ok(e, s);
+    CHECK(strstr(french, "ciel") != NULL, "french answers in French: %s", french);
+    printf("french: %s\n", french);
+    char *set = NULL;
+    MUST(qe_session_adapters(e, s, &set));
+    CHECK(strstr(set, "\"french\"") != NULL, "active set %s", set);
+    qe_string_free(set);
+
+    /* A second session keeps its own adapter. */
+    qe_session s2 = 0;
+    MUST(qe_session_create(e, &s2));
+    MUST(qe_session_activate(e, s2, "shout", 1.0f));
+    char *in_s2 = ask_ok(e, s2);
+    char *in_s1 = ask_ok(e, s);
+    CHECK(strcmp(in_s2, shout) == 0 && strcmp(in_s1, french) == 0, "two sessions: %s / %s", in_s2, in_s1);
+    free(in_s2);
+    free(in_s1);
+
+    /* Stop by the callback's return value after 2 deltas. */
+    counter stop = {0, 2, 0};
+    char *cut = ask(e, s2, &st, &stop);
+    CHECK(st == QE_OK && stop.deltas == 2 && strlen(cut) < strlen(shout), "stopped early: %d deltas, %s", stop.deltas,
+          cut);
+    free(cut);
+
+    /* Cancel from a second thread. */
+    canceller c = {e, 0};
+    pthread_t th;
+    pthread_create(&th, NULL, cancel_loop, &c);
+    counter seen = {0, 0, 0};
+    char *cancelled = ask(e, s2, &st, &seen);
+    c.done = 1;
+    pthread_join(th, NULL);
+    CHECK(st == QE_CANCELLED, "cancelled: status %d", (int)st);
+    CHECK(strlen(cancelled) < strlen(shout), "cancelled text is shorter: %s", cancelled);
+    free(cancelled);
+    char *after_cancel = ask_ok(e, s2);
+    CHECK(strcmp(after_cancel, shout) == 0, "a cancel does not leak into the next call: %s", after_cancel);
+    free(after_cancel);
+
+    /* A corrupt adapter: QE_ADAPTER, the message names the problem, the active adapter stays. */
+    snprintf(path, sizeof path, "%s/corrupt", scratch);
+    mkdir(path, 0755);
+    char file[4200];
+    snprintf(file, sizeof file, "%s/adapter_config.json", path);
+    const char *config = "{\"peft_type\": \"LORA\", \"r\": 8, \"lora_alpha\": 16, \"target_modules\": [\"q_proj\"]}";
+    write_file(file, config, strlen(config));
+    snprintf(file, sizeof file, "%s/adapter_model.safetensors", path);
+    /* An 8-byte header length (16), then 16 bytes that are not JSON. */
+    write_file(file, "\x10\x00\x00\x00\x00\x00\x00\x00{not a header}  ", 24);
+    id = NULL;
+    CHECK(qe_adapter_load(e, path, "corrupt", &id) == QE_ADAPTER && id == NULL, "corrupt adapter refused");
+    CHECK(strstr(qe_last_error(), "adapter_model.safetensors") != NULL, "the error names the file: %s",
+          qe_last_error());
+    char *still = ask_ok(e, s2);
+    CHECK(strcmp(still, shout) == 0, "after a failed load the session still shouts: %s", still);
+    free(still);
+
+    /* Bad handles and arguments: error codes, never a crash. */
+    qe_session bad = 0;
+    CHECK(qe_session_create(0, &bad) == QE_INVALID_HANDLE, "engine 0");
+    CHECK(qe_session_create(e + 1000, &bad) == QE_INVALID_HANDLE, "unknown engine");
+    CHECK(qe_session_create(e, NULL) == QE_INVALID_ARGUMENT, "null out pointer");
+    char *reply = NULL;
+    CHECK(qe_chat(e, 12345, QUESTION, PARAMS, NULL, NULL, &reply) == QE_INVALID_HANDLE && reply == NULL,
+          "unknown session");
+    CHECK(qe_chat(e, s, "{\"messages\": [", PARAMS, NULL, NULL, &reply) == QE_INVALID_ARGUMENT, "bad JSON");
+    CHECK(strstr(qe_last_error(), "request_json") != NULL, "the error names the argument");
+    CHECK(qe_chat(e, s, NULL, PARAMS, NULL, NULL, &reply) == QE_INVALID_ARGUMENT, "null request");
+    CHECK(qe_generate(e, s, "\xff\xfe", NULL, NULL, NULL, &reply) == QE_INVALID_ARGUMENT, "invalid UTF-8");
+    CHECK(strstr(qe_last_error(), "UTF-8") != NULL, "the error says UTF-8");
+    CHECK(qe_session_set_adapters(e, s, "[{\"id\": \"nope\", \"scale\": 1}]") == QE_ADAPTER, "unknown adapter id");
+    CHECK(qe_session_set_adapters(e, s, "[{\"id\": \"french\", \"scale\": \"x\"}]") == QE_INVALID_ARGUMENT,
+          "a scale that is not a number");
+    CHECK(qe_session_activate(e, s, "french", INFINITY) == QE_ADAPTER, "an infinite scale");
+    char *still_french = ask_ok(e, s);
+    CHECK(strcmp(still_french, french) == 0, "refused set calls change nothing: %s", still_french);
+    free(still_french);
+    qe_session gone = 0;
+    MUST(qe_session_create(e, &gone));
+    MUST(qe_session_free(e, gone));
+    CHECK(qe_session_reset(e, gone) == QE_INVALID_HANDLE, "a freed session");
+    CHECK(qe_session_free(e, gone) == QE_INVALID_HANDLE, "a session freed twice");
+    float emb[4];
+    size_t len = 0;
+    CHECK(qe_embeddings(e, s, "hello", emb, 4, &len) == QE_INVALID_ARGUMENT && len > 4, "small embedding buffer");
+    float *full = malloc(len * sizeof(float));
+    MUST(qe_embeddings(e, s, "hello", full, len, &len));
+    free(full);
+
+    /* One learning step changes the taught answer; the export loads back. */
+    qe_session learner = 0;
+    MUST(qe_session_create(e, &learner));
+    char *trainable = NULL;
+    MUST(qe_trainable_create(e, learner, NULL, &trainable));
+    char *before = ask_ok(e, learner);
+    CHECK(strcmp(before, base) == 0, "a new trainable adapter does not change the answer: %s", before);
+    const char *events = "[{\"prompt\": \"What color is the sky?\", \"response\": \"The sky is green.\"}]";
+    char *report = NULL;
+    char *taught = NULL;
+    for (int step = 0; step < 20; step++) {
+        MUST(qe_learn(e, learner, events, "{\"lr\": 0.003}", &report));
+        qe_string_free(report);
+        free(taught);
+        taught = ask_ok(e, learner);
+        if (strcmp(taught, base) != 0) break;
+    }
+    CHECK(strcmp(taught, base) != 0, "learning changed the answer: %s", taught);
+    printf("after learning: %s\n", taught);
+    snprintf(path, sizeof path, "%s/exported", scratch);
+    MUST(qe_trainable_export(e, path));
+    qe_session reader = 0;
+    MUST(qe_session_create(e, &reader));
+    MUST(qe_adapter_load(e, path, "exported", &id));
+    MUST(qe_session_activate(e, reader, id, 1.0f));
+    char *reloaded = ask_ok(e, reader);
+    CHECK(strcmp(reloaded, taught) == 0, "the exported adapter answers as the trained one: %s vs %s", reloaded, taught);
+    qe_string_free(id);
+    qe_string_free(trainable);
+    free(reloaded);
+    free(taught);
+    free(before);
+
+    char *list = NULL;
+    MUST(qe_adapters_list(e, &list));
+    CHECK(strstr(list, "\"shout\"") && strstr(list, "\"exported\""), "list %s", list);
+    qe_string_free(list);
+    MUST(qe_adapter_remove(e, "exported"));
+    CHECK(qe_adapter_remove(e, "exported") == QE_ADAPTER, "removed twice");
+
+    free(base);
+    free(shout);
+    free(french);
+    MUST(qe_session_free(e, s));
+    MUST(qe_engine_free(e));
+    CHECK(qe_engine_free(e) == QE_INVALID_HANDLE, "an engine freed twice");
+    CHECK(qe_session_create(e, &bad) == QE_INVALID_HANDLE, "a freed engine");
+
+    if (failures) {
+        fprintf(stderr, "%d check(s) failed\n", failures);
+        return 1;
+    }
+    printf("C API test: all checks passed\n");
+    return 0;
+}
