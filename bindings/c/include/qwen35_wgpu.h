@@ -148,6 +148,14 @@ qe_status qe_adapter_remove(qe_engine engine, const char *id);
 // `json_out` is null or valid for a write.
 qe_status qe_adapters_list(qe_engine engine, char **json_out);
 
+// What resident adapter `id` is, as JSON: `{"id", "name", "path", "ranks", "config_source",
+// "modules": [[layer, "q_proj"], ...], "ignored_count", "gpu_bytes"}` (free with
+// qe_string_free).
+//
+// # Safety
+// `id` is null or a NUL-terminated string; `json_out` is null or valid for a write.
+qe_status qe_adapter_info(qe_engine engine, const char *id, char **json_out);
+
 // Replace a session's whole active adapter set: `set_json` = `[{"id": "shout", "scale": 1.0,
 // "layers": [{"layers": [16, 24], "factor": 1.0}, {"projections": ["q_proj"], "factor": 0}]}]`
 // (`layers` optional; rules that match a (layer, projection) multiply). `[]`: the base model.

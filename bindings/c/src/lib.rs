@@ -457,6 +457,39 @@ pub unsafe extern "C" fn qe_adapters_list(engine: qe_engine, json_out: *mut *mut
     })
 }
 
+/// What resident adapter `id` is, as JSON: `{"id", "name", "path", "ranks", "config_source",
+/// "modules": [[layer, "q_proj"], ...], "ignored_count", "gpu_bytes"}` (free with
+/// qe_string_free).
+///
+/// # Safety
+/// `id` is null or a NUL-terminated string; `json_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_adapter_info(
+    engine: qe_engine,
+    id: *const c_char,
+    json_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let id = unsafe { text(id, "id") }?;
+        need(json_out, "json_out")?;
+        let e = self::engine(engine)?;
+        let list = lock(&e)?.list_adapters()?;
+        let (id, a) = list.iter().find(|(i, _)| i == id).ok_or_else(|| {
+            Fail::from(BackendError::Adapter(AdapterError::UnknownId {
+                id: id.to_string(),
+                resident: list.iter().map(|(i, _)| i.clone()).collect(),
+            }))
+        })?;
+        let modules: Vec<Value> = a.modules.iter().map(|(l, p)| json!([l, p.name()])).collect();
+        let v = json!({"id": id, "name": a.name, "path": a.path, "ranks": a.ranks,
+                       "config_source": format!("{:?}", a.config_source), "modules": modules,
+                       "ignored_count": a.ignored_count, "gpu_bytes": a.gpu_bytes});
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put_string(json_out, v.to_string(), "json_out") }
+    })
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct SetEntry {

@@ -318,6 +318,11 @@ int main(int argc, char **argv) {
     free(taught);
     free(before);
 
+    char *info = NULL;
+    MUST(qe_adapter_info(e, "shout", &info));
+    CHECK(strstr(info, "\"ranks\":[16]") && strstr(info, "gate_proj"), "info %s", info);
+    qe_string_free(info);
+    CHECK(qe_adapter_info(e, "nope", &info) == QE_ADAPTER && strstr(qe_last_error(), "nope"), "info of an unknown id");
     char *list = NULL;
     MUST(qe_adapters_list(e, &list));
     CHECK(strstr(list, "\"shout\"") && strstr(list, "\"exported\""), "list %s", list);
