@@ -19,8 +19,8 @@ use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attn_params, gdn_params, gdn_step_fits, lin, lm_head, mlp_block, norm_rows, project, shrink, LayerLora, Parts, Src,
-    ATTN_IN, GDN_IN,
+    attn_params, gdn_params, gdn_step_fits, lin, lm_head, mixer_out, mlp_block, norm_rows, project, shrink, LayerLora,
+    Parts, Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::{Logits, Session};
@@ -325,7 +325,7 @@ fn gdn_rows(
     lora: Option<LayerLora>,
 ) -> Result<(), GpuError> {
     let n = sessions.len();
-    let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
+    let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, n)?;
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     project(rec, c, part(0), &lin(src.x, &sc.wide_a, n, cd), src, &s)?;
@@ -385,10 +385,7 @@ fn gdn_rows(
         }
         rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
     }
-    let out = crate::kernels::matmul::LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, n, h) };
-    let mid = Src::plain(&sc.mid_b);
-    let s = shrink(rec, lora, InputGroup::MixerOut, mid, n)?;
-    project(rec, c, Parts { w: &w.out_proj, order: &[Proj::OutProj], parts: 0..1 }, &out, mid, &s)
+    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, n)
 }
 
 /// An attention layer for every row: q|gate, k and v for all rows, then per session its row
@@ -427,10 +424,7 @@ fn attention_rows(
         attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
         rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * attn), f(attn));
     }
-    let out = crate::kernels::matmul::LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, n, c.hidden_size) };
-    let mid = Src::plain(&sc.mid_b);
-    let s = shrink(rec, lora, InputGroup::MixerOut, mid, n)?;
-    project(rec, c, Parts { w: &w.o_proj, order: &[Proj::OProj], parts: 0..1 }, &out, mid, &s)
+    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n)
 }
 
 fn mismatch(layer: usize) -> GpuError {

@@ -180,7 +180,7 @@ fn gdn_block(
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
-    let (h, cd, vd, hv) = (c.hidden_size, c.conv_dim(), c.value_dim(), c.linear_value_heads);
+    let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     let params = gdn_params(c, t);
@@ -226,10 +226,7 @@ fn gdn_block(
         };
         rms_norm_gated(rec, &w.norm, &norm)?;
     }
-    let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, h) };
-    let mid = Src::plain(&sc.mid_b);
-    let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
-    project(rec, c, Parts { w: &w.out_proj, order: &[Proj::OutProj], parts: 0..1 }, &out, mid, &s)
+    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t)
 }
 
 /// The GDN kernels' parameters for `t` tokens.
@@ -306,10 +303,24 @@ fn attention_block(
     let params = attn_params(c, (t, pos0, s_max), (k_offset, v_offset));
     let io = AttnIo { qg, kraw, vraw, q: &sc.wide_b, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
+    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t)
+}
+
+/// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
+/// into the residual stream of `t` rows.
+pub(crate) fn mixer_out(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    sc: &Scratch,
+    w: &GpuWeight,
+    proj: Proj,
+    lora: Option<LayerLora>,
+    t: usize,
+) -> Result<(), GpuError> {
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
     let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
-    project(rec, c, Parts { w: &w.o_proj, order: &[Proj::OProj], parts: 0..1 }, &out, mid, &s)
+    project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, mid, &s)
 }
 
 /// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
