@@ -5,8 +5,8 @@ mod common;
 
 use std::path::PathBuf;
 
-use common::tolerance::{ADAPTER_EFFECT_REL, LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
-use common::{fixture_model, gpu, rel_and_max, root, Reference};
+use common::tolerance::{ADAPTER_EFFECT_REL, PATHS_REL};
+use common::{check_logits, fixture_model, gpu, rel_and_max, root, Reference};
 use qwen35_wgpu::{
     AdapterError, AdapterWeight, BackendError, GenerateParams, LayerScales, LearnOptions, LlmBackend, Proj, Session,
     SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
@@ -59,16 +59,6 @@ fn logits(b: &mut WgpuBackend, ids: &[u32]) -> Vec<f32> {
     s.feed_all(ids).expect("forward").data
 }
 
-fn check(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
-    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let (rel, max) = rel_and_max(o, w);
-        assert!(
-            rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
-            "{what} position {pos}: rel {rel:.3e} (≤ {LOGITS_REL}), max abs {max:.3e} (≤ {LOGITS_MAX_ABS})"
-        );
-    }
-}
-
 #[test]
 fn adapter_sets_match_peft_with_the_same_adapters_active() {
     let Some(mut b) = backend() else { return };
@@ -80,7 +70,7 @@ fn adapter_sets_match_peft_with_the_same_adapters_active() {
         assert_eq!(b.active_adapters().expect("query"), set, "{case}: the set as given");
         let (_, want) = r.f32(&format!("{case}.logits"));
         let got = logits(&mut b, &ids);
-        check(case, &got, &want, vocab);
+        check_logits(case, &got, &want, vocab);
         // Not just the first adapter alone (or the first at full strength everywhere).
         b.activate_adapter(&set[0].id, set[0].scale).expect("first alone");
         let first = logits(&mut b, &ids);
@@ -224,7 +214,7 @@ fn sessions_bind_sets_of_their_own_on_one_model() {
     let model = b.session().expect("session").model().clone();
     let mut s = Session::new(model, opts()).expect("second session");
     s.set_adapters(stack).expect("the same set in another session");
-    check("second session", &s.feed_all(&ids).expect("forward").data, &want, vocab);
+    check_logits("second session", &s.feed_all(&ids).expect("forward").data, &want, vocab);
 }
 
 /// Three requests of a growing conversation (each prompt extends the previous prompt and its

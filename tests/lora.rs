@@ -5,8 +5,8 @@ mod common;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use common::tolerance::{ADAPTER_EFFECT_REL, LOGITS_MAX_ABS, LOGITS_REL, PATHS_REL};
-use common::{fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
+use common::tolerance::{ADAPTER_EFFECT_REL, PATHS_REL};
+use common::{check_logits, fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
 use qwen35_wgpu::{
     AdapterError, BackendError, GenerateParams, LearnError, LearnOptions, LlmBackend, LoraAdapter, Model, ModelInfo,
     Proj, Session, SessionOptions, TrainSpec, WgpuBackend,
@@ -35,16 +35,6 @@ fn load_model(name: &str) -> Option<Arc<Model>> {
     Some(Arc::new(Model::load(ctx, &fixture_model(name)).expect("model")))
 }
 
-fn check(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
-    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
-        let (rel, max) = rel_and_max(o, w);
-        assert!(
-            rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
-            "{what} position {pos}: rel {rel:.3e} (≤ {LOGITS_REL}), max abs {max:.3e} (≤ {LOGITS_MAX_ABS})"
-        );
-    }
-}
-
 #[test]
 fn logits_and_greedy_match_peft_for_every_adapter_and_scale() {
     let r = Reference::load("adapters");
@@ -60,7 +50,7 @@ fn logits_and_greedy_match_peft_for_every_adapter_and_scale() {
             let mut s = Session::new(model.clone(), opts()).expect("session");
             s.set_adapter(Some((adapter.clone(), scale))).expect("activate");
             let got = s.feed_all(&ids).expect("forward");
-            check(&key, &got.data, &want, model.config.vocab_size);
+            check_logits(&key, &got.data, &want, model.config.vocab_size);
             let (rel, _) = rel_and_max(&got.data, &base_logits.data);
             assert!(rel > ADAPTER_EFFECT_REL, "{key}: the adapter barely changes the logits (rel {rel:.2e})");
 
@@ -100,7 +90,7 @@ fn metadata_only_file_uses_its_alpha() {
     s.set_adapter(Some((Arc::new(a), 1.0))).expect("activate");
     // alpha 32 at r 8 equals all12_r8 (alpha 16) at scale 2.
     let (_, want) = r.f32("all12_r8.s2.logits");
-    check("meta_only", &s.feed_all(&ids).expect("forward").data, &want, model.config.vocab_size);
+    check_logits("meta_only", &s.feed_all(&ids).expect("forward").data, &want, model.config.vocab_size);
 }
 
 #[test]
@@ -477,7 +467,7 @@ fn absurd_scales_are_refused_everywhere_and_change_nothing() {
     // set_adapter_scale takes effect: alpha 16 at r 8 with scale 2 is peft's s2 reference.
     b.set_adapter_scale(2.0).expect("scale 2");
     let (_, want) = r.f32("all12_r8.s2.logits");
-    check("set_adapter_scale(2)", &logits(&mut b, &ids), &want, 256);
+    check_logits("set_adapter_scale(2)", &logits(&mut b, &ids), &want, 256);
     b.set_adapter_scale(qwen35_wgpu::lora::MAX_SCALE).expect("the bound itself is accepted");
 }
 
@@ -541,7 +531,7 @@ fn set_adapter_scale_changes_the_logits_as_peft_scales_them() {
         let active = b.active_adapter().expect("query").expect("active");
         assert_eq!((active.id.as_str(), active.scale), (id.as_str(), scale));
         let key = format!("all12_r8.s{scale}");
-        check(&key, &logits(&mut b, &ids), &r.f32(&format!("{key}.logits")).1, vocab);
+        check_logits(&key, &logits(&mut b, &ids), &r.f32(&format!("{key}.logits")).1, vocab);
         let want = r.ids(&format!("{key}.generated"));
         let params = GenerateParams { max_tokens: want.len(), stop_at_eos: false, ..Default::default() };
         assert_eq!(b.generate_ids(&ids, &params).expect("generate"), want, "{key}: greedy after set_adapter_scale");

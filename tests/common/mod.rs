@@ -104,6 +104,19 @@ pub fn rel_and_max(a: &[f32], b: &[f32]) -> (f32, f32) {
     ((num.sqrt() / den.sqrt().max(1e-30)) as f32, max)
 }
 
+/// Every row of `vocab` logits of `ours` against `want` within the logits tolerances
+/// ([`tolerance::LOGITS_REL`], [`tolerance::LOGITS_MAX_ABS`]).
+pub fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
+    use tolerance::{LOGITS_MAX_ABS, LOGITS_REL};
+    for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
+        let (rel, max) = rel_and_max(o, w);
+        assert!(
+            rel <= LOGITS_REL && max <= LOGITS_MAX_ABS,
+            "{what} position {pos}: rel {rel:.3e} (≤ {LOGITS_REL}), max abs {max:.3e} (≤ {LOGITS_MAX_ABS})"
+        );
+    }
+}
+
 /// Element-wise `|ours − want| ≤ atol + rtol·|want|`, reporting the worst mismatches.
 pub fn assert_close(what: &str, ours: &[f32], want: &[f32], atol: f32, rtol: f32) {
     assert_eq!(ours.len(), want.len(), "{what}: length");
