@@ -9,11 +9,11 @@ use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{
     read_f32, Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType, IoBindCache, Recorder,
 };
-use qwen35_wgpu::kernels::attention::{attention, AttnIo, AttnParams};
-use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
+use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
+use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse, FusedNorm, LinearIo,
-    LoraExpand, LoraSegment, ScaleTableAt, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    LoraExpand, LoraSegment, ScaleTableAt, SplitShrink, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
@@ -232,7 +232,22 @@ fn matvec_sweep_matches_reference() {
                 }
                 let factor = |c: usize| if table.is_some() { factors[c] } else { 1.0 };
                 let (b, b_offs) = segment_b(&segs, seed + 4);
-                let (xb, yb, tb, bb) = (upload(&ctx, &x), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
+                // A split shrink in some cases (x aligned): t's columns as three parts after x in
+                // x's buffer, summing to t, instead of in t's buffer (which keeps the table).
+                let split = rank > 0 && x_off == 4 && (view0 + si) % 2 == 0;
+                let mut xs = x.clone();
+                let parts = split.then(|| {
+                    let (at, stride) = ((x_off + k).next_multiple_of(4), t_cols.next_multiple_of(4));
+                    xs.resize(at + 3 * stride, 0.0);
+                    let (p0, p1) = (rand(t_cols, seed + 7, 1.0), rand(t_cols, seed + 8, 1.0));
+                    for c in 0..t_cols {
+                        xs[at + c] = p0[c];
+                        xs[at + stride + c] = p1[c];
+                        xs[at + 2 * stride + c] = t[c] - p0[c] - p1[c];
+                    }
+                    SplitShrink { count: 3, at }
+                });
+                let (xb, yb, tb, bb) = (upload(&ctx, &xs), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
                 let nb = upload(&ctx, &norm_w);
                 let bg = ctx.weights_bind_group(&bb, "b");
                 let segments = segs
@@ -247,7 +262,7 @@ fn matvec_sweep_matches_reference() {
                     })
                     .collect();
                 let table = table.map(|offset| ScaleTableAt { offset, stride: 0 });
-                let lora = LoraExpand { t: &tb, t_stride: t_cols, b: &bg, segments, table };
+                let lora = LoraExpand { t: &tb, t_stride: t_cols, b: &bg, segments, table, parts };
                 let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
                 let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
@@ -279,7 +294,7 @@ fn matvec_sweep_matches_reference() {
                     };
                 }
                 let what = format!(
-                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={} table {table:?}",
+                    "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={} table {table:?} split {parts:?}",
                     gw.chunks.len()
                 );
                 assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
@@ -420,6 +435,36 @@ fn affine_weights(a: Affine, rows: usize, cols: usize, seed: u64) -> (AffineData
         })
         .collect();
     (AffineData { format: a, words, scales, biases }, values)
+}
+
+#[test]
+fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let (n, k) = (4, 8);
+    let (bytes, _) = weight_bytes(&rand(n * k, 31, 1.0), Dtype::F32);
+    let gw = GpuWeight::upload(&ctx, "w", Dtype::F32, n, k, &bytes, u64::MAX).expect("w");
+    let (xb, yb, tb, bb) =
+        (upload(&ctx, &[0.5; 64]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 32]));
+    let bg = ctx.weights_bind_group(&bb, "b");
+    // (tokens, rank, parts, first element): two tokens, a rank above the matvec's, unaligned
+    // parts, no parts.
+    for (m, rank, count, at) in [(2, 4, 2, 8), (1, 260, 2, 8), (1, 4, 2, 9), (1, 4, 0, 8)] {
+        let parts = Some(SplitShrink { count, at });
+        let lora = LoraExpand { parts, ..LoraExpand::single(&tb, (0, rank), (4, 0), 1.0, &bg) };
+        let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
+        let mut cache = IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("arena"),
+            size: 4096,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }));
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let err = linear(&mut rec, &gw, &io, Some(&lora)).expect_err("refused");
+        assert!(
+            matches!(&err, GpuError::Validation { message, .. } if message.contains("split shrink")),
+            "m {m} rank {rank} parts {count} at {at}: {err}"
+        );
+    }
 }
 
 #[test]
@@ -680,6 +725,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                     dk: d.dk as u32,
                     dv: d.dv as u32,
                     eps: 0.0,
+                    ..Default::default()
                 };
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnIo {
@@ -734,7 +780,12 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let mixed = rand(c, seed, 2.0);
                 let zba = rand(vd + 2 * d.hv, seed + 1, 3.0);
                 let cat: Vec<f32> = mixed.iter().chain(&zba).copied().collect();
-                let (mb, core) = (upload(&ctx, &cat), upload(&ctx, &vec![0.0; vd]));
+                // out_proj's shrink split by head on some steps (aligned value head dims).
+                let rank = [0, 5, 8, 0][step] * usize::from(d.dv % 4 == 0);
+                let a = rand(rank * vd, seed + 2, 1.0);
+                let ab = upload(&ctx, if rank == 0 { &[0.0; 4] } else { &a });
+                let abg = ctx.weights_bind_group(&ab, "a");
+                let (mb, core) = (upload(&ctx, &cat), upload(&ctx, &vec![7.0; vd + d.hv * rank.next_multiple_of(4)]));
                 let params = GdnParams {
                     t: 1,
                     c: c as u32,
@@ -744,6 +795,7 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                     dk: d.dk as u32,
                     dv: d.dv as u32,
                     eps: 1e-6,
+                    ..Default::default()
                 };
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnStepIo {
@@ -754,13 +806,18 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                     state_out: &state[to],
                     core: &core,
                 };
-                run(&ctx, |rec| gdn_step(rec, &pv, &params, &io));
+                let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
+                run(&ctx, |rec| gdn_step(rec, &pv, &params, &io, shrink));
                 let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, 1, c, k);
-                let (b, a) = (&zba[vd..vd + d.hv], &zba[vd + d.hv..]);
-                let o = cpu::delta_rule(&y, b, a, &gate, &mut cpu_state, 1, *d);
+                let (b, ga) = (&zba[vd..vd + d.hv], &zba[vd + d.hv..]);
+                let o = cpu::delta_rule(&y, b, ga, &gate, &mut cpu_state, 1, *d);
                 let want = cpu::rms_norm_gated(&o, &zba[..vd], &norm_w, d.dv, 1e-6);
-                let what = format!("gdn step {d:?} K{k} step {step}");
-                assert_close(&what, &read(&ctx, &core, vd), &want, KERNEL_ATOL, KERNEL_RTOL);
+                let what = format!("gdn step {d:?} K{k} step {step} shrink rank {rank}");
+                let got = read(&ctx, &core, vd + d.hv * rank.next_multiple_of(4));
+                assert_close(&what, &got[..vd], &want, KERNEL_ATOL, KERNEL_RTOL);
+                if rank > 0 {
+                    check_head_parts(&what, &got, &a, &want, rank, d.hv);
+                }
                 let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
                 let cs = read(&ctx, &conv[to], cpu_conv.len());
@@ -822,7 +879,7 @@ fn attention_matches_reference_across_steps() {
                 scale: (hd as f32).powf(-0.5),
                 k_offset: k_offset as u32,
                 v_offset: v_offset as u32,
-                _pad: 0,
+                lora_rank: 0,
             };
             let io =
                 AttnIo { qg: &qgb, kraw: &kb, vraw: &vb, q: &qb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
@@ -832,6 +889,121 @@ fn attention_matches_reference_across_steps() {
             let what = format!("attention hq{hq} hkv{hkv} hd{hd} rot{rot} step {step}");
             assert_close(&what, &read(&ctx, &out, t * hq * hd), &want, KERNEL_ATOL, KERNEL_RTOL);
             pos0 += t;
+        }
+    }
+}
+
+/// The split shrink a decode kernel wrote after its output row: `heads` parts of the rank rounded
+/// up to 4 (padding zero), summing to `A · out` (A `[rank, heads·dh]`).
+fn check_head_parts(what: &str, got: &[f32], a: &[f32], out: &[f32], rank: usize, heads: usize) {
+    let (k, pad) = (out.len(), rank.next_multiple_of(4));
+    let dh = k / heads;
+    let mut sum = vec![0.0; rank];
+    for h in 0..heads {
+        let part = &got[k + h * pad..k + (h + 1) * pad];
+        assert!(part[rank..].iter().all(|&v| v == 0.0), "{what}: padding of part {h}");
+        // Each part on its own: the head's columns of A times the head's output.
+        let want: Vec<f32> =
+            (0..rank).map(|r| (0..dh).map(|d| a[r * k + h * dh + d] * out[h * dh + d]).sum()).collect();
+        assert_close(&format!("{what} part {h}"), &part[..rank], &want, KERNEL_ATOL, KERNEL_RTOL);
+        sum.iter_mut().zip(&part[..rank]).for_each(|(s, v)| *s += v);
+    }
+    let want: Vec<f32> = (0..rank).map(|r| (0..k).map(|c| a[r * k + c] * out[c]).sum()).collect();
+    assert_close(&format!("{what} parts summed"), &sum, &want, KERNEL_ATOL, KERNEL_RTOL);
+}
+
+#[test]
+fn single_token_attention_matches_reference_across_positions() {
+    let Some(ctx) = ctx() else { return };
+    // (hq, hkv, hd, rot) as in the multi-token sweep; tokens at positions 0 and 1 (an empty and
+    // a one-key cache), after a multi-token step at 63, 64 and 65 (the block edge of 64 keys).
+    for &(hq, hkv, hd, rot) in &[(1, 1, 8, 2), (3, 1, 24, 6), (4, 2, 64, 16), (8, 2, 256, 64), (2, 2, 130, 0)] {
+        let s_max = 80;
+        let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
+            r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+            "num_hidden_layers":1,"num_attention_heads":{hq},"num_key_value_heads":{hkv},"head_dim":{hd},
+            "linear_conv_kernel_dim":4,"linear_key_head_dim":4,"linear_value_head_dim":4,
+            "linear_num_key_heads":1,"linear_num_value_heads":1,
+            "rope_parameters":{{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":{}}}}}"#,
+            rot as f64 / hd as f64
+        ))
+        .expect("config");
+        let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
+        let rope = upload(&ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
+        let (q_norm, k_norm) = (rand(hd, 3, 0.3), rand(hd, 4, 0.3));
+        let (qn, kn) =
+            (GpuVector::upload(&ctx, "qn", &q_norm).expect("qn"), GpuVector::upload(&ctx, "kn", &k_norm).expect("kn"));
+        let qk: Vec<f32> = q_norm.iter().chain(&k_norm).copied().collect();
+        let qkn = GpuVector::upload(&ctx, "qk", &qk).expect("qk");
+        let kc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
+        let vc = upload(&ctx, &vec![0.0; hkv * s_max * hd]);
+        let (mut cpu_k, mut cpu_v) = (vec![Vec::new(); hkv], vec![Vec::new(); hkv]);
+        let attn = hq * hd;
+        let mut pos0 = 0;
+        for (step, t) in [1usize, 1, 61, 1, 1, 1].into_iter().enumerate() {
+            let seed = 60 + step as u64;
+            let qg = rand(t * hq * 2 * hd, seed, 2.0);
+            let k = rand(t * hkv * hd, seed + 1, 2.0);
+            let v = rand(t * hkv * hd, seed + 2, 2.0);
+            // The shrink of o_proj's input split by head on some steps (aligned head dims),
+            // ranks 3 and 8.
+            let rank = [0, 3, 0, 8, 3, 8][step] * usize::from(hd % 4 == 0);
+            let a = rand(rank * attn, seed + 3, 1.0);
+            let ab = upload(&ctx, if rank == 0 { &[0.0; 4] } else { &a });
+            let abg = ctx.weights_bind_group(&ab, "a");
+            let mut params = AttnParams {
+                t: t as u32,
+                pos0: pos0 as u32,
+                hq: hq as u32,
+                hkv: hkv as u32,
+                hd: hd as u32,
+                rot_half: (rot / 2) as u32,
+                s_max: s_max as u32,
+                eps: 1e-6,
+                scale: (hd as f32).powf(-0.5),
+                k_offset: 0,
+                v_offset: 0,
+                lora_rank: 0,
+            };
+            let out = upload(&ctx, &vec![7.0; t * attn + hq * rank.next_multiple_of(4)]);
+            if t == 1 {
+                let cat: Vec<f32> = qg.iter().chain(&k).chain(&v).copied().collect();
+                (params.k_offset, params.v_offset) = (qg.len() as u32, (qg.len() + k.len()) as u32);
+                let cb = upload(&ctx, &cat);
+                let io = AttnOneIo { qkv: &cb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
+                let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
+                run(&ctx, |rec| attention_one(rec, &qkn, &params, &io, shrink));
+            } else {
+                let (qgb, kb, vb, qb) =
+                    (upload(&ctx, &qg), upload(&ctx, &k), upload(&ctx, &v), upload(&ctx, &vec![0.0; t * attn]));
+                let io = AttnIo {
+                    qg: &qgb,
+                    kraw: &kb,
+                    vraw: &vb,
+                    q: &qb,
+                    k_cache: &kc,
+                    v_cache: &vc,
+                    rope: &rope,
+                    out: &out,
+                };
+                run(&ctx, |rec| attention(rec, &qn, &kn, &params, &io));
+            }
+            let dims = cpu::AttnDims { hq, hkv, hd, rot, pos0, eps: 1e-6 };
+            let want = cpu::attention(&qg, &k, &v, &q_norm, &k_norm, &table, &mut cpu_k, &mut cpu_v, t, dims);
+            let what = format!("attention hq{hq} hkv{hkv} hd{hd} rot{rot} {t} token(s) at {pos0}");
+            let got = read(&ctx, &out, t * attn + hq * rank.next_multiple_of(4));
+            assert_close(&what, &got[..t * attn], &want, KERNEL_ATOL, KERNEL_RTOL);
+            if rank > 0 {
+                check_head_parts(&what, &got, &a, &want, rank, hq);
+            }
+            pos0 += t;
+        }
+        // The single-token steps wrote their keys and values into the cache.
+        let (ks, vs) = (read(&ctx, &kc, hkv * s_max * hd), read(&ctx, &vc, hkv * s_max * hd));
+        for h in 0..hkv {
+            let row = |c: &[f32]| c[h * s_max * hd..(h * s_max + pos0) * hd].to_vec();
+            assert_close(&format!("hd{hd} key cache {h}"), &row(&ks), &cpu_k[h], KERNEL_ATOL, KERNEL_RTOL);
+            assert_close(&format!("hd{hd} value cache {h}"), &row(&vs), &cpu_v[h], EXACT, EXACT);
         }
     }
 }

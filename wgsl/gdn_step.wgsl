@@ -13,6 +13,11 @@
 // prm:        [C*K conv taps | A_log (Hv) | dt_bias (Hv) | norm weight (Dv)]
 // A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
 // key head's q/k conv history (the others read the same inputs and compute the same values).
+//
+// gdn_decode_lora also writes the LoRA shrink of out_proj's input, split by value head: after the
+// output row core[0 .. Vd], part h (of rank_pad = rank rounded up to 4 floats, the padding zero)
+// = A[:, h*Dv .. (h+1)*Dv] . core[h*Dv .. (h+1)*Dv], where A is the group's [rank, Vd] shrink
+// matrix; matvec.wgsl sums the Hv parts in out_proj's prologue (no shrink dispatch).
 
 struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
     t: u32,           // 1 here
@@ -23,6 +28,10 @@ struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
     dk: u32,
     dv: u32,
     eps: f32,
+    lora_rank: u32,   // gdn_decode_lora: the rank of the shrink (otherwise unused)
+    _pad0: u32,
+    _pad1: u32,
+    _pad2: u32,
 }
 
 const WG: u32 = 128u;
@@ -36,6 +45,7 @@ const MAX_D: u32 = 256u;   // largest Dk and Dv this kernel takes (the host chec
 @group(0) @binding(5) var<storage, read_write> state_out: array<f32>;
 @group(0) @binding(6) var<storage, read_write> core: array<f32>;
 @group(1) @binding(0) var<storage, read> prm: array<f32>;
+@group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // gdn_decode_lora: A
 
 var<workgroup> qs: array<f32, MAX_D>;
 var<workgroup> ks: array<f32, MAX_D>;
@@ -61,9 +71,9 @@ fn conv_channel(ch: u32, write: bool) -> f32 {
     return silu(acc);
 }
 
-@compute @workgroup_size(128)
-fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let h = wg.x;
+// Value head h's step; its output row is left in qs[0..Dv) when `keep` (qs is not read after the
+// barrier before the output norm).
+fn head_step(h: u32, li: u32, keep: bool) {
     let group = p.hv / p.hk;
     let kh = h / group;
     let kd = p.hk * p.dk;
@@ -112,6 +122,36 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
         let zv = mixed[p.c + h * p.dv + j];
-        core[h * p.dv + j] = os[j] * scale * prm[nw + j] * silu(zv);
+        let o = os[j] * scale * prm[nw + j] * silu(zv);
+        core[h * p.dv + j] = o;
+        if (keep) {
+            qs[j] = o;
+        }
+    }
+}
+
+@compute @workgroup_size(128)
+fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    head_step(wg.x, li, false);
+}
+
+@compute @workgroup_size(128)
+fn gdn_decode_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg.x;
+    head_step(h, li, true);
+    workgroupBarrier();
+    let vd = p.hv * p.dv;
+    let rank_pad = (p.lora_rank + 3u) & ~3u;
+    let at = vd + h * rank_pad;
+    for (var r = li; r < rank_pad; r += WG) {
+        var sum = 0.0;
+        if (r < p.lora_rank) {
+            let a0 = (r * vd + h * p.dv) / 4u;
+            for (var q = 0u; q < p.dv / 4u; q++) {
+                let j = 4u * q;
+                sum += dot(lora_a[a0 + q], vec4<f32>(qs[j], qs[j + 1u], qs[j + 2u], qs[j + 3u]));
+            }
+        }
+        core[at + r] = sum;
     }
 }

@@ -18,6 +18,11 @@
 //    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
 //    of t when lora_sc_stride > 0.
+// Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
+//    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
+//    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
+//    output row); the kernel sums them into workgroup memory in its prologue. Each shader defines
+//    t_vec and t_one, the t values (not the scale table) lora_row reads.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override ACCUMULATE: bool = false;
@@ -40,8 +45,8 @@ struct Params {
     q_sb: u32,
     lora_sc: u32,
     lora_sc_stride: u32,
-    pad0: u32,
-    pad1: u32,
+    lora_parts: u32,
+    lora_parts_at: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,
@@ -106,7 +111,7 @@ fn lora_row(row: u32, m: u32) -> f32 {
         let t4 = t0 >> 2u;
         let s4 = s0 >> 2u;
         for (var c = 0u; c < rank / 4u; c++) {
-            var tv = t[t4 + c];
+            var tv = t_vec(t4 + c);
             if (table) {
                 tv *= t[s4 + c];
             }
@@ -114,7 +119,7 @@ fn lora_row(row: u32, m: u32) -> f32 {
         }
     } else {
         for (var c = 0u; c < rank; c++) {
-            var tv = t_elem(t0 + c);
+            var tv = t_one(t0 + c);
             if (table) {
                 tv *= t_elem(s0 + c);
             }

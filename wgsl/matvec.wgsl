@@ -1,7 +1,8 @@
 // y[n] (+)= sum_k w[n, k] * x[k]  [+ s * sum_j t[j] * B[n, j]]   (one token: decode)
 //
 // nn.Linear for a single row of x, with the LoRA expand optionally fused in (the shrink t = x A^T
-// is a separate dispatch shared by the projections of an input group).
+// is a separate dispatch shared by the projections of an input group, or summed here from the
+// per-head parts the token mixer's decode kernel wrote: linear.wgsl).
 //
 // Layout: a workgroup of 64 invocations is 64 / LANES row groups of LANES invocations. Each
 // invocation owns TM = 8 consecutive rows; the LANES invocations of a row group stride along K
@@ -42,6 +43,37 @@ const TM: u32 = 8u;
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
+var<workgroup> tsum: array<vec4<f32>, 64>; // split shrink: t summed from its parts (rank <= 256)
+
+// Split shrink (linear.wgsl): invocations sum the parts' columns into tsum, 4 at a time (the
+// parts start 16-byte aligned, each rank rounded up to 4 floats); the reduction's barrier comes
+// before lora_row reads them.
+fn sum_parts(li: u32) {
+    let cols = (p.lora_t_stride + 3u) / 4u;
+    let at = p.lora_parts_at / 4u;
+    for (var c = li; c < cols; c += WG) {
+        var sum = vec4<f32>(0.0);
+        for (var q = 0u; q < p.lora_parts; q++) {
+            sum += x[at + q * cols + c];
+        }
+        tsum[c] = sum;
+    }
+}
+
+// The t values lora_row reads: the summed parts, or t's buffer.
+fn t_vec(i: u32) -> vec4<f32> {
+    if (p.lora_parts > 0u) {
+        return tsum[i];
+    }
+    return t[i];
+}
+
+fn t_one(e: u32) -> f32 {
+    if (p.lora_parts > 0u) {
+        return tsum[e >> 2u][e & 3u];
+    }
+    return t_elem(e);
+}
 
 struct Slot {
     row0: u32, // first output row of the workgroup
@@ -291,6 +323,9 @@ fn matvec_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
+    if (p.lora_parts > 0u) {
+        sum_parts(li);
+    }
     var v = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
         let o = s.row0 + li;

@@ -20,6 +20,15 @@ const MAX_TOK: u32 = 8u;
 
 var<workgroup> red: array<f32, 2048>; // [rows of the workgroup][TOK][LANES] = TR * WG * TOK floats
 
+// The t values linear.wgsl's lora_row reads: straight from t's buffer (no split shrink here).
+fn t_vec(i: u32) -> vec4<f32> {
+    return t[i];
+}
+
+fn t_one(e: u32) -> f32 {
+    return t_elem(e);
+}
+
 struct Slot {
     row0: u32,  // first row of the workgroup
     group: u32, // row group of this invocation

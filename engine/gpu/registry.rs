@@ -51,6 +51,8 @@ pub enum Shader {
     GdnStep,
     /// `topk.wgsl`
     Topk,
+    /// `attention_one.wgsl`
+    AttentionOne,
 }
 
 /// A shader file: its name under `wgsl/` and its text, compiled into the library.
@@ -64,7 +66,7 @@ pub struct ShaderDesc {
 }
 
 /// Every shader file, in [`Shader`] order.
-pub const SHADERS: [ShaderDesc; 21] = [
+pub const SHADERS: [ShaderDesc; 22] = [
     ShaderDesc { shader: Shader::Matmul, file: "matmul.wgsl", body: include_str!("../../wgsl/matmul.wgsl") },
     ShaderDesc { shader: Shader::Matvec, file: "matvec.wgsl", body: include_str!("../../wgsl/matvec.wgsl") },
     ShaderDesc {
@@ -102,6 +104,11 @@ pub const SHADERS: [ShaderDesc; 21] = [
     ShaderDesc { shader: Shader::Argmax, file: "argmax.wgsl", body: include_str!("../../wgsl/argmax.wgsl") },
     ShaderDesc { shader: Shader::GdnStep, file: "gdn_step.wgsl", body: include_str!("../../wgsl/gdn_step.wgsl") },
     ShaderDesc { shader: Shader::Topk, file: "topk.wgsl", body: include_str!("../../wgsl/topk.wgsl") },
+    ShaderDesc {
+        shader: Shader::AttentionOne,
+        file: "attention_one.wgsl",
+        body: include_str!("../../wgsl/attention_one.wgsl"),
+    },
 ];
 
 impl Shader {
@@ -198,6 +205,12 @@ pub enum Kernel {
     TopkBlocks,
     /// Sampling candidates: the k best of the blocks' candidates.
     TopkFinal,
+    /// `GdnDecode` that also writes out_proj's LoRA shrink split by head.
+    GdnDecodeLora,
+    /// One token's attention in one dispatch: q/k norm + RoPE, cache write, attention.
+    AttendOne,
+    /// `AttendOne` that also writes o_proj's LoRA shrink split by head.
+    AttendOneLora,
 }
 
 /// Everything the engine knows about one entry point: the one place a kernel is described.
@@ -231,7 +244,7 @@ fn matmul_rows_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 32] = [
+pub const KERNELS: [KernelDesc; 35] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -580,6 +593,39 @@ pub const KERNELS: [KernelDesc; 32] = [
         io: &[W, W],
         weights: false,
         lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::GdnDecodeLora,
+        shader: Shader::GdnStep,
+        entry: "gdn_decode_lora",
+        io: &[R, R, W, R, W, W],
+        weights: true,
+        lora: true,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendOne,
+        shader: Shader::AttentionOne,
+        entry: "attend_one",
+        io: &[R, R, W, W, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendOneLora,
+        shader: Shader::AttentionOne,
+        entry: "attend_one_lora",
+        io: &[R, R, W, W, W],
+        weights: true,
+        lora: true,
         accumulate: false,
         dtype: false,
         variants: no_variants,

@@ -2,6 +2,7 @@
 
 use crate::error::GpuError;
 use crate::gpu::{GpuVector, Recorder};
+use crate::kernels::gdn::HeadShrink;
 use crate::kernels::{Kernel, PipelineKey};
 
 /// Mirrors `Params` in `attention.wgsl` and `attention_prep.wgsl`.
@@ -31,8 +32,8 @@ pub struct AttnParams {
     pub k_offset: u32,
     /// First element of the raw values in `vraw`.
     pub v_offset: u32,
-    /// Padding.
-    pub _pad: u32,
+    /// `attend_one_lora`: the total rank of o_proj's shrink (0 otherwise).
+    pub lora_rank: u32,
 }
 
 /// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`); the
@@ -89,4 +90,41 @@ pub fn attention(
         &[],
         [t, params.hq, 1],
     )
+}
+
+/// The buffers of one attention layer's single-token step.
+pub struct AttnOneIo<'a> {
+    /// The concatenated q|gate, k, v projection output (k and v from the params' offsets).
+    pub qkv: &'a wgpu::Buffer,
+    /// Key cache `[Hkv, S, hd]`.
+    pub k_cache: &'a wgpu::Buffer,
+    /// Value cache `[Hkv, S, hd]`.
+    pub v_cache: &'a wgpu::Buffer,
+    /// RoPE table `[S, R/2]` of (cos, sin).
+    pub rope: &'a wgpu::Buffer,
+    /// Gated output `[Hq·hd]` (then the shrink's parts, with `shrink`).
+    pub out: &'a wgpu::Buffer,
+}
+
+/// Record one token's attention in one dispatch (`attention_one.wgsl`): q/k norm + RoPE, the
+/// cache write and the attention, one workgroup per query head. `qk_norm` is `[q_norm | k_norm]`.
+/// With `shrink`, each head also writes its part of o_proj's LoRA shrink into `out` after the
+/// output row (`Hq` parts of the rank rounded up to 4, from element `Hq·hd`).
+pub fn attention_one(
+    rec: &mut Recorder,
+    qk_norm: &GpuVector,
+    params: &AttnParams,
+    io: &AttnOneIo,
+    shrink: Option<HeadShrink>,
+) -> Result<(), GpuError> {
+    let storage = [io.qkv, io.rope, io.k_cache, io.v_cache, io.out];
+    let groups = [params.hq, 1, 1];
+    match shrink {
+        None => rec.dispatch(PipelineKey::plain(Kernel::AttendOne), params, &storage, &[&qk_norm.bind_group], groups),
+        Some(s) => {
+            let params = AttnParams { lora_rank: s.rank as u32, ..*params };
+            let binds = [&qk_norm.bind_group, s.a];
+            rec.dispatch(PipelineKey::plain(Kernel::AttendOneLora), &params, &storage, &binds, groups)
+        }
+    }
 }

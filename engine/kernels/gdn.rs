@@ -25,6 +25,10 @@ pub struct GdnParams {
     pub dv: u32,
     /// Epsilon of the gated RMSNorm (`gdn_step.wgsl`).
     pub eps: f32,
+    /// `gdn_decode_lora`: the total rank of out_proj's shrink (0 otherwise).
+    pub lora_rank: u32,
+    /// Padding.
+    pub _pad: [u32; 3],
 }
 
 /// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`); the config check rejects wider ones.
@@ -96,14 +100,34 @@ pub struct GdnStepIo<'a> {
     pub core: &'a wgpu::Buffer,
 }
 
+/// The shrink matrix of a LoRA input group whose shrink a token mixer's decode kernel computes
+/// split by head, after its output row.
+#[derive(Clone, Copy)]
+pub struct HeadShrink<'a> {
+    /// Group-2 bind group over A (f32 `[rank, K]`, one binding).
+    pub a: &'a wgpu::BindGroup,
+    /// The group's total rank.
+    pub rank: usize,
+}
+
 /// Record the conv, delta rule and gated norm of one token: one workgroup per value head.
-/// `prm` is `[conv taps | A_log | dt_bias | norm weight]`.
-pub fn gdn_step(rec: &mut Recorder, prm: &GpuVector, params: &GdnParams, io: &GdnStepIo) -> Result<(), GpuError> {
-    rec.dispatch(
-        PipelineKey::plain(Kernel::GdnDecode),
-        params,
-        &[io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core],
-        &[&prm.bind_group],
-        [params.hv, 1, 1],
-    )
+/// `prm` is `[conv taps | A_log | dt_bias | norm weight]`. With `shrink`, each head also writes
+/// its part of out_proj's LoRA shrink into `core` after the output row (`gdn_decode_lora`:
+/// `Hv` parts of the rank rounded up to 4, from element `Vd`).
+pub fn gdn_step(
+    rec: &mut Recorder,
+    prm: &GpuVector,
+    params: &GdnParams,
+    io: &GdnStepIo,
+    shrink: Option<HeadShrink>,
+) -> Result<(), GpuError> {
+    let storage = [io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core];
+    let groups = [params.hv, 1, 1];
+    match shrink {
+        None => rec.dispatch(PipelineKey::plain(Kernel::GdnDecode), params, &storage, &[&prm.bind_group], groups),
+        Some(s) => {
+            let params = GdnParams { lora_rank: s.rank as u32, ..*params };
+            rec.dispatch(PipelineKey::plain(Kernel::GdnDecodeLora), &params, &storage, &[&prm.bind_group, s.a], groups)
+        }
+    }
 }

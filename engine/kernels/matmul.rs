@@ -42,8 +42,10 @@ pub struct MatmulParams {
     pub lora_sc: u32,
     /// Row stride of the scale table (0: one row for every row of t).
     pub lora_sc_stride: u32,
-    /// Keeps the vectors 16-byte aligned.
-    pub pad: [u32; 2],
+    /// Split shrink (matvec): parts of t summed from x (0: t is read from its buffer).
+    pub lora_parts: u32,
+    /// Split shrink: the element of x where part 0 starts (a multiple of 4).
+    pub lora_parts_at: u32,
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -129,7 +131,23 @@ pub struct LoraExpand<'a> {
     pub segments: Vec<LoraSegment>,
     /// Per-rank-column factors (an adapter set's scales), if any.
     pub table: Option<ScaleTableAt>,
+    /// Where t comes from instead of `t` when the shrink was split by head (matvec only).
+    pub parts: Option<SplitShrink>,
 }
+
+/// A shrink the token mixer's decode kernel split by head (`gdn_step.wgsl`,
+/// `attention_one.wgsl`): `count` parts of `t_stride` columns rounded up to 4, in the linear
+/// layer's input x from element `at`; the matvec sums them in its prologue.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SplitShrink {
+    /// Parts (one per head).
+    pub count: usize,
+    /// The element of x where part 0 starts (a multiple of 4).
+    pub at: usize,
+}
+
+/// The largest total rank a split shrink takes (`tsum` in `matvec.wgsl`).
+pub const SPLIT_SHRINK_MAX_RANK: usize = 256;
 
 /// The uniform fields of up to four segments: ends, ranks, t columns, B elements, scales.
 type SegmentFields = ([u32; 4], [u32; 4], [u32; 4], [u32; 4], [f32; 4]);
@@ -145,7 +163,7 @@ impl<'a> LoraExpand<'a> {
         b: &'a wgpu::BindGroup,
     ) -> Self {
         let seg = LoraSegment { rows: usize::MAX, rank, t_offset, b_offset, scale };
-        Self { t, t_stride, b, segments: vec![seg], table: None }
+        Self { t, t_stride, b, segments: vec![seg], table: None, parts: None }
     }
 
     fn fields(&self) -> Result<SegmentFields, GpuError> {
@@ -293,6 +311,14 @@ pub fn linear_rows(
         Some(format!("rows {rows:?} of a weight with {} rows", view.w.rows))
     } else if lora.is_some_and(|l| io.m != 1 && l.segments.len() != 1) {
         Some("a multi-token linear layer takes one LoRA segment".to_string())
+    } else if let Some((rank, p)) = lora
+        .and_then(|l| l.parts.map(|p| (l.t_stride, p)))
+        .filter(|&(rank, p)| io.m != 1 || rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
+    {
+        Some(format!(
+            "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
+            io.m, p.count, p.at
+        ))
     } else {
         None
     };
@@ -354,7 +380,8 @@ pub fn linear_rows(
             q_sb: chunk.sb,
             lora_sc: lora.and_then(|l| l.table).map_or(NO_TABLE, |s| s.offset as u32),
             lora_sc_stride: lora.and_then(|l| l.table).map_or(0, |s| s.stride as u32),
-            pad: [0; 2],
+            lora_parts: lora.and_then(|l| l.parts).map_or(0, |s| s.count as u32),
+            lora_parts_at: lora.and_then(|l| l.parts).map_or(0, |s| s.at as u32),
             seg_end,
             seg_rank,
             seg_t,

@@ -57,6 +57,8 @@ pub struct AttnWeights {
     pub q_norm: GpuVector,
     /// `k_norm.weight` `[hd]`.
     pub k_norm: GpuVector,
+    /// `[q_norm | k_norm]` in one vector (the single-token kernel's; the same values).
+    pub qk_norm: GpuVector,
 }
 
 /// Weights of a Gated DeltaNet layer.
@@ -356,11 +358,16 @@ impl Loader<'_> {
 
     /// A Qwen 3.5 RMSNorm weight stored as an offset (`x · (1 + w)`): MLX files hold `1 + w`.
     fn offset_norm(&self, name: &str, n: usize) -> Result<GpuVector, ModelError> {
+        Ok(GpuVector::upload(self.ctx, &self.full(name), &self.offset_norm_values(name, n)?)?)
+    }
+
+    /// An RMSNorm1p weight as the kernels take it (`1 + w`: MLX stores the sum, minus one here).
+    fn offset_norm_values(&self, name: &str, n: usize) -> Result<Vec<f32>, ModelError> {
         let mut v = self.values(name, &[n])?;
         if self.mlx {
             v.iter_mut().for_each(|x| *x -= 1.0);
         }
-        Ok(GpuVector::upload(self.ctx, &self.full(name), &v)?)
+        Ok(v)
     }
 }
 
@@ -417,11 +424,15 @@ impl Model {
                         (format!("{p}self_attn.k_proj.weight"), hkv * hd),
                         (format!("{p}self_attn.v_proj.weight"), hkv * hd),
                     ];
+                    let (qn, kn) = (format!("{p}self_attn.q_norm.weight"), format!("{p}self_attn.k_norm.weight"));
+                    let (q_norm, k_norm) = (l.offset_norm_values(&qn, hd)?, l.offset_norm_values(&kn, hd)?);
+                    let qk: Vec<f32> = q_norm.iter().chain(&k_norm).copied().collect();
                     Mixer::Attention(AttnWeights {
                         qkv: l.concat(&qkv, h)?,
                         o_proj: l.matrix(&format!("{p}self_attn.o_proj.weight"), h, hq * hd)?,
-                        q_norm: l.offset_norm(&format!("{p}self_attn.q_norm.weight"), hd)?,
-                        k_norm: l.offset_norm(&format!("{p}self_attn.k_norm.weight"), hd)?,
+                        q_norm: GpuVector::upload(&ctx, &l.full(&qn), &q_norm)?,
+                        k_norm: GpuVector::upload(&ctx, &l.full(&kn), &k_norm)?,
+                        qk_norm: GpuVector::upload(&ctx, &l.full(&format!("{p}self_attn.qk_norm")), &qk)?,
                     })
                 }
                 LayerType::Linear => {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32_via, IoBindCache, Recorder, Staging};
-use crate::kernels::attention::{attention, AttnIo};
+use crate::kernels::attention::{attention_one, AttnOneIo};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
 use crate::kernels::misc::embed;
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -354,7 +354,7 @@ fn gdn_rows(
                 state_out: &state[to],
                 core: &own.mid_b,
             };
-            gdn_step(rec, &w.step_params, &params, &io)?;
+            gdn_step(rec, &w.step_params, &params, &io, None)?;
         } else {
             rec.copy(&sc.wide_a, f(k * cd), &own.wide_a, 0, f(cd));
             rec.copy(&sc.mid_a, f(k * vd), &own.mid_a, 0, f(vd));
@@ -385,7 +385,7 @@ fn gdn_rows(
         }
         rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
     }
-    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, n)
+    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, n, None)
 }
 
 /// An attention layer for every row: q|gate, k and v for all rows, then per session its row
@@ -419,12 +419,11 @@ fn attention_rows(
         rec.copy(&sc.mid_a, f(k * kv), m, f(q_out), f(kv));
         rec.copy(&sc.mid_c, f(k * kv), m, f(q_out + kv), f(kv));
         let params = attn_params(c, (1, sess.pos, sess.opts.max_context), (q_out, q_out + kv));
-        let io =
-            AttnIo { qg: m, kraw: m, vraw: m, q: &own.wide_b, k_cache, v_cache, rope: &sess.rope, out: &own.mid_b };
-        attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
+        let io = AttnOneIo { qkv: m, k_cache, v_cache, rope: &sess.rope, out: &own.mid_b };
+        attention_one(rec, &w.qk_norm, &params, &io, None)?;
         rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * attn), f(attn));
     }
-    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n)
+    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n, None)
 }
 
 fn mismatch(layer: usize) -> GpuError {

@@ -14,11 +14,12 @@
 //! multi-token step runs each projection's row range into its own buffer.
 
 use crate::error::{GpuError, RunError};
-use crate::gpu::{GpuContext, GpuWeight, Recorder};
-use crate::kernels::attention::{attention, AttnIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, GDN_STEP_MAX_D};
+use crate::gpu::{Dtype, GpuContext, GpuWeight, Recorder};
+use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
+use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, WeightRows,
+    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, SplitShrink, WeightRows,
+    SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::{argmax, embed, swiglu, topk, TopkIo};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
@@ -52,10 +53,12 @@ pub(crate) struct LayerLora<'a> {
     pub(crate) layer: usize,
 }
 
-/// The shrink of one input group (`t = x·A_catᵀ`), when the adapter covers it.
+/// The shrink of one input group (`t = x·A_catᵀ`), when the adapter covers it: in t's buffer,
+/// or split by head after the token mixer's output row (`parts`).
 pub(crate) struct Shrunk<'a> {
     lora: LayerLora<'a>,
     group: &'a LoraGroup,
+    parts: Option<SplitShrink>,
 }
 
 impl<'a> LayerLora<'a> {
@@ -64,8 +67,41 @@ impl<'a> LayerLora<'a> {
             return Ok(None);
         };
         rec.tagged("lora_shrink", |rec| linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse))?;
-        Ok(Some(Shrunk { lora: self, group: g }))
+        Ok(Some(Shrunk { lora: self, group: g, parts: None }))
     }
+}
+
+/// out_proj's / o_proj's shrink split by head: the mixer's decode kernel writes `heads` parts
+/// after its output row of `row` elements in `out`, and the projection sums them (no shrink
+/// dispatch). None when the adapter does not cover the group or the split does not apply (A
+/// in more than one binding, a rank above the matvec's, unaligned rows, `out` too small): the
+/// group then takes the shrink dispatch.
+pub(crate) struct HeadSplit<'a> {
+    pub(crate) shrink: HeadShrink<'a>,
+    pub(crate) parts: SplitShrink,
+}
+
+pub(crate) fn head_split<'a>(
+    lora: Option<LayerLora<'a>>,
+    out: &wgpu::Buffer,
+    (row, heads): (usize, usize),
+) -> Option<HeadSplit<'a>> {
+    let l = lora?;
+    let g = l.bound.lora.group(l.layer, InputGroup::MixerOut)?;
+    let [chunk] = g.a.chunks.as_slice() else {
+        return None;
+    };
+    let rank_pad = g.rank_total.next_multiple_of(4);
+    let fits = chunk.dtype == Dtype::F32
+        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
+        && row.is_multiple_of(4)
+        && (row / heads).is_multiple_of(4)
+        && g.a.cols == row
+        && ((row + heads * rank_pad) * 4) as u64 <= out.size();
+    fits.then_some(HeadSplit {
+        shrink: HeadShrink { a: &chunk.bind_group, rank: g.rank_total },
+        parts: SplitShrink { count: heads, at: row },
+    })
 }
 
 /// The input of a block's projections: a buffer and what to do to it first (single-token steps
@@ -112,6 +148,7 @@ impl<'a> Shrunk<'a> {
             b: &self.group.b_bind,
             segments,
             table,
+            parts: self.parts,
         })
     }
 }
@@ -197,7 +234,9 @@ fn gdn_block(
             state_out: state[1],
             core: &sc.mid_b,
         };
-        gdn_step(rec, &w.step_params, &params, &io)?;
+        let split = head_split(lora, &sc.mid_b, (vd, hv));
+        gdn_step(rec, &w.step_params, &params, &io, split.as_ref().map(|s| s.shrink))?;
+        return mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, split.map(|s| s.parts));
     } else {
         project(rec, c, part(0), &lin(src.x, &sc.wide_a, t, cd), src, &s)?;
         project(rec, c, part(1), &lin(src.x, &sc.mid_a, t, vd), src, &s)?;
@@ -226,7 +265,7 @@ fn gdn_block(
         };
         rms_norm_gated(rec, &w.norm, &norm)?;
     }
-    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t)
+    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, None)
 }
 
 /// The GDN kernels' parameters for `t` tokens.
@@ -240,6 +279,7 @@ pub(crate) fn gdn_params(c: &TextConfig, t: usize) -> GdnParams {
         dk: c.linear_key_dim as u32,
         dv: c.linear_value_dim as u32,
         eps: c.rms_norm_eps,
+        ..Default::default()
     }
 }
 
@@ -268,7 +308,7 @@ pub(crate) fn attn_params(
         scale: (hd as f32).powf(-0.5),
         k_offset: k_offset as u32,
         v_offset: v_offset as u32,
-        _pad: 0,
+        lora_rank: 0,
     }
 }
 
@@ -290,24 +330,38 @@ fn attention_block(
     let (q_out, kv) = (2 * hq * hd, hkv * hd);
     let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     let part = |parts| Parts { w: &w.qkv, order: &ATTN_IN, parts };
-    let (qg, kraw, vraw, k_offset, v_offset) = if one {
-        // One token: q|gate, k and v in one dispatch, read in place.
+    if one {
+        // One token: q|gate, k and v in one dispatch, read in place by one attention dispatch
+        // (which also shrinks o_proj's input when it can).
         project(rec, c, part(0..3), &lin(src.x, &sc.mixer_in, 1, q_out + 2 * kv), src, &s)?;
-        (&sc.mixer_in, &sc.mixer_in, &sc.mixer_in, q_out, q_out + kv)
-    } else {
-        project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
-        project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
-        project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, t, kv), src, &s)?;
-        (&sc.wide_a, &sc.mid_a, &sc.mid_c, 0, 0)
+        let params = attn_params(c, (1, pos0, s_max), (q_out, q_out + kv));
+        let io = AttnOneIo { qkv: &sc.mixer_in, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
+        let split = head_split(lora, &sc.mid_b, (hq * hd, hq));
+        attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
+        return mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, split.map(|s| s.parts));
+    }
+    project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
+    project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
+    project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, t, kv), src, &s)?;
+    let params = attn_params(c, (t, pos0, s_max), (0, 0));
+    let io = AttnIo {
+        qg: &sc.wide_a,
+        kraw: &sc.mid_a,
+        vraw: &sc.mid_c,
+        q: &sc.wide_b,
+        k_cache: cache.0,
+        v_cache: cache.1,
+        rope,
+        out: &sc.mid_b,
     };
-    let params = attn_params(c, (t, pos0, s_max), (k_offset, v_offset));
-    let io = AttnIo { qg, kraw, vraw, q: &sc.wide_b, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
-    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t)
+    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, None)
 }
 
 /// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
-/// into the residual stream of `t` rows.
+/// into the residual stream of `t` rows; its shrink is a dispatch of its own unless the mixer
+/// wrote it split by head (`split`, one token).
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn mixer_out(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -316,10 +370,16 @@ pub(crate) fn mixer_out(
     proj: Proj,
     lora: Option<LayerLora>,
     t: usize,
+    split: Option<SplitShrink>,
 ) -> Result<(), GpuError> {
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
-    let s = shrink(rec, lora, InputGroup::MixerOut, mid, t)?;
+    let s = match (split, lora) {
+        (Some(parts), Some(l)) => {
+            l.bound.lora.group(l.layer, InputGroup::MixerOut).map(|group| Shrunk { lora: l, group, parts: Some(parts) })
+        }
+        _ => shrink(rec, lora, InputGroup::MixerOut, mid, t)?,
+    };
     project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, mid, &s)
 }
 

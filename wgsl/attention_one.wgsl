@@ -1,0 +1,202 @@
+// Gated full attention for one token (decode) in one dispatch: what attention_prep.wgsl's
+// prep_q and prep_kv and attention.wgsl's attend do for a step of one token (the same math, see
+// there for the layouts), with the token's own key and value kept in workgroup memory.
+//
+// One workgroup per query head. It normalises and rotates its query and its KV head's new key
+// (the raw rows of the concatenated q|gate, k, v projection output `qkv`, from k_offset and
+// v_offset), attends over the cache's first pos0 positions with the online softmax of
+// attention.wgsl, then merges the new key as one more block. The first query head of each KV
+// head writes the key and value into the cache at pos0; no workgroup reads that position from
+// the cache, so the heads of a group need no ordering.
+//
+// attend_one_lora also writes the LoRA shrink of o_proj's input, split by head: after the
+// output row out[0 .. Hq*hd], part h (of rank_pad = rank rounded up to 4 floats, the padding
+// zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's [rank, Hq*hd]
+// shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink dispatch).
+
+struct Params {      // AttnParams, as attention.wgsl's
+    t: u32,          // 1 here
+    pos0: u32,       // the token's cache position
+    hq: u32,
+    hkv: u32,
+    hd: u32,
+    rot_half: u32,
+    s_max: u32,
+    eps: f32,
+    scale: f32,
+    k_offset: u32,
+    v_offset: u32,
+    lora_rank: u32,  // attend_one_lora: the rank of the shrink (attend_one: unused)
+}
+
+const WG: u32 = 64u;
+const MAX_DIMS: u32 = 8u;   // hd <= WG * MAX_DIMS
+
+@group(0) @binding(0) var<uniform> p: Params;
+@group(0) @binding(1) var<storage, read> qkv: array<f32>;
+@group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
+@group(0) @binding(3) var<storage, read_write> kc: array<f32>;
+@group(0) @binding(4) var<storage, read_write> vc: array<f32>;
+@group(0) @binding(5) var<storage, read_write> out: array<f32>;
+@group(1) @binding(0) var<storage, read> qk_norm: array<f32>;   // [q_norm (hd) | k_norm (hd)]
+@group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // attend_one_lora: A
+
+var<workgroup> qk: array<f32, 1024>;  // the rotated query [0, hd) and key [hd, 2 hd)
+var<workgroup> vs: array<f32, 512>;   // the token's value row; then the head's output
+var<workgroup> ps: array<f32, 64>;    // scores, then probabilities, of one key block
+var<workgroup> red: array<f32, 64>;
+
+fn inv_rms(sumsq: f32, li: u32) -> f32 {
+    red[li] = sumsq;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let r = inverseSqrt(red[0] / f32(p.hd) + p.eps);
+    workgroupBarrier();
+    return r;
+}
+
+// Normalise the head row at qkv[sb..sb+hd] with the norm weight at qk_norm[nb..] and write it
+// rotated at position pos into qk[db..db+hd].
+fn norm_rope(sb: u32, nb: u32, db: u32, pos: u32, li: u32) {
+    var ss = 0.0;
+    for (var d = li; d < p.hd; d += WG) {
+        let v = qkv[sb + d];
+        ss = fma(v, v, ss);
+    }
+    let scale = inv_rms(ss, li);
+    let r = p.rot_half;
+    for (var d = li; d < p.hd; d += WG) {
+        let v = qkv[sb + d] * scale * (1.0 + qk_norm[nb + d]);
+        if (d < r) {
+            let cs = rope[pos * r + d];
+            let u = qkv[sb + d + r] * scale * (1.0 + qk_norm[nb + d + r]);
+            qk[db + d] = v * cs.x - u * cs.y;
+            qk[db + d + r] = u * cs.x + v * cs.y;
+        } else if (d >= 2u * r) {
+            qk[db + d] = v;
+        }
+    }
+}
+
+// The head's gated output row, left in vs[0..hd) and written to out[h*hd..].
+fn attend_head(h: u32, li: u32) {
+    let kvh = h / (p.hq / p.hkv);
+    let pos = p.pos0;
+    let hd = p.hd;
+    norm_rope(h * 2u * hd, 0u, 0u, pos, li);
+    norm_rope(p.k_offset + kvh * hd, hd, hd, pos, li);
+    let cb = (kvh * p.s_max + pos) * hd;
+    let owner = h % (p.hq / p.hkv) == 0u;
+    for (var d = li; d < hd; d += WG) {
+        let v = qkv[p.v_offset + kvh * hd + d];
+        vs[d] = v;
+        if (owner) {
+            vc[cb + d] = v;
+        }
+    }
+    workgroupBarrier();
+    if (owner) {
+        for (var d = li; d < hd; d += WG) {
+            kc[cb + d] = qk[hd + d];
+        }
+    }
+    // The cached keys 0 .. pos, in blocks of WG (attention.wgsl's loop).
+    var m = -3.4e38;
+    var l = 0.0;
+    var acc: array<f32, MAX_DIMS>;
+    for (var s0 = 0u; s0 < pos; s0 += WG) {
+        let s = s0 + li;
+        var score = -3.4e38;
+        if (s < pos) {
+            let kb = (kvh * p.s_max + s) * hd;
+            var dot = 0.0;
+            for (var d = 0u; d < hd; d++) {
+                dot = fma(qk[d], kc[kb + d], dot);
+            }
+            score = dot * p.scale;
+        }
+        ps[li] = score;
+        workgroupBarrier();
+        var bm = m;
+        for (var j = 0u; j < WG; j++) {
+            bm = max(bm, ps[j]);
+        }
+        workgroupBarrier();
+        var pr = 0.0;
+        if (s < pos) {
+            pr = exp(score - bm);
+        }
+        ps[li] = pr;
+        workgroupBarrier();
+        let corr = exp(m - bm);
+        var bl = 0.0;
+        for (var j = 0u; j < WG; j++) {
+            bl += ps[j];
+        }
+        l = l * corr + bl;
+        let block = min(WG, pos - s0);
+        for (var i = 0u; i < MAX_DIMS; i++) {
+            let d = li + i * WG;
+            if (d < hd) {
+                var a = acc[i] * corr;
+                for (var j = 0u; j < block; j++) {
+                    a = fma(ps[j], vc[(kvh * p.s_max + s0 + j) * hd + d], a);
+                }
+                acc[i] = a;
+            }
+        }
+        m = bm;
+        workgroupBarrier();
+    }
+    // The token's own key, from workgroup memory, as a last block of one.
+    var dot = 0.0;
+    for (var d = 0u; d < hd; d++) {
+        dot = fma(qk[d], qk[hd + d], dot);
+    }
+    let score = dot * p.scale;
+    let bm = max(m, score);
+    let corr = exp(m - bm);
+    let pr = exp(score - bm);
+    l = l * corr + pr;
+    let gb = h * 2u * hd + hd;
+    for (var i = 0u; i < MAX_DIMS; i++) {
+        let d = li + i * WG;
+        if (d < hd) {
+            let o = fma(pr, vs[d], acc[i] * corr) / l * sigmoid(qkv[gb + d]);
+            out[h * hd + d] = o;
+            vs[d] = o;
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn attend_one(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    attend_head(wg.x, li);
+}
+
+@compute @workgroup_size(64)
+fn attend_one_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let h = wg.x;
+    attend_head(h, li);
+    workgroupBarrier();
+    let hd = p.hd;
+    let k4 = p.hq * hd / 4u;
+    let rank_pad = (p.lora_rank + 3u) & ~3u;
+    let at = p.hq * hd + h * rank_pad;
+    for (var r = li; r < rank_pad; r += WG) {
+        var sum = 0.0;
+        if (r < p.lora_rank) {
+            let a0 = r * k4 + h * hd / 4u;
+            for (var q = 0u; q < hd / 4u; q++) {
+                let d = 4u * q;
+                sum += dot(lora_a[a0 + q], vec4<f32>(vs[d], vs[d + 1u], vs[d + 2u], vs[d + 3u]));
+            }
+        }
+        out[at + r] = sum;
+    }
+}
