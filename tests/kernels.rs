@@ -517,8 +517,11 @@ fn affine_embedding_gathers_the_dequantized_rows() {
         let a = Affine { bits, group, scales };
         let (v, h) = (37, 128);
         let (data, table) = affine_weights(a, v, h, 77 + bits as u64);
-        let gw = GpuWeight::upload_affine(&ctx, "embed", v, h, &data, (5 * a.row_bytes(h)) as u64).expect("table");
-        check_embed(&ctx, &gw, &table, &format!("embed {a:?}: the decoder's fma, exactly"));
+        for rows in [5, 10, 19] {
+            let gw =
+                GpuWeight::upload_affine(&ctx, "embed", v, h, &data, (rows * a.row_bytes(h)) as u64).expect("table");
+            check_embed(&ctx, &gw, &table, &format!("embed {a:?} in chunks of {rows}: the decoder's fma, exactly"));
+        }
     }
 }
 
@@ -1014,8 +1017,13 @@ fn embed_and_swiglu_match_reference() {
     for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
         let (v, h) = (37, 19);
         let (bytes, table) = weight_bytes(&rand(v * h, 9, 1.0), dtype);
-        let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (5 * dtype.row_bytes(h)) as u64).expect("table");
-        check_embed(&ctx, &gw, &table, &format!("embed {dtype:?} must be exact"));
+        // Chunks of 5 rows (8 chunks: a dispatch each), 10, 13 and 19 (4, 3 and 2 chunks: one
+        // embed_split dispatch).
+        for rows in [5, 10, 13, 19] {
+            let gw = GpuWeight::upload(&ctx, "embed", dtype, v, h, &bytes, (rows * dtype.row_bytes(h)) as u64)
+                .expect("table");
+            check_embed(&ctx, &gw, &table, &format!("embed {dtype:?} in chunks of {rows} must be exact"));
+        }
     }
     for n in [1, 63, 64, 1000] {
         let g = rand(n, 21, 4.0);

@@ -28,23 +28,43 @@ fn scale_bias(v: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(v << 16u), bitcast<f32>(v & 0xffff0000u));
 }
 
-// Flat element e (row * K + column) of the chunk widened to f32: exact for the float dtypes,
-// one f32 fma for affine codes (sb: where the chunk's scales start; unused otherwise).
-fn weight_elem(e: u32, sb: u32) -> f32 {
+// The u32 word of a chunk holding flat element e (row * K + column; its code for affine weights).
+fn weight_word_index(e: u32) -> u32 {
+    if (W_DTYPE == 3u) {
+        return e / (32u / Q_BITS);
+    }
+    if (W_DTYPE == 0u) {
+        return e;
+    }
+    return e >> 1u;
+}
+
+// Flat element e widened to f32 from its word and, for affine weights, its group's scale and
+// bias word (unused otherwise): exact for the float dtypes, one f32 fma for affine codes.
+fn weight_from_words(e: u32, word: u32, sb_word: u32) -> f32 {
     if (W_DTYPE == 3u) {
         let per = 32u / Q_BITS;
-        let q = (w_word(e / per) >> ((e % per) * Q_BITS)) & ((1u << Q_BITS) - 1u);
-        let g = scale_bias(w_word(sb + e / Q_GROUP));
+        let q = (word >> ((e % per) * Q_BITS)) & ((1u << Q_BITS) - 1u);
+        let g = scale_bias(sb_word);
         return fma(g.x, f32(q), g.y);
     }
     if (W_DTYPE == 0u) {
-        return bitcast<f32>(w_word(e));
+        return bitcast<f32>(word);
     }
-    let word = w_word(e >> 1u);
     if (W_DTYPE == 1u) {
         return bitcast<f32>(select(word << 16u, word & 0xffff0000u, (e & 1u) == 1u));
     }
     return unpack2x16float(word)[e & 1u];
+}
+
+// Flat element e of the chunk bound at group 1 widened to f32 (sb: where the chunk's scales
+// start; unused for the float dtypes).
+fn weight_elem(e: u32, sb: u32) -> f32 {
+    var sb_word = 0u;
+    if (W_DTYPE == 3u) {
+        sb_word = w_word(sb + e / Q_GROUP);
+    }
+    return weight_from_words(e, w_word(weight_word_index(e)), sb_word);
 }
 
 // Eight 16-bit weights of one vec4<u32>: even elements (low halves) and odd ones (high halves).

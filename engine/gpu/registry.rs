@@ -211,6 +211,8 @@ pub enum Kernel {
     AttendOne,
     /// `AttendOne` that also writes o_proj's LoRA shrink split by head.
     AttendOneLora,
+    /// Embedding gather from a table split in up to 4 bindings, in one dispatch.
+    EmbedSplit,
 }
 
 /// Everything the engine knows about one entry point: the one place a kernel is described.
@@ -244,7 +246,7 @@ fn matmul_rows_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 35] = [
+pub const KERNELS: [KernelDesc; 36] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -628,6 +630,17 @@ pub const KERNELS: [KernelDesc; 35] = [
         lora: true,
         accumulate: false,
         dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::EmbedSplit,
+        shader: Shader::Embed,
+        entry: "embed_split",
+        io: &[R, W, R, R, R],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: true,
         variants: no_variants,
     },
 ];

@@ -4,7 +4,8 @@ use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuWeight, Recorder};
 use crate::kernels::{Kernel, PipelineKey};
 
-/// Mirrors `Params` in `embed.wgsl` (and, with the first field only, `swiglu.wgsl`).
+/// Mirrors `Params` in `embed.wgsl` (and, with the first field only, `swiglu.wgsl` and
+/// `stream.wgsl`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct EmbedParams {
@@ -18,11 +19,21 @@ pub struct EmbedParams {
     pub row_count: u32,
     /// Affine tables: the `u32` index of the chunk's scales and biases.
     pub q_sb: u32,
+    /// `embed_split`: chunks of the table.
+    pub chunks: u32,
+    /// `embed_split`: rows per chunk.
+    pub per_chunk: u32,
     /// Padding.
-    pub _pad: [u32; 3],
+    pub _pad: u32,
+    /// `embed_split`, affine tables: each chunk's `q_sb`.
+    pub sb: [u32; 4],
 }
 
-/// Record `hidden[t] = table[ids[t]]`, one dispatch per table chunk.
+/// The most chunks `embed_split` gathers from in one dispatch.
+pub const EMBED_SPLIT_CHUNKS: usize = 4;
+
+/// Record `hidden[t] = table[ids[t]]`: one dispatch for a table in one binding or split in up to
+/// [`EMBED_SPLIT_CHUNKS`] chunks of equal rows (the last may hold fewer), else one per chunk.
 pub fn embed(
     rec: &mut Recorder,
     table: &GpuWeight,
@@ -30,17 +41,27 @@ pub fn embed(
     tokens: usize,
     hidden: &wgpu::Buffer,
 ) -> Result<(), GpuError> {
-    for chunk in &table.chunks {
+    let groups = [(table.cols as u32).div_ceil(64), tokens as u32, 1];
+    let base = EmbedParams { n: table.cols as u32, rows: tokens as u32, ..Default::default() };
+    let chunks = &table.chunks;
+    let per = chunks.first().map_or(0, |c| c.rows);
+    let uniform = chunks
+        .iter()
+        .enumerate()
+        .all(|(i, c)| c.row_start == i * per && c.dtype == chunks[0].dtype && (c.rows == per || i + 1 == chunks.len()));
+    if (2..=EMBED_SPLIT_CHUNKS).contains(&chunks.len()) && uniform {
+        let key = PipelineKey { kernel: Kernel::EmbedSplit, dtype: chunks[0].dtype, accumulate: false, variant: 0 };
+        let mut sb = [0; 4];
+        sb.iter_mut().zip(chunks.iter()).for_each(|(s, c)| *s = c.sb);
+        let params = EmbedParams { chunks: chunks.len() as u32, per_chunk: per as u32, sb, ..base };
+        let rest = |i: usize| &chunks[i.min(chunks.len() - 1)].buffer;
+        let storage = [ids, hidden, rest(1), rest(2), rest(3)];
+        return rec.dispatch(key, &params, &storage, &[&chunks[0].bind_group], groups);
+    }
+    for chunk in chunks {
         let key = PipelineKey { kernel: Kernel::Embed, dtype: chunk.dtype, accumulate: false, variant: 0 };
-        let params = EmbedParams {
-            n: table.cols as u32,
-            rows: tokens as u32,
-            row_start: chunk.row_start as u32,
-            row_count: chunk.rows as u32,
-            q_sb: chunk.sb,
-            _pad: [0; 3],
-        };
-        let groups = [(table.cols as u32).div_ceil(64), tokens as u32, 1];
+        let params =
+            EmbedParams { row_start: chunk.row_start as u32, row_count: chunk.rows as u32, q_sb: chunk.sb, ..base };
         rec.dispatch(key, &params, &[ids, hidden], &[&chunk.bind_group], groups)?;
     }
     Ok(())
