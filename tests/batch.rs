@@ -114,6 +114,53 @@ fn batched_generation_equals_each_session_generating_alone() {
 }
 
 #[test]
+fn greedy_batches_choose_on_the_gpu_and_read_back_eight_bytes_a_row() {
+    if gpu().is_none() {
+        return;
+    }
+    // A context of its own: the shared one counts the work of tests running beside this one.
+    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let params = GenerateParams { max_tokens: 5, stop_at_eos: false, ..Default::default() };
+    let prompts: Vec<&[u32]> = (0..3).map(|i| &ids[..4 + i]).collect();
+    let mut sessions: Vec<Session> = (0..3).map(|_| Session::new(model.clone(), opts()).expect("session")).collect();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let mut batch = Batch::new(model.clone(), 3).expect("batch");
+    let before = model.ctx.counters();
+    let got = batch.generate(&mut rows, &prompts, &[0; 3], &params).expect("batched");
+    let used = model.ctx.counters() - before;
+    assert!(got.iter().all(|g| g.len() == 5));
+    assert_eq!(used.read_back, 5 * 3 * 8, "per step and row only the chosen id and its non-finite flag");
+}
+
+#[test]
+fn sampled_batched_generation_draws_what_each_session_draws_alone() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    // Qwen 3.5's non-thinking settings, and a repetition penalty without top-k (the whole row).
+    let settings = [
+        GenerateParams { temperature: 0.7, top_k: 20, top_p: 0.8, seed: 11, ..Default::default() },
+        GenerateParams { temperature: 1.0, top_p: 0.9, repetition_penalty: 1.3, seed: 5, ..Default::default() },
+    ];
+    for base in settings {
+        let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..base };
+        let prompts: Vec<Vec<u32>> = (0..sets.len()).map(|i| f.ids[..4 + i].to_vec()).collect();
+        let want: Vec<Vec<u32>> = sets
+            .iter()
+            .zip(&prompts)
+            .map(|(set, p)| session(&f, set).generate(p, &params, |_| true).expect("alone"))
+            .collect();
+        let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+        let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+        let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+        let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+        let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
+        assert_eq!(got, want, "sampled ids with {params:?}");
+    }
+}
+
+#[test]
 fn bad_batches_are_typed_errors_and_change_nothing() {
     let Some(f) = fixture() else { return };
     let mut batch = Batch::new(f.model.clone(), 2).expect("batch");

@@ -16,7 +16,7 @@ use qwen35_wgpu::kernels::matmul::{
     LoraExpand, LoraSegment, ScaleTableAt, SplitShrink, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
-    argmax, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
+    argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
 };
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
@@ -616,6 +616,23 @@ fn gpu_argmax_matches_the_cpu_rule() {
         // ids[1]: whether any logit is NaN or infinite (generation refuses such a row).
         let non_finite = logits.iter().any(|l| !l.is_finite());
         assert_eq!(got[1].to_bits(), non_finite as u32, "case {ci} (n {n}): non-finite flag");
+    }
+    // Several rows in the same two dispatches (a batched step's sessions): the cases of each
+    // length as the rows of one buffer, each row choosing on its own.
+    for n in [3usize, 4097, 248_320] {
+        let rows: Vec<&Vec<f32>> = cases.iter().filter(|c| c.len() == n).collect();
+        let flat: Vec<f32> = rows.iter().flat_map(|r| r.iter().copied()).collect();
+        let lb = upload(&ctx, &flat);
+        let parts = ctx.storage_buffer("parts", rows.len() as u64 * argmax_scratch_bytes(n), true).expect("parts");
+        let ids = upload(&ctx, &vec![0.0; 2 * rows.len()]);
+        run(&ctx, |rec| argmax_rows(rec, &lb, &parts, &ids, (n, rows.len())));
+        let got = read(&ctx, &ids, 2 * rows.len());
+        assert!(rows.len() >= 3, "rows of length {n}");
+        for (r, logits) in rows.iter().enumerate() {
+            assert_eq!(got[2 * r].to_bits(), qwen35_wgpu::runtime::argmax(logits), "row {r} of {n}");
+            let non_finite = logits.iter().any(|l| !l.is_finite());
+            assert_eq!(got[2 * r + 1].to_bits(), non_finite as u32, "row {r} of {n}: non-finite flag");
+        }
     }
 }
 

@@ -7,15 +7,17 @@
 // Both passes also note whether any logit is not finite (NaN or ±inf): generation refuses to
 // choose from such a row, and this is the only look at the logits greedy decoding gets.
 //
-// argmax_blocks: workgroup b scans logits[b * block .. (b + 1) * block) and writes its candidate
-//                (value bits, index, non-finite flag).
-// argmax_final:  one workgroup reduces the block candidates and writes the chosen id into ids[0],
-//                the next step's input, and the flag into ids[1] (the two words the host reads).
+// argmax_blocks: workgroup (b, r) scans logits[r * n + b * block .. r * n + (b + 1) * block) and
+//                writes its candidate (value bits, index, non-finite flag) of row r.
+// argmax_final:  workgroup r reduces row r's block candidates and writes the chosen id into
+//                ids[2 r] (row 0: the next step's input) and the flag into ids[2 r + 1] (the two
+//                words per row the host reads). One row per session step; a batched step's rows
+//                are its sessions.
 
 struct Params {
-    n: u32,       // logits
+    n: u32,       // logits per row
     block: u32,   // logits per workgroup of argmax_blocks
-    parts: u32,   // block candidates
+    parts: u32,   // block candidates per row
     _pad: u32,
 }
 
@@ -81,13 +83,14 @@ fn reduce(li: u32) {
 fn argmax_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let start = wg.x * p.block;
     let end = min(start + p.block, p.n);
+    let row = wg.y * p.n;
     // The empty candidate: a NaN at index 0 loses to every logit and to every later NaN.
     clear_flag(li);
     var bv = NAN_BITS;
     var bi = 0u;
     var bad = false;
     for (var i = start + li; i < end; i += WG) {
-        let v = src[i];
+        let v = src[row + i];
         bad = bad || is_non_finite(v);
         if (beats(v, i, bv, bi)) {
             bv = v;
@@ -101,22 +104,24 @@ fn argmax_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation
     best_i[li] = bi;
     reduce(li);
     if (li == 0u) {
-        dst[3u * wg.x] = best_v[0];
-        dst[3u * wg.x + 1u] = best_i[0];
-        dst[3u * wg.x + 2u] = atomicLoad(&any_bad);
+        let at = 3u * (wg.y * p.parts + wg.x);
+        dst[at] = best_v[0];
+        dst[at + 1u] = best_i[0];
+        dst[at + 2u] = atomicLoad(&any_bad);
     }
 }
 
 @compute @workgroup_size(256)
-fn argmax_final(@builtin(local_invocation_index) li: u32) {
+fn argmax_final(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     clear_flag(li);
     var bv = NAN_BITS;
     var bi = 0u;
     var bad = 0u;
+    let row = 3u * wg.x * p.parts;
     for (var i = li; i < p.parts; i += WG) {
-        let v = src[3u * i];
-        let j = src[3u * i + 1u];
-        bad |= src[3u * i + 2u];
+        let v = src[row + 3u * i];
+        let j = src[row + 3u * i + 1u];
+        bad |= src[row + 3u * i + 2u];
         if (beats(v, j, bv, bi)) {
             bv = v;
             bi = j;
@@ -129,7 +134,7 @@ fn argmax_final(@builtin(local_invocation_index) li: u32) {
     best_i[li] = bi;
     reduce(li);
     if (li == 0u) {
-        dst[0] = best_i[0];
-        dst[1] = atomicLoad(&any_bad);
+        dst[2u * wg.x] = best_i[0];
+        dst[2u * wg.x + 1u] = atomicLoad(&any_bad);
     }
 }

@@ -120,10 +120,24 @@ pub fn argmax(
     ids: &wgpu::Buffer,
     n: usize,
 ) -> Result<(), GpuError> {
+    argmax_rows(rec, logits, parts, ids, (n, 1))
+}
+
+/// [`argmax`] of each of `rows` rows of `n` logits (`[rows, n]` from element 0), in the same two
+/// dispatches: row r's id into `ids[2r]`, its flag into `ids[2r + 1]`; `parts` holds
+/// `rows · argmax_scratch_bytes(n)`.
+pub fn argmax_rows(
+    rec: &mut Recorder,
+    logits: &wgpu::Buffer,
+    parts: &wgpu::Buffer,
+    ids: &wgpu::Buffer,
+    (n, rows): (usize, usize),
+) -> Result<(), GpuError> {
     let blocks = n.div_ceil(ARGMAX_BLOCK) as u32;
     let params = ArgmaxParams { n: n as u32, block: ARGMAX_BLOCK as u32, parts: blocks, _pad: 0 };
-    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxBlocks), &params, &[logits, parts], &[], [blocks, 1, 1])?;
-    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxFinal), &params, &[parts, ids], &[], [1, 1, 1])
+    let rows = rows as u32;
+    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxBlocks), &params, &[logits, parts], &[], [blocks, rows, 1])?;
+    rec.dispatch(PipelineKey::plain(Kernel::ArgmaxFinal), &params, &[parts, ids], &[], [rows, 1, 1])
 }
 
 /// Mirrors `Params` in `topk.wgsl`.

@@ -12,7 +12,7 @@ use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32_via, IoBindCache, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
-use crate::kernels::misc::embed;
+use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
@@ -49,8 +49,20 @@ pub struct Batch {
     ids: wgpu::Buffer,
     logits: wgpu::Buffer,
     staging: Staging,
+    /// Greedy steps: the rows' block candidates, their (id, non-finite flag) pairs and the
+    /// staging those come back through (8 bytes a row).
+    argmax_parts: wgpu::Buffer,
+    chosen: wgpu::Buffer,
+    chosen_staging: Staging,
     io: IoBindCache,
     lora: Option<BatchLora>,
+}
+
+/// What a batched step returns: every row's logits, or every row's greedy choice made on the GPU.
+enum StepOut {
+    Logits(Logits),
+    /// Per row: the chosen id and whether its logits had a NaN or an infinity.
+    Chosen(Vec<(u32, bool)>),
 }
 
 impl Batch {
@@ -69,13 +81,29 @@ impl Batch {
         let ids = ctx.storage_buffer("batch ids", (rows * 4) as u64, true)?;
         let logits = ctx.storage_buffer("batch logits", (rows * c.vocab_size * 4) as u64, true)?;
         let staging = Staging::new(&ctx, "batch logits readback", (rows * c.vocab_size * 4) as u64);
+        let argmax_parts =
+            ctx.storage_buffer("batch argmax parts", rows as u64 * argmax_scratch_bytes(c.vocab_size), false)?;
+        let chosen = ctx.storage_buffer("batch chosen ids", (rows * 8) as u64, false)?;
+        let chosen_staging = Staging::new(&ctx, "batch chosen readback", (rows * 8) as u64);
         let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("batch uniform arena"),
             size: 512 * 256,
             usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
             mapped_at_creation: false,
         });
-        Ok(Self { model, rows, scratch, ids, logits, staging, io: IoBindCache::new(params), lora: None })
+        Ok(Self {
+            model,
+            rows,
+            scratch,
+            ids,
+            logits,
+            staging,
+            argmax_parts,
+            chosen,
+            chosen_staging,
+            io: IoBindCache::new(params),
+            lora: None,
+        })
     }
 
     /// Forget the stack of the last rows (its adapters changed: a learning step, a removal).
@@ -128,6 +156,18 @@ impl Batch {
     /// adapter set), in one step; returns every row's logits and commits the token to each
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
+        match self.forward(sessions, ids, false)? {
+            StepOut::Logits(l) => Ok(l),
+            StepOut::Chosen(_) => Err(RunError::Gpu(GpuError::Validation {
+                during: "a batched step".into(),
+                message: "asked for logits, got greedy choices".into(),
+            })),
+        }
+    }
+
+    /// [`Batch::step`], returning every row's logits, or with `choose` only every row's greedy
+    /// choice (`sampler::argmax`'s rule, made on the GPU: 8 bytes a row read back).
+    fn forward(&mut self, sessions: &mut [&mut Session], ids: &[u32], choose: bool) -> Result<StepOut, RunError> {
         let n = sessions.len();
         if ids.len() != n {
             return Err(RunError::BadParam {
@@ -161,12 +201,23 @@ impl Batch {
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
-        rec.submit()?;
-        let data = read_f32_via(ctx, &self.logits, 0, n * c.vocab_size, &self.staging)?;
+        if choose {
+            argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
+            rec.copy(&self.chosen, 0, self.chosen_staging.buffer(), 0, (8 * n) as u64);
+        }
+        let index = rec.submit()?;
+        let out = if choose {
+            let bytes = self.chosen_staging.read(ctx, index, (8 * n) as u64)?;
+            let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+            StepOut::Chosen(words.chunks_exact(2).map(|p| (p[0], p[1] != 0)).collect())
+        } else {
+            let data = read_f32_via(ctx, &self.logits, 0, n * c.vocab_size, &self.staging)?;
+            StepOut::Logits(Logits { rows: n, vocab: c.vocab_size, data })
+        };
         for s in sessions.iter_mut() {
             s.commit(1);
         }
-        Ok(Logits { rows: n, vocab: c.vocab_size, data })
+        Ok(out)
     }
 
     /// Continue every session with its prompt and generate up to `params.max_tokens` tokens for
@@ -174,8 +225,9 @@ impl Batch {
     /// its last token, then every step decodes one token of every session not yet finished (EOS
     /// with `stop_at_eos`, or `max_tokens`; a session whose context fills stops there too, with
     /// what it has, where [`Session::generate`] would return `ContextFull`: the other sessions
-    /// go on). Each session samples with its own [`Sampler`] from
-    /// its row (the whole row is read back; greedy ties and NaN follow `sampler::argmax`).
+    /// go on). Each session samples with its own [`Sampler`] from its row (the whole row is
+    /// read back), except plain greedy decoding, whose choice is made on the GPU with
+    /// `sampler::argmax`'s rule (ties, NaN) and read back as 8 bytes a row.
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
     /// without one).
     pub fn generate(
@@ -220,9 +272,11 @@ impl Batch {
             next.push(rest[rest.len() - 1]);
         }
         let eos = self.model.eos_token_ids.clone();
+        // Plain greedy rows (the same params for every row) are chosen on the GPU.
+        let greedy = samplers.first().is_some_and(Sampler::is_plain_greedy);
         let mut live: Vec<usize> = (0..n).collect();
         while !live.is_empty() {
-            let logits = {
+            let step = {
                 let mut rows: Vec<&mut Session> = Vec::with_capacity(live.len());
                 for (i, s) in sessions.iter_mut().enumerate() {
                     if live.contains(&i) {
@@ -230,15 +284,21 @@ impl Batch {
                     }
                 }
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
-                self.step(&mut rows, &ids)?
+                self.forward(&mut rows, &ids, greedy)?
             };
             let mut still = Vec::with_capacity(live.len());
             for (r, &i) in live.iter().enumerate() {
-                let row = logits.row(r);
-                if !row.iter().all(|l| l.is_finite()) {
+                let (id, finite) = match &step {
+                    StepOut::Chosen(c) => (c[r].0, !c[r].1),
+                    StepOut::Logits(logits) => {
+                        let row = logits.row(r);
+                        let finite = row.iter().all(|l| l.is_finite());
+                        (if finite { samplers[i].sample_after(row, &history[i]) } else { 0 }, finite)
+                    }
+                };
+                if !finite {
                     return Err(RunError::NonFiniteLogits { position: sessions[i].pos - 1 });
                 }
-                let id = samplers[i].sample_after(row, &history[i]);
                 history[i].push(id);
                 out[i].push(id);
                 next[i] = id;
