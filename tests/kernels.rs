@@ -447,8 +447,8 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
         (upload(&ctx, &[0.5; 64]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 32]));
     let bg = ctx.weights_bind_group(&bb, "b");
     // (tokens, rank, parts, first element): two tokens, a rank above the matvec's, unaligned
-    // parts, no parts.
-    for (m, rank, count, at) in [(2, 4, 2, 8), (1, 260, 2, 8), (1, 4, 2, 9), (1, 4, 0, 8)] {
+    // parts, no parts, parts past the end of x (64 floats).
+    for (m, rank, count, at) in [(2, 4, 2, 8), (1, 260, 2, 8), (1, 4, 2, 9), (1, 4, 0, 8), (1, 4, 20, 8)] {
         let parts = Some(SplitShrink { count, at });
         let lora = LoraExpand { parts, ..LoraExpand::single(&tb, (0, rank), (4, 0), 1.0, &bg) };
         let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };

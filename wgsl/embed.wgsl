@@ -7,7 +7,7 @@ struct Params {
     n: u32,          // hidden size
     rows: u32,       // tokens
     row_start: u32,  // embed: first vocabulary row held by this chunk
-    row_count: u32,  // embed: rows held by this chunk
+    row_count: u32,  // embed: rows held by this chunk; embed_split: rows of the table
     q_sb: u32,       // embed, affine tables: the u32 index of the chunk's scales and biases
     chunks: u32,     // embed_split: chunks of the table (1-4)
     per_chunk: u32,  // embed_split: rows per chunk
@@ -68,7 +68,7 @@ fn embed_split(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
     let id = ids[t];
     let c = id / p.per_chunk;
-    if (c >= p.chunks) {
+    if (id >= p.row_count || c >= p.chunks) {
         return;
     }
     let e = (id - c * p.per_chunk) * p.n + d;

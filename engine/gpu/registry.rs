@@ -227,7 +227,8 @@ pub struct KernelDesc {
     pub io: IoSpec,
     /// Whether it binds a group-1 weight buffer.
     pub weights: bool,
-    /// Whether it binds a group-2 adapter slot (LoRA B).
+    /// Whether it binds a group-2 adapter slot (LoRA B; LoRA A for the split shrinks of
+    /// `gdn_decode_lora` and `attend_one_lora`).
     pub lora: bool,
     /// Whether the shader has the `ACCUMULATE` override.
     pub accumulate: bool,
@@ -676,7 +677,7 @@ impl Kernel {
         self.desc().weights
     }
 
-    /// Whether the kernel binds a group-2 adapter slot (LoRA B).
+    /// Whether the kernel binds a group-2 adapter slot (LoRA B, or A for a split shrink).
     pub fn has_lora(self) -> bool {
         self.desc().lora
     }

@@ -1,11 +1,12 @@
-//! `attention_prep.wgsl` and `attention.wgsl`: gated full attention with a KV cache.
+//! `attention_prep.wgsl` and `attention.wgsl` (several tokens) and `attention_one.wgsl` (one
+//! token): gated full attention with a KV cache.
 
 use crate::error::GpuError;
 use crate::gpu::{GpuVector, Recorder};
 use crate::kernels::gdn::HeadShrink;
 use crate::kernels::{Kernel, PipelineKey};
 
-/// Mirrors `Params` in `attention.wgsl` and `attention_prep.wgsl`.
+/// Mirrors `Params` in `attention.wgsl`, `attention_prep.wgsl` and `attention_one.wgsl`.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AttnParams {

@@ -319,6 +319,16 @@ pub fn linear_rows(
             "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
             io.m, p.count, p.at
         ))
+    } else if let Some((rank, p)) = lora
+        .and_then(|l| l.parts.map(|p| (l.t_stride, p)))
+        .filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
+    {
+        Some(format!(
+            "a split shrink of {} parts of rank {rank} from element {} runs past x ({} bytes)",
+            p.count,
+            p.at,
+            io.x.size()
+        ))
     } else {
         None
     };

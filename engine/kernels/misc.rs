@@ -45,15 +45,16 @@ pub fn embed(
     let base = EmbedParams { n: table.cols as u32, rows: tokens as u32, ..Default::default() };
     let chunks = &table.chunks;
     let per = chunks.first().map_or(0, |c| c.rows);
-    let uniform = chunks
-        .iter()
-        .enumerate()
-        .all(|(i, c)| c.row_start == i * per && c.dtype == chunks[0].dtype && (c.rows == per || i + 1 == chunks.len()));
+    let last = chunks.len().saturating_sub(1);
+    let uniform = chunks.iter().enumerate().all(|(i, c)| {
+        c.row_start == i * per && c.dtype == chunks[0].dtype && (c.rows == per || (i == last && c.rows < per))
+    });
     if (2..=EMBED_SPLIT_CHUNKS).contains(&chunks.len()) && uniform {
         let key = PipelineKey { kernel: Kernel::EmbedSplit, dtype: chunks[0].dtype, accumulate: false, variant: 0 };
         let mut sb = [0; 4];
         sb.iter_mut().zip(chunks.iter()).for_each(|(s, c)| *s = c.sb);
-        let params = EmbedParams { chunks: chunks.len() as u32, per_chunk: per as u32, sb, ..base };
+        let (chunks_n, rows) = (chunks.len() as u32, table.rows as u32);
+        let params = EmbedParams { row_count: rows, chunks: chunks_n, per_chunk: per as u32, sb, ..base };
         let rest = |i: usize| &chunks[i.min(chunks.len() - 1)].buffer;
         let storage = [ids, hidden, rest(1), rest(2), rest(3)];
         return rec.dispatch(key, &params, &storage, &[&chunks[0].bind_group], groups);

@@ -82,8 +82,8 @@ impl Batch {
         let logits = ctx.storage_buffer("batch logits", (rows * c.vocab_size * 4) as u64, true)?;
         let staging = Staging::new(&ctx, "batch logits readback", (rows * c.vocab_size * 4) as u64);
         let argmax_parts =
-            ctx.storage_buffer("batch argmax parts", rows as u64 * argmax_scratch_bytes(c.vocab_size), false)?;
-        let chosen = ctx.storage_buffer("batch chosen ids", (rows * 8) as u64, false)?;
+            ctx.storage_buffer("batch argmax parts", rows as u64 * argmax_scratch_bytes(c.vocab_size), true)?;
+        let chosen = ctx.storage_buffer("batch chosen ids", (rows * 8) as u64, true)?;
         let chosen_staging = Staging::new(&ctx, "batch chosen readback", (rows * 8) as u64);
         let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("batch uniform arena"),
