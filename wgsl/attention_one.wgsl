@@ -14,55 +14,27 @@
 // zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's [rank, Hq*hd]
 // shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink dispatch).
 
-struct Params {      // AttnParams, as attention.wgsl's
-    t: u32,          // 1 here
-    pos0: u32,       // the token's cache position
-    hq: u32,
-    hkv: u32,
-    hd: u32,
-    rot_half: u32,
-    s_max: u32,
-    eps: f32,
-    scale: f32,
-    k_offset: u32,
-    v_offset: u32,
-    lora_rank: u32,  // attend_one_lora: the rank of the shrink (attend_one: unused)
-}
-
-const WG: u32 = 64u;
-const MAX_DIMS: u32 = 8u;   // hd <= WG * MAX_DIMS
-
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
-@group(0) @binding(3) var<storage, read_write> kc: array<f32>;
-@group(0) @binding(4) var<storage, read_write> vc: array<f32>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
 @group(1) @binding(0) var<storage, read> qk_norm: array<f32>;   // [q_norm (hd) | k_norm (hd)]
 @group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // attend_one_lora: A
 
-var<workgroup> qk: array<f32, 1024>;  // the rotated query [0, hd) and key [hd, 2 hd)
+var<workgroup> ks: array<f32, 512>;   // the token's rotated key (the query is in qs)
 var<workgroup> vs: array<f32, 512>;   // the token's value row; then the head's output
-var<workgroup> ps: array<f32, 64>;    // scores, then probabilities, of one key block
-var<workgroup> red: array<f32, 64>;
 
-fn inv_rms(sumsq: f32, li: u32) -> f32 {
-    red[li] = sumsq;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
+// Element i of the rotated query (qs) or key (ks).
+fn put(key: bool, i: u32, v: f32) {
+    if (key) {
+        ks[i] = v;
+    } else {
+        qs[i] = v;
     }
-    let r = inverseSqrt(red[0] / f32(p.hd) + p.eps);
-    workgroupBarrier();
-    return r;
 }
 
 // Normalise the head row at qkv[sb..sb+hd] with the norm weight at qk_norm[nb..] and write it
-// rotated at position pos into qk[db..db+hd].
-fn norm_rope(sb: u32, nb: u32, db: u32, pos: u32, li: u32) {
+// rotated at position pos into qs (key = false) or ks (key = true).
+fn norm_rope(sb: u32, nb: u32, key: bool, pos: u32, li: u32) {
     var ss = 0.0;
     for (var d = li; d < p.hd; d += WG) {
         let v = qkv[sb + d];
@@ -75,10 +47,10 @@ fn norm_rope(sb: u32, nb: u32, db: u32, pos: u32, li: u32) {
         if (d < r) {
             let cs = rope[pos * r + d];
             let u = qkv[sb + d + r] * scale * (1.0 + qk_norm[nb + d + r]);
-            qk[db + d] = v * cs.x - u * cs.y;
-            qk[db + d + r] = u * cs.x + v * cs.y;
+            put(key, d, v * cs.x - u * cs.y);
+            put(key, d + r, u * cs.x + v * cs.y);
         } else if (d >= 2u * r) {
-            qk[db + d] = v;
+            put(key, d, v);
         }
     }
 }
@@ -88,8 +60,8 @@ fn attend_head(h: u32, li: u32) {
     let kvh = h / (p.hq / p.hkv);
     let pos = p.pos0;
     let hd = p.hd;
-    norm_rope(h * 2u * hd, 0u, 0u, pos, li);
-    norm_rope(p.k_offset + kvh * hd, hd, hd, pos, li);
+    norm_rope(h * 2u * hd, 0u, false, pos, li);
+    norm_rope(p.k_offset + kvh * hd, hd, true, pos, li);
     let cb = (kvh * p.s_max + pos) * hd;
     let owner = h % (p.hq / p.hkv) == 0u;
     for (var d = li; d < hd; d += WG) {
@@ -102,74 +74,28 @@ fn attend_head(h: u32, li: u32) {
     workgroupBarrier();
     if (owner) {
         for (var d = li; d < hd; d += WG) {
-            kc[cb + d] = qk[hd + d];
+            kc[cb + d] = ks[d];
         }
     }
-    // The cached keys 0 .. pos, in blocks of WG (attention.wgsl's loop).
-    var m = -3.4e38;
-    var l = 0.0;
-    var acc: array<f32, MAX_DIMS>;
-    for (var s0 = 0u; s0 < pos; s0 += WG) {
-        let s = s0 + li;
-        var score = -3.4e38;
-        if (s < pos) {
-            let kb = (kvh * p.s_max + s) * hd;
-            var dot = 0.0;
-            for (var d = 0u; d < hd; d++) {
-                dot = fma(qk[d], kc[kb + d], dot);
-            }
-            score = dot * p.scale;
-        }
-        ps[li] = score;
-        workgroupBarrier();
-        var bm = m;
-        for (var j = 0u; j < WG; j++) {
-            bm = max(bm, ps[j]);
-        }
-        workgroupBarrier();
-        var pr = 0.0;
-        if (s < pos) {
-            pr = exp(score - bm);
-        }
-        ps[li] = pr;
-        workgroupBarrier();
-        let corr = exp(m - bm);
-        var bl = 0.0;
-        for (var j = 0u; j < WG; j++) {
-            bl += ps[j];
-        }
-        l = l * corr + bl;
-        let block = min(WG, pos - s0);
-        for (var i = 0u; i < MAX_DIMS; i++) {
-            let d = li + i * WG;
-            if (d < hd) {
-                var a = acc[i] * corr;
-                for (var j = 0u; j < block; j++) {
-                    a = fma(ps[j], vc[(kvh * p.s_max + s0 + j) * hd + d], a);
-                }
-                acc[i] = a;
-            }
-        }
-        m = bm;
-        workgroupBarrier();
-    }
+    // The cached keys 0 .. pos (attention_cached.wgsl).
+    let o = attend_cached(kvh, pos, li);
     // The token's own key, from workgroup memory, as a last block of one.
     var dot = 0.0;
     for (var d = 0u; d < hd; d++) {
-        dot = fma(qk[d], qk[hd + d], dot);
+        dot = fma(qs[d], ks[d], dot);
     }
     let score = dot * p.scale;
-    let bm = max(m, score);
-    let corr = exp(m - bm);
+    let bm = max(o.m, score);
+    let corr = exp(o.m - bm);
     let pr = exp(score - bm);
-    l = l * corr + pr;
+    let l = o.l * corr + pr;
     let gb = h * 2u * hd + hd;
     for (var i = 0u; i < MAX_DIMS; i++) {
         let d = li + i * WG;
         if (d < hd) {
-            let o = fma(pr, vs[d], acc[i] * corr) / l * sigmoid(qkv[gb + d]);
-            out[h * hd + d] = o;
-            vs[d] = o;
+            let y = fma(pr, vs[d], o.acc[i] * corr) / l * sigmoid(qkv[gb + d]);
+            out[h * hd + d] = y;
+            vs[d] = y;
         }
     }
 }

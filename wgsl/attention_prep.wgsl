@@ -1,44 +1,13 @@
 // q/k RMSNorm1p over head_dim + partial NeoX RoPE; keys and values go into the KV cache.
-// One workgroup per (token, head). See attention.wgsl for the layouts.
+// One workgroup per (token, head). See attention.wgsl for the layouts; the parameters and the
+// RMS come from attention_common.wgsl.
 
-struct Params {
-    t: u32,
-    pos0: u32,
-    hq: u32,
-    hkv: u32,
-    hd: u32,
-    rot_half: u32,
-    s_max: u32,
-    eps: f32,
-    scale: f32,
-    k_offset: u32,   // first element of the raw keys in kraw (prep_kv)
-    v_offset: u32,   // first element of the raw values in vraw (prep_kv)
-    _pad: u32,
-}
-
-const WG: u32 = 64u;
-
-@group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> src: array<f32>;   // prep_q: qg; prep_kv: kraw
 @group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
 @group(0) @binding(3) var<storage, read_write> dst: array<f32>;  // prep_q: q; prep_kv: k cache
 @group(0) @binding(4) var<storage, read> vraw: array<f32>;        // prep_kv only
 @group(0) @binding(5) var<storage, read_write> vc: array<f32>;    // prep_kv only: v cache
 @group(1) @binding(0) var<storage, read> norm_w: array<f32>;     // q_norm or k_norm [hd]
-
-var<workgroup> red: array<f32, 64>;
-
-fn inv_rms(sumsq: f32, li: u32) -> f32 {
-    red[li] = sumsq;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    return inverseSqrt(red[0] / f32(p.hd) + p.eps);
-}
 
 // Normalise the head row starting at src[sb] and write it rotated to dst[db..db+hd].
 fn norm_rope(sb: u32, db: u32, pos: u32, li: u32) {

@@ -124,7 +124,9 @@ impl Shader {
 
     /// The WGSL text the device compiles: `prelude.wgsl` (shared helpers), then for the kernels
     /// that read checkpoint weights `weights.wgsl` (the weight binding and decoder), then for
-    /// the linear kernels `linear.wgsl` (their parameters and bindings), then the file.
+    /// the linear kernels `linear.wgsl` (their parameters and bindings), for the attention
+    /// kernels `attention_common.wgsl` (parameters, the head RMS) and for those reading the KV
+    /// cache `attention_cached.wgsl` (its bindings, the online softmax), then the file.
     pub fn source(self) -> String {
         let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
         if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch | Shader::Embed | Shader::MatmulDx) {
@@ -132,6 +134,12 @@ impl Shader {
         }
         if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch) {
             src.push_str(include_str!("../../wgsl/linear.wgsl"));
+        }
+        if matches!(self, Shader::AttentionPrep | Shader::Attention | Shader::AttentionOne) {
+            src.push_str(include_str!("../../wgsl/attention_common.wgsl"));
+        }
+        if matches!(self, Shader::Attention | Shader::AttentionOne) {
+            src.push_str(include_str!("../../wgsl/attention_cached.wgsl"));
         }
         src.push_str(SHADERS[self as usize].body);
         src
@@ -362,7 +370,7 @@ pub const KERNELS: [KernelDesc; 36] = [
         kernel: Kernel::Attend,
         shader: Shader::Attention,
         entry: "attend",
-        io: &[R, R, R, R, W],
+        io: &[R, R, W, W, W],
         weights: false,
         lora: false,
         accumulate: false,

@@ -1,0 +1,74 @@
+// The cached-keys part of attention (prepended by the loader to attention.wgsl and
+// attention_one.wgsl, after attention_common.wgsl): the KV cache bindings, the query row in
+// workgroup memory and the online softmax over blocks of WG keys.
+//
+// kc/vc: [Hkv, S_max, hd] cache (keys normed + rotated); attention_one.wgsl writes the token's
+// key and value into them, attention.wgsl only reads them.
+
+@group(0) @binding(3) var<storage, read_write> kc: array<f32>;
+@group(0) @binding(4) var<storage, read_write> vc: array<f32>;
+
+var<workgroup> qs: array<f32, 512>;  // the query row, hd <= 512
+var<workgroup> ps: array<f32, 64>;   // scores, then probabilities, of one key block
+
+// The online softmax state of a head: running max, running sum and the unnormalised output
+// (dims li + i * WG of invocation li).
+struct Online {
+    m: f32,
+    l: f32,
+    acc: array<f32, MAX_DIMS>,
+}
+
+// Attention of the query in qs over cache positions 0 .. n_keys of KV head kvh, in blocks of WG
+// keys: each invocation scores one key of the block, then accumulates MAX_DIMS output dims over
+// the whole block.
+fn attend_cached(kvh: u32, n_keys: u32, li: u32) -> Online {
+    var m = -3.4e38;
+    var l = 0.0;
+    var acc: array<f32, MAX_DIMS>;
+    for (var s0 = 0u; s0 < n_keys; s0 += WG) {
+        let s = s0 + li;
+        var score = -3.4e38;
+        if (s < n_keys) {
+            let kb = (kvh * p.s_max + s) * p.hd;
+            var dot = 0.0;
+            for (var d = 0u; d < p.hd; d++) {
+                dot = fma(qs[d], kc[kb + d], dot);
+            }
+            score = dot * p.scale;
+        }
+        ps[li] = score;
+        workgroupBarrier();
+        var bm = m;
+        for (var j = 0u; j < WG; j++) {
+            bm = max(bm, ps[j]);
+        }
+        workgroupBarrier();
+        var pr = 0.0;
+        if (s < n_keys) {
+            pr = exp(score - bm);
+        }
+        ps[li] = pr;
+        workgroupBarrier();
+        let corr = exp(m - bm);
+        var bl = 0.0;
+        for (var j = 0u; j < WG; j++) {
+            bl += ps[j];
+        }
+        l = l * corr + bl;
+        let block = min(WG, n_keys - s0);
+        for (var i = 0u; i < MAX_DIMS; i++) {
+            let d = li + i * WG;
+            if (d < p.hd) {
+                var a = acc[i] * corr;
+                for (var j = 0u; j < block; j++) {
+                    a = fma(ps[j], vc[(kvh * p.s_max + s0 + j) * p.hd + d], a);
+                }
+                acc[i] = a;
+            }
+        }
+        m = bm;
+        workgroupBarrier();
+    }
+    return Online(m, l, acc);
+}

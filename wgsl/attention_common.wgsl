@@ -1,0 +1,41 @@
+// What the attention kernels share (prepended by the loader to attention_prep.wgsl,
+// attention.wgsl and attention_one.wgsl, after prelude.wgsl): the parameters (AttnParams on the
+// host), the workgroup size and the per-head RMS of a workgroup.
+
+struct Params {
+    t: u32,          // tokens in this step
+    pos0: u32,       // cache position of the first token
+    hq: u32,
+    hkv: u32,
+    hd: u32,
+    rot_half: u32,   // R/2
+    s_max: u32,
+    eps: f32,
+    scale: f32,      // hd^-0.5
+    k_offset: u32,   // first element of the raw keys in their buffer (one token: after q|gate)
+    v_offset: u32,   // first element of the raw values in their buffer
+    lora_rank: u32,  // attend_one_lora: the rank of o_proj's shrink (otherwise unused)
+}
+
+const WG: u32 = 64u;
+const MAX_DIMS: u32 = 8u;   // hd <= WG * MAX_DIMS
+
+@group(0) @binding(0) var<uniform> p: Params;
+
+var<workgroup> red: array<f32, 64>;
+
+// rsqrt(mean + eps) of a head row from each invocation's partial sum of squares (a workgroup
+// sum; red is free again when it returns).
+fn inv_rms(sumsq: f32, li: u32) -> f32 {
+    red[li] = sumsq;
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            red[li] += red[li + s];
+        }
+        workgroupBarrier();
+    }
+    let r = inverseSqrt(red[0] / f32(p.hd) + p.eps);
+    workgroupBarrier();
+    return r;
+}
