@@ -48,6 +48,11 @@ fn session(f: &Fixture, set: &[ActiveAdapter]) -> Session {
     s
 }
 
+/// What each set's session generates from its prompt on its own.
+fn alone(f: &Fixture, sets: &[Vec<ActiveAdapter>], prompts: &[Vec<u32>], params: &GenerateParams) -> Vec<Vec<u32>> {
+    sets.iter().zip(prompts).map(|(set, p)| session(f, set).generate(p, params, |_| true).expect("alone")).collect()
+}
+
 #[test]
 fn a_batched_step_equals_each_session_stepped_alone() {
     let Some(f) = fixture() else { return };
@@ -87,11 +92,7 @@ fn batched_generation_equals_each_session_generating_alone() {
     let sets = sets(&f);
     let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
     let prompts: Vec<Vec<u32>> = (0..sets.len()).map(|i| f.ids[..4 + i].to_vec()).collect();
-    let want: Vec<Vec<u32>> = sets
-        .iter()
-        .zip(&prompts)
-        .map(|(set, p)| session(&f, set).generate(p, &params, |_| true).expect("alone"))
-        .collect();
+    let want = alone(&f, &sets, &prompts, &params);
     assert!(want.iter().any(|w| w != &want[2]), "the sets must change the text for this test to mean anything");
     let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
     let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
@@ -146,17 +147,12 @@ fn sampled_batched_generation_draws_what_each_session_draws_alone() {
     for base in settings {
         let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..base };
         let prompts: Vec<Vec<u32>> = (0..sets.len()).map(|i| f.ids[..4 + i].to_vec()).collect();
-        let want: Vec<Vec<u32>> = sets
-            .iter()
-            .zip(&prompts)
-            .map(|(set, p)| session(&f, set).generate(p, &params, |_| true).expect("alone"))
-            .collect();
+        let want = alone(&f, &sets, &prompts, &params);
         let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
         let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
         let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
-        let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
-        let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
-        assert_eq!(got, want, "sampled ids with {params:?}");
+        let got = Batch::new(f.model.clone(), 4).expect("batch").generate(&mut rows, &refs, &[0; 4], &params);
+        assert_eq!(got.expect("batched"), want, "sampled ids with {params:?}");
     }
 }
 

@@ -847,23 +847,34 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
     }
 }
 
+/// The RoPE table of an attention layer of these dims (`rot` rotary dims of `hd`) for `s_max`
+/// positions, on the host and uploaded.
+fn rope_for(
+    ctx: &GpuContext,
+    (hq, hkv, hd, rot): (usize, usize, usize, usize),
+    s_max: usize,
+) -> (Vec<f32>, wgpu::Buffer) {
+    let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
+        r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
+        "num_hidden_layers":1,"num_attention_heads":{hq},"num_key_value_heads":{hkv},"head_dim":{hd},
+        "linear_conv_kernel_dim":4,"linear_key_head_dim":4,"linear_value_head_dim":4,
+        "linear_num_key_heads":1,"linear_num_value_heads":1,
+        "rope_parameters":{{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":{}}}}}"#,
+        rot as f64 / hd as f64
+    ))
+    .expect("config");
+    let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
+    let rope = upload(ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
+    (table, rope)
+}
+
 #[test]
 fn attention_matches_reference_across_steps() {
     let Some(ctx) = ctx() else { return };
     // (hq, hkv, hd, rot): GQA groups 1, 2 and 4; head dims below, at and above the workgroup.
     for &(hq, hkv, hd, rot) in &[(1, 1, 8, 2), (3, 1, 24, 6), (4, 2, 64, 16), (8, 2, 256, 64), (2, 2, 130, 0)] {
         let s_max = 80;
-        let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
-            r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
-            "num_hidden_layers":1,"num_attention_heads":{hq},"num_key_value_heads":{hkv},"head_dim":{hd},
-            "linear_conv_kernel_dim":4,"linear_key_head_dim":4,"linear_value_head_dim":4,
-            "linear_num_key_heads":1,"linear_num_value_heads":1,
-            "rope_parameters":{{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":{}}}}}"#,
-            rot as f64 / hd as f64
-        ))
-        .expect("config");
-        let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
-        let rope = upload(&ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
+        let (table, rope) = rope_for(&ctx, (hq, hkv, hd, rot), s_max);
         let q_norm = rand(hd, 1, 0.3);
         let k_norm = rand(hd, 2, 0.3);
         let (qn, kn) =
@@ -939,17 +950,7 @@ fn single_token_attention_matches_reference_across_positions() {
     // a one-key cache), after a multi-token step at 63, 64 and 65 (the block edge of 64 keys).
     for &(hq, hkv, hd, rot) in &[(1, 1, 8, 2), (3, 1, 24, 6), (4, 2, 64, 16), (8, 2, 256, 64), (2, 2, 130, 0)] {
         let s_max = 80;
-        let cfg = qwen35_wgpu::TextConfig::from_json(&format!(
-            r#"{{"model_type":"qwen3_5_text","vocab_size":8,"hidden_size":8,"intermediate_size":8,
-            "num_hidden_layers":1,"num_attention_heads":{hq},"num_key_value_heads":{hkv},"head_dim":{hd},
-            "linear_conv_kernel_dim":4,"linear_key_head_dim":4,"linear_value_head_dim":4,
-            "linear_num_key_heads":1,"linear_num_value_heads":1,
-            "rope_parameters":{{"rope_type":"default","rope_theta":10000000.0,"partial_rotary_factor":{}}}}}"#,
-            rot as f64 / hd as f64
-        ))
-        .expect("config");
-        let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
-        let rope = upload(&ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
+        let (table, rope) = rope_for(&ctx, (hq, hkv, hd, rot), s_max);
         let (q_norm, k_norm) = (rand(hd, 3, 0.3), rand(hd, 4, 0.3));
         let (qn, kn) =
             (GpuVector::upload(&ctx, "qn", &q_norm).expect("qn"), GpuVector::upload(&ctx, "kn", &k_norm).expect("kn"));
