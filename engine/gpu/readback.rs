@@ -50,6 +50,17 @@ impl Staging {
         ctx.count_read_back(bytes);
         Ok(out)
     }
+
+    /// [`Staging::read`] of the first `words` little-endian `u32` words.
+    pub fn read_words(
+        &self,
+        ctx: &GpuContext,
+        index: wgpu::SubmissionIndex,
+        words: usize,
+    ) -> Result<Vec<u32>, GpuError> {
+        let bytes = self.read(ctx, index, (words * 4) as u64)?;
+        Ok(bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect())
+    }
 }
 
 /// Read `len` f32 values starting at element `offset` of `buffer` (waits for the GPU).

@@ -301,6 +301,8 @@ pub fn linear_rows(
     fuse: Fuse,
 ) -> Result<(), GpuError> {
     let rows = view.rows.clone();
+    // A split shrink's rank (t's stride) and parts.
+    let split = lora.and_then(|l| l.parts.map(|p| (l.t_stride, p)));
     let bad = if fuse.code() != 0 && io.m != 1 {
         Some(format!("a fused norm or SwiGLU needs one token, got {}", io.m))
     } else if fuse.glu && io.accumulate {
@@ -311,17 +313,15 @@ pub fn linear_rows(
         Some(format!("rows {rows:?} of a weight with {} rows", view.w.rows))
     } else if lora.is_some_and(|l| io.m != 1 && l.segments.len() != 1) {
         Some("a multi-token linear layer takes one LoRA segment".to_string())
-    } else if let Some((rank, p)) = lora
-        .and_then(|l| l.parts.map(|p| (l.t_stride, p)))
-        .filter(|&(rank, p)| io.m != 1 || rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
+    } else if let Some((rank, p)) =
+        split.filter(|&(rank, p)| io.m != 1 || rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
     {
         Some(format!(
             "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
             io.m, p.count, p.at
         ))
-    } else if let Some((rank, p)) = lora
-        .and_then(|l| l.parts.map(|p| (l.t_stride, p)))
-        .filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
+    } else if let Some((rank, p)) =
+        split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
     {
         Some(format!(
             "a split shrink of {} parts of rank {rank} from element {} runs past x ({} bytes)",

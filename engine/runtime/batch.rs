@@ -58,7 +58,8 @@ pub struct Batch {
     lora: Option<BatchLora>,
 }
 
-/// What a batched step returns: every row's logits, or every row's greedy choice made on the GPU.
+/// What a batched step gives `generate`: every row's logits, or every row's greedy choice made
+/// on the GPU.
 enum StepOut {
     Logits(Logits),
     /// Per row: the chosen id and whether its logits had a NaN or an infinity.
@@ -156,18 +157,31 @@ impl Batch {
     /// adapter set), in one step; returns every row's logits and commits the token to each
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
-        match self.forward(sessions, ids, false)? {
-            StepOut::Logits(l) => Ok(l),
-            StepOut::Chosen(_) => Err(RunError::Gpu(GpuError::Validation {
-                during: "a batched step".into(),
-                message: "asked for logits, got greedy choices".into(),
-            })),
-        }
+        self.submit(sessions, ids, false)?;
+        let (ctx, n, vocab) = (&self.model.ctx, sessions.len(), self.model.config.vocab_size);
+        let data = read_f32_via(ctx, &self.logits, 0, n * vocab, &self.staging)?;
+        commit(sessions);
+        Ok(Logits { rows: n, vocab, data })
     }
 
-    /// [`Batch::step`], returning every row's logits, or with `choose` only every row's greedy
-    /// choice (`sampler::argmax`'s rule, made on the GPU: 8 bytes a row read back).
-    fn forward(&mut self, sessions: &mut [&mut Session], ids: &[u32], choose: bool) -> Result<StepOut, RunError> {
+    /// [`Batch::step`] returning only every row's greedy choice (`sampler::argmax`'s rule, made
+    /// on the GPU: 8 bytes a row read back): the id and whether the row had a NaN or an
+    /// infinity.
+    fn step_greedy(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Vec<(u32, bool)>, RunError> {
+        let index = self.submit(sessions, ids, true)?;
+        let words = self.chosen_staging.read_words(&self.model.ctx, index, 2 * sessions.len())?;
+        commit(sessions);
+        Ok(words.chunks_exact(2).map(|p| (p[0], p[1] != 0)).collect())
+    }
+
+    /// Record and submit one step of every row (with `choose`, the rows' greedy choices copied
+    /// into the chosen staging); nothing is committed.
+    fn submit(
+        &mut self,
+        sessions: &mut [&mut Session],
+        ids: &[u32],
+        choose: bool,
+    ) -> Result<wgpu::SubmissionIndex, RunError> {
         let n = sessions.len();
         if ids.len() != n {
             return Err(RunError::BadParam {
@@ -205,19 +219,7 @@ impl Batch {
             argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
             rec.copy(&self.chosen, 0, self.chosen_staging.buffer(), 0, (8 * n) as u64);
         }
-        let index = rec.submit()?;
-        let out = if choose {
-            let bytes = self.chosen_staging.read(ctx, index, (8 * n) as u64)?;
-            let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
-            StepOut::Chosen(words.chunks_exact(2).map(|p| (p[0], p[1] != 0)).collect())
-        } else {
-            let data = read_f32_via(ctx, &self.logits, 0, n * c.vocab_size, &self.staging)?;
-            StepOut::Logits(Logits { rows: n, vocab: c.vocab_size, data })
-        };
-        for s in sessions.iter_mut() {
-            s.commit(1);
-        }
-        Ok(out)
+        Ok(rec.submit()?)
     }
 
     /// Continue every session with its prompt and generate up to `params.max_tokens` tokens for
@@ -284,7 +286,11 @@ impl Batch {
                     }
                 }
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
-                self.forward(&mut rows, &ids, greedy)?
+                if greedy {
+                    StepOut::Chosen(self.step_greedy(&mut rows, &ids)?)
+                } else {
+                    StepOut::Logits(self.step(&mut rows, &ids)?)
+                }
             };
             let mut still = Vec::with_capacity(live.len());
             for (r, &i) in live.iter().enumerate() {
@@ -484,6 +490,13 @@ fn attention_rows(
         rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * attn), f(attn));
     }
     mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n, None)
+}
+
+/// Every row's session takes the step's token.
+fn commit(sessions: &mut [&mut Session]) {
+    for s in sessions.iter_mut() {
+        s.commit(1);
+    }
 }
 
 fn mismatch(layer: usize) -> GpuError {

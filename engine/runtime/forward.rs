@@ -71,16 +71,18 @@ impl<'a> LayerLora<'a> {
     }
 }
 
-/// out_proj's / o_proj's shrink split by head: the mixer's decode kernel writes `heads` parts
-/// after its output row of `row` elements in `out`, and the projection sums them (no shrink
-/// dispatch). None when the adapter does not cover the group or the split does not apply (A
-/// in more than one binding, a rank above the matvec's, unaligned rows, `out` too small): the
-/// group then takes the shrink dispatch.
+/// out_proj's / o_proj's shrink split by head: what the mixer's decode kernel takes to write the
+/// parts (`shrink`) and what the projection's expand reads (`shrunk`, with its parts).
 pub(crate) struct HeadSplit<'a> {
     pub(crate) shrink: HeadShrink<'a>,
-    pub(crate) parts: SplitShrink,
+    pub(crate) shrunk: Shrunk<'a>,
 }
 
+/// The split shrink of the mixer output: the mixer's decode kernel writes `heads` parts after
+/// its output row of `row` elements in `out`, and the projection sums them (no shrink dispatch).
+/// None when the adapter does not cover the group or the split does not apply (A in more than
+/// one binding, a rank above the matvec's, unaligned rows, `out` too small): the group then
+/// takes the shrink dispatch.
 pub(crate) fn head_split<'a>(
     lora: Option<LayerLora<'a>>,
     out: &wgpu::Buffer,
@@ -100,7 +102,7 @@ pub(crate) fn head_split<'a>(
         && ((row + heads * rank_pad) * 4) as u64 <= out.size();
     fits.then_some(HeadSplit {
         shrink: HeadShrink { a: &chunk.bind_group, rank: g.rank_total },
-        parts: SplitShrink { count: heads, at: row },
+        shrunk: Shrunk { lora: l, group: g, parts: Some(SplitShrink { count: heads, at: row }) },
     })
 }
 
@@ -236,7 +238,7 @@ fn gdn_block(
         };
         let split = head_split(lora, &sc.mid_b, (vd, hv));
         gdn_step(rec, &w.step_params, &params, &io, split.as_ref().map(|s| s.shrink))?;
-        return mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, split.map(|s| s.parts));
+        return mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, split.map(|s| s.shrunk));
     } else {
         project(rec, c, part(0), &lin(src.x, &sc.wide_a, t, cd), src, &s)?;
         project(rec, c, part(1), &lin(src.x, &sc.mid_a, t, vd), src, &s)?;
@@ -338,7 +340,7 @@ fn attention_block(
         let io = AttnOneIo { qkv: &sc.mixer_in, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
         let split = head_split(lora, &sc.mid_b, (hq * hd, hq));
         attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
-        return mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, split.map(|s| s.parts));
+        return mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, split.map(|s| s.shrunk));
     }
     project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
     project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
@@ -360,7 +362,7 @@ fn attention_block(
 
 /// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
 /// into the residual stream of `t` rows; its shrink is a dispatch of its own unless the mixer
-/// wrote it split by head (`split`, one token).
+/// wrote it split by head (`split`, one token: [`head_split`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn mixer_out(
     rec: &mut Recorder,
@@ -370,15 +372,13 @@ pub(crate) fn mixer_out(
     proj: Proj,
     lora: Option<LayerLora>,
     t: usize,
-    split: Option<SplitShrink>,
+    split: Option<Shrunk>,
 ) -> Result<(), GpuError> {
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
-    let s = match (split, lora) {
-        (Some(parts), Some(l)) => {
-            l.bound.lora.group(l.layer, InputGroup::MixerOut).map(|group| Shrunk { lora: l, group, parts: Some(parts) })
-        }
-        _ => shrink(rec, lora, InputGroup::MixerOut, mid, t)?,
+    let s = match split {
+        Some(s) => Some(s),
+        None => shrink(rec, lora, InputGroup::MixerOut, mid, t)?,
     };
     project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, mid, &s)
 }

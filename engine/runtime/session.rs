@@ -532,8 +532,7 @@ impl Session {
         hist: usize,
         position: usize,
     ) -> Result<(Candidates, Vec<f32>), RunError> {
-        let bytes = self.sample.staging.read(self.ctx(), index, ((2 * k + hist + 1) * 4) as u64)?;
-        let words: Vec<u32> = bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect();
+        let words = self.sample.staging.read_words(self.ctx(), index, 2 * k + hist + 1)?;
         if words[2 * k + hist] != 0 {
             return Err(RunError::NonFiniteLogits { position });
         }
@@ -551,11 +550,10 @@ impl Session {
         slot: usize,
         position: usize,
     ) -> Result<u32, RunError> {
-        let bytes = self.chosen[slot].read(self.ctx(), index, 8)?;
-        let word = |i: usize| u32::from_le_bytes([bytes[4 * i], bytes[4 * i + 1], bytes[4 * i + 2], bytes[4 * i + 3]]);
-        if word(1) != 0 {
+        let words = self.chosen[slot].read_words(self.ctx(), index, 2)?;
+        if words[1] != 0 {
             return Err(RunError::NonFiniteLogits { position });
         }
-        Ok(word(0))
+        Ok(words[0])
     }
 }
