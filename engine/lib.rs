@@ -34,7 +34,7 @@ mod wgpu_backend;
 
 pub use backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo};
 pub use error::{AdapterError, FileError, GpuError, LearnError, ModelError, RunError};
-pub use gpu::GpuContext;
+pub use gpu::{GpuContext, GpuOptions, Subgroups};
 pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
 pub use lora::{AdapterInfo, LayerScales, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};

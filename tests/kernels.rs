@@ -7,7 +7,8 @@ use std::sync::Arc;
 use common::tolerance::{ACCUMULATED_ATOL, ACCUMULATED_RTOL, EXACT, KERNEL_ATOL, KERNEL_RTOL};
 use common::{assert_close, gpu};
 use qwen35_wgpu::gpu::{
-    read_f32, Affine, AffineData, GpuContext, GpuVector, GpuWeight, HalfType, IoBindCache, Recorder,
+    read_f32, Affine, AffineData, GpuContext, GpuOptions, GpuVector, GpuWeight, HalfType, IoBindCache, Recorder,
+    Subgroups,
 };
 use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink};
@@ -161,6 +162,29 @@ fn segment_b(segments: &[(usize, usize)], seed: u64) -> (Vec<f32>, Vec<usize>) {
 #[test]
 fn matvec_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
+    matvec_sweep(&ctx);
+}
+
+/// The matvec sweeps on a context without subgroups (the portable reduction for every shape) and
+/// on one that runs the subgroup kernels for every shape (also row groups wider than the
+/// subgroup, the idle-row-group path). Where the adapter has subgroups they must be in use; a
+/// Vulkan adapter in CI (lavapipe) must have them.
+#[test]
+fn matvec_sweeps_match_reference_on_both_reduction_paths() {
+    for subgroups in [Subgroups::Off, Subgroups::Always] {
+        let Some(ctx) = common::gpu_with(GpuOptions { subgroups }) else { return };
+        let has = ctx.features.contains(wgpu::Features::SUBGROUP);
+        assert_eq!(has && subgroups != Subgroups::Off, ctx.subgroup_size().is_some(), "{subgroups:?}: size measured");
+        if subgroups == Subgroups::Always && ctx.info.backend == wgpu::Backend::Vulkan && common::adapter_required() {
+            assert!(has, "{}: no SUBGROUP feature, so CI would not test the subgroup kernels", ctx.info.name);
+        }
+        matvec_sweep(&ctx);
+        affine_sweep(&ctx);
+    }
+}
+
+/// Matvec shapes, dtypes, LoRA segments, fusions and split shrinks against the reference.
+fn matvec_sweep(ctx: &GpuContext) {
     // (n, k): n below, at and above the rows per workgroup (16 below 4096 rows, 32 from there),
     // k odd, not a multiple of 8, and aligned; x offsets 4 (16-byte aligned) and 3 (element path).
     let g = ctx.min_workgroups();
@@ -204,7 +228,7 @@ fn matvec_sweep_matches_reference() {
                 let seed = 500 + si as u64 * 13 + dtype.row_bytes(1) as u64;
                 let (bytes, w) = weight_bytes(&rand(total * k, seed, 1.0), dtype);
                 let chunk = (if chunk_rows == 0 { total } else { chunk_rows } * dtype.row_bytes(k)) as u64;
-                let gw = GpuWeight::upload(&ctx, "w", dtype, total, k, &bytes, chunk).expect("weight");
+                let gw = GpuWeight::upload(ctx, "w", dtype, total, k, &bytes, chunk).expect("weight");
                 let x = rand(x_off + k, seed + 1, 1.0);
                 let y0 = rand(n + 2, seed + 2, 1.0);
                 let norm_w = rand(k, seed + 5, 0.5);
@@ -247,8 +271,8 @@ fn matvec_sweep_matches_reference() {
                     }
                     SplitShrink { count: 3, at }
                 });
-                let (xb, yb, tb, bb) = (upload(&ctx, &xs), upload(&ctx, &y0), upload(&ctx, &t), upload(&ctx, &b));
-                let nb = upload(&ctx, &norm_w);
+                let (xb, yb, tb, bb) = (upload(ctx, &xs), upload(ctx, &y0), upload(ctx, &t), upload(ctx, &b));
+                let nb = upload(ctx, &norm_w);
                 let bg = ctx.weights_bind_group(&bb, "b");
                 let segments = segs
                     .iter()
@@ -267,7 +291,7 @@ fn matvec_sweep_matches_reference() {
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
                 let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
                 let view = WeightRows { w: &gw, rows: view0..view0 + rows };
-                run(&ctx, |rec| linear_rows(rec, view, &io, (rank > 0).then_some(&lora), fuse));
+                run(ctx, |rec| linear_rows(rec, view, &io, (rank > 0).then_some(&lora), fuse));
                 let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };
                 let prod = cpu::linear(&xin, &w[view0 * k..(view0 + rows) * k], 1, rows, k);
                 let mut vals = prod.clone();
@@ -297,7 +321,7 @@ fn matvec_sweep_matches_reference() {
                     "matvec n{n} k{k} {dtype:?} x_offset {x_off} rank {rank} fuse {pro} rows {view0}.. acc={accumulate} chunks={} table {table:?} split {parts:?}",
                     gw.chunks.len()
                 );
-                assert_close(&what, &read(&ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
+                assert_close(&what, &read(ctx, &yb, n + 2), &want, KERNEL_ATOL, KERNEL_RTOL);
             }
         }
     }
@@ -470,6 +494,11 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
 #[test]
 fn affine_linear_layers_match_reference() {
     let Some(ctx) = ctx() else { return };
+    affine_sweep(&ctx);
+}
+
+/// Affine weights of every format through the matvec, the batched matvec and the matmul.
+fn affine_sweep(ctx: &GpuContext) {
     let formats = [
         (4, 32, HalfType::BF16),
         (4, 64, HalfType::F16),
@@ -489,9 +518,9 @@ fn affine_linear_layers_match_reference() {
                 let seed = 900 + fi as u64 * 37 + si as u64 * 5 + rank as u64;
                 let (data, w) = affine_weights(a, n, k, seed);
                 let chunk = (chunk_rows * a.row_bytes(k)) as u64;
-                let gw = GpuWeight::upload_affine(&ctx, "q", n, k, &data, chunk).expect("weight");
+                let gw = GpuWeight::upload_affine(ctx, "q", n, k, &data, chunk).expect("weight");
                 assert_eq!(gw.chunks.len(), n.div_ceil(chunk_rows.min(n)), "chunks");
-                check_linear_with(&ctx, (m, n, k), (&gw, &w), (x_off, rank), seed);
+                check_linear_with(ctx, (m, n, k), (&gw, &w), (x_off, rank), seed);
             }
         }
     }

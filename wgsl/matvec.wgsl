@@ -79,6 +79,8 @@ struct Slot {
     row0: u32, // first output row of the workgroup
     group: u32, // row group of this invocation
     lane: u32, // position along K within the row group
+    stride: u32, // invocations along K in the row group: LANES (matvec_subgroup.wgsl: fewer when
+                 // the subgroup is narrower than LANES)
 }
 
 // Output rows per invocation: TM, or 4 (gate, up) pairs with GLU.
@@ -87,7 +89,7 @@ fn outputs() -> u32 {
 }
 
 fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
-    return Slot((wg.y * nwg.x + wg.x) * outputs() * (WG / LANES), li / LANES, li % LANES);
+    return Slot((wg.y * nwg.x + wg.x) * outputs() * (WG / LANES), li / LANES, li % LANES, LANES);
 }
 
 // The weight row (of the binding) of row slot i (0-7) of an invocation whose first output is
@@ -151,7 +153,7 @@ fn base_partials(s: Slot) -> Partials {
         let r6 = wrow(first, 6u) * row_vecs;
         let r7 = wrow(first, 7u) * row_vecs;
         let x4 = p.x_offset >> 2u;
-        for (var j = s.lane; j < groups; j += LANES) {
+        for (var j = s.lane; j < groups; j += s.stride) {
             if (NORM) {
                 let ra = x[x4 + 2u * j];
                 let rb = x[x4 + 2u * j + 1u];
@@ -170,7 +172,7 @@ fn base_partials(s: Slot) -> Partials {
         }
         return Partials(lo, hi, sq);
     }
-    for (var e = s.lane; e < p.k; e += LANES) {
+    for (var e = s.lane; e < p.k; e += s.stride) {
         if (NORM) {
             let r = x_elem(p.x_offset + e);
             sq = fma(r, r, sq);
@@ -224,7 +226,7 @@ fn affine_partials(s: Slot) -> Partials {
     let r6 = wrow(first, 6u);
     let r7 = wrow(first, 7u);
     let x4 = p.x_offset >> 2u;
-    for (var j = s.lane; j < blocks; j += LANES) {
+    for (var j = s.lane; j < blocks; j += s.stride) {
         var xb: array<vec4<f32>, 8>;
         var xs = 0.0;
         for (var i = 0u; i < nx; i++) {

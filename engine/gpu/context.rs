@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 
 use crate::error::GpuError;
-use crate::gpu::{PipelineKey, Shader};
+use crate::gpu::{read_f32, IoBindCache, Kernel, PipelineKey, Recorder, Shader};
 
 /// How a storage binding of group 0 is accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -23,6 +23,27 @@ pub type IoSpec = &'static [Access];
 /// Bytes reserved per dispatch in the uniform arena; every kernel's `Params` fits.
 pub const PARAMS_SLOT: u64 = 256;
 
+/// Which optional device features the engine may use ([`GpuContext::with_options`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GpuOptions {
+    /// Subgroup operations (wgpu's `SUBGROUP`): the one-token matvec reduces its partial sums by
+    /// subgroup shuffles instead of workgroup memory and a barrier.
+    pub subgroups: Subgroups,
+}
+
+/// When the subgroup kernels run ([`GpuOptions::subgroups`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Subgroups {
+    /// Never: the portable kernels only.
+    Off,
+    /// Where the adapter has `SUBGROUP` and a row group fits in one subgroup (the default).
+    #[default]
+    Auto,
+    /// Where the adapter has `SUBGROUP`, for every shape, also where a row group is wider than
+    /// the subgroup (exact but slower: for testing that path on any device).
+    Always,
+}
+
 /// A wgpu device with the layouts, shader modules and pipelines built on it.
 pub struct GpuContext {
     /// The device.
@@ -34,8 +55,11 @@ pub struct GpuContext {
     /// The limits the device was created with.
     pub limits: wgpu::Limits,
     /// The optional features the device was created with (those of the adapter among the ones
-    /// the engine can use: `TIMESTAMP_QUERY` for per-kernel profiles).
+    /// the engine can use: `TIMESTAMP_QUERY` for per-kernel profiles, `SUBGROUP` unless
+    /// [`GpuOptions::subgroups`] is off).
     pub features: wgpu::Features,
+    subgroup_size: Option<u32>,
+    subgroups: Subgroups,
     weights_layout: wgpu::BindGroupLayout,
     io_layouts: Mutex<HashMap<IoSpec, wgpu::BindGroupLayout>>,
     modules: Mutex<HashMap<Shader, wgpu::ShaderModule>>,
@@ -75,10 +99,15 @@ impl GpuContext {
     /// high-performance adapter) and create a device with WebGPU's default limits, raised only
     /// where the adapter allows and the engine benefits (binding and buffer sizes).
     pub fn new() -> Result<Self, GpuError> {
-        pollster::block_on(Self::new_async())
+        Self::with_options(GpuOptions::default())
     }
 
-    async fn new_async() -> Result<Self, GpuError> {
+    /// [`GpuContext::new`] with the optional features `options` allows.
+    pub fn with_options(options: GpuOptions) -> Result<Self, GpuError> {
+        pollster::block_on(Self::new_async(options))
+    }
+
+    async fn new_async(options: GpuOptions) -> Result<Self, GpuError> {
         let desc = wgpu::InstanceDescriptor::new_without_display_handle_from_env();
         let backends = format!("{:?}", desc.backends);
         let instance = wgpu::Instance::new(desc);
@@ -101,10 +130,10 @@ impl GpuContext {
                 .await
                 .map_err(|_| GpuError::NoAdapter { backends })?,
         };
-        Self::from_adapter(adapter).await
+        Self::from_adapter(adapter, options).await
     }
 
-    async fn from_adapter(adapter: wgpu::Adapter) -> Result<Self, GpuError> {
+    async fn from_adapter(adapter: wgpu::Adapter, options: GpuOptions) -> Result<Self, GpuError> {
         let info = adapter.get_info();
         let have = adapter.limits();
         let limits = wgpu::Limits {
@@ -112,8 +141,13 @@ impl GpuContext {
             max_buffer_size: have.max_buffer_size,
             ..Default::default()
         };
-        // Optional features, each behind a capability check: timestamps for `--profile`.
-        let features = adapter.features() & wgpu::Features::TIMESTAMP_QUERY;
+        // Optional features, each behind a capability check: timestamps for `--profile`,
+        // subgroups for the matvec's reduction.
+        let mut wanted = wgpu::Features::TIMESTAMP_QUERY;
+        if options.subgroups != Subgroups::Off {
+            wanted |= wgpu::Features::SUBGROUP;
+        }
+        let features = adapter.features() & wanted;
         let (device, queue) = adapter
             .request_device(&wgpu::DeviceDescriptor {
                 label: Some("qwen35-wgpu"),
@@ -131,12 +165,14 @@ impl GpuContext {
             label: Some("weights"),
             entries: &[storage_entry(0, true)],
         });
-        Ok(Self {
+        let mut ctx = Self {
             device,
             queue,
             info,
             limits,
             features,
+            subgroup_size: None,
+            subgroups: options.subgroups,
             weights_layout,
             io_layouts: Mutex::new(HashMap::new()),
             modules: Mutex::new(HashMap::new()),
@@ -146,7 +182,47 @@ impl GpuContext {
             dispatches: AtomicU64::new(0),
             submits: AtomicU64::new(0),
             read_back: AtomicU64::new(0),
-        })
+        };
+        if features.contains(wgpu::Features::SUBGROUP) {
+            // The feature is optional: a device that cannot run the probe runs the portable
+            // kernels (tests/kernels.rs checks that a device with the feature uses it).
+            ctx.subgroup_size = ctx.measure_subgroup_size().unwrap_or_else(|e| {
+                log::warn!("subgroup kernels off: {e}");
+                None
+            });
+            log::info!("subgroup size {:?}", ctx.subgroup_size);
+        }
+        Ok(ctx)
+    }
+
+    /// The subgroup size `matvec_subgroup.wgsl` runs with on this device, measured once (a
+    /// power of two from 8 to 128), else `None` (no usable subgroups: the portable kernels run).
+    fn measure_subgroup_size(&self) -> Result<Option<u32>, GpuError> {
+        let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("probe arena"),
+            size: PARAMS_SLOT,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        });
+        let mut cache = IoBindCache::new(arena);
+        let x = self.storage_buffer("probe x", 16, true)?;
+        let y = self.storage_buffer("probe y", 16, true)?;
+        let mut rec = Recorder::new(self, &mut cache);
+        rec.dispatch(PipelineKey::plain(Kernel::SubgroupSizeProbe), &[0u32; 4], &[&x, &y], &[], [1, 1, 1])?;
+        rec.submit()?;
+        let size = read_f32(self, &y, 0, 1)?.first().copied().unwrap_or(0.0) as u32;
+        Ok((size.is_power_of_two() && (8..=128).contains(&size)).then_some(size))
+    }
+
+    /// The subgroup size the subgroup kernels run with, when the device has subgroups and
+    /// [`GpuOptions::subgroups`] allowed them.
+    pub fn subgroup_size(&self) -> Option<u32> {
+        self.subgroup_size
+    }
+
+    /// Whether a one-token matvec whose row groups are `lanes` wide runs the subgroup kernel.
+    pub fn subgroup_matvec(&self, lanes: u32) -> bool {
+        self.subgroup_size.is_some_and(|size| self.subgroups == Subgroups::Always || lanes <= size)
     }
 
     /// Workgroups a dispatch should have to keep the device busy (kernels with a shape choice

@@ -8,7 +8,7 @@ mod recorder;
 mod registry;
 mod tensor;
 
-pub use context::{Access, Counters, GpuContext, IoSpec};
+pub use context::{Access, Counters, GpuContext, GpuOptions, IoSpec, Subgroups};
 pub use dtype::{Affine, Dtype, HalfType};
 pub use readback::{read_f32, read_f32_many, read_f32_via, Staging};
 pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};

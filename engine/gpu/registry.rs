@@ -53,6 +53,8 @@ pub enum Shader {
     Topk,
     /// `attention_one.wgsl`
     AttentionOne,
+    /// `matvec_subgroup.wgsl` (appended to `matvec.wgsl`; needs `Features::SUBGROUP`)
+    MatvecSubgroup,
 }
 
 /// A shader file: its name under `wgsl/` and its text, compiled into the library.
@@ -66,7 +68,7 @@ pub struct ShaderDesc {
 }
 
 /// Every shader file, in [`Shader`] order.
-pub const SHADERS: [ShaderDesc; 22] = [
+pub const SHADERS: [ShaderDesc; 23] = [
     ShaderDesc { shader: Shader::Matmul, file: "matmul.wgsl", body: include_str!("../../wgsl/matmul.wgsl") },
     ShaderDesc { shader: Shader::Matvec, file: "matvec.wgsl", body: include_str!("../../wgsl/matvec.wgsl") },
     ShaderDesc {
@@ -109,6 +111,11 @@ pub const SHADERS: [ShaderDesc; 22] = [
         file: "attention_one.wgsl",
         body: include_str!("../../wgsl/attention_one.wgsl"),
     },
+    ShaderDesc {
+        shader: Shader::MatvecSubgroup,
+        file: "matvec_subgroup.wgsl",
+        body: include_str!("../../wgsl/matvec_subgroup.wgsl"),
+    },
 ];
 
 impl Shader {
@@ -126,14 +133,19 @@ impl Shader {
     /// that read checkpoint weights `weights.wgsl` (the weight binding and decoder), then for
     /// the linear kernels `linear.wgsl` (their parameters and bindings), for the attention
     /// kernels `attention_common.wgsl` (parameters, the head RMS) and for those reading the KV
-    /// cache `attention_cached.wgsl` (its bindings, the online softmax), then the file.
+    /// cache `attention_cached.wgsl` (its bindings, the online softmax), then the file
+    /// (`matvec_subgroup.wgsl` after the whole of `matvec.wgsl`, whose kernels it varies).
     pub fn source(self) -> String {
         let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
-        if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch | Shader::Embed | Shader::MatmulDx) {
+        let linear = matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecSubgroup | Shader::MatvecBatch);
+        if linear || matches!(self, Shader::Embed | Shader::MatmulDx) {
             src.push_str(include_str!("../../wgsl/weights.wgsl"));
         }
-        if matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecBatch) {
+        if linear {
             src.push_str(include_str!("../../wgsl/linear.wgsl"));
+        }
+        if let Some(base) = self.extends() {
+            src.push_str(SHADERS[base as usize].body);
         }
         if matches!(self, Shader::AttentionPrep | Shader::Attention | Shader::AttentionOne) {
             src.push_str(include_str!("../../wgsl/attention_common.wgsl"));
@@ -143,6 +155,18 @@ impl Shader {
         }
         src.push_str(SHADERS[self as usize].body);
         src
+    }
+
+    /// The shader whose whole file this one is appended to (its entry points are in the module
+    /// too): `matvec.wgsl` for `matvec_subgroup.wgsl`.
+    pub fn extends(self) -> Option<Shader> {
+        (self == Shader::MatvecSubgroup).then_some(Shader::Matvec)
+    }
+
+    /// Whether the shader uses subgroup operations (compiled only on a device with
+    /// `Features::SUBGROUP`; every kernel has a portable twin).
+    pub fn needs_subgroups(self) -> bool {
+        self == Shader::MatvecSubgroup
     }
 }
 
@@ -221,6 +245,12 @@ pub enum Kernel {
     AttendOneLora,
     /// Embedding gather from a table split in up to 4 bindings, in one dispatch.
     EmbedSplit,
+    /// `Matvec` reducing by subgroup shuffles (no barrier).
+    MatvecSg,
+    /// `MatvecLora` reducing by subgroup shuffles.
+    MatvecSgLora,
+    /// The subgroup size the device runs `matvec_subgroup.wgsl` with.
+    SubgroupSizeProbe,
 }
 
 /// Everything the engine knows about one entry point: the one place a kernel is described.
@@ -255,7 +285,7 @@ fn matmul_rows_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 36] = [
+pub const KERNELS: [KernelDesc; 39] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -652,6 +682,39 @@ pub const KERNELS: [KernelDesc; 36] = [
         dtype: true,
         variants: no_variants,
     },
+    KernelDesc {
+        kernel: Kernel::MatvecSg,
+        shader: Shader::MatvecSubgroup,
+        entry: "matvec_sg",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: false,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatvecSgLora,
+        shader: Shader::MatvecSubgroup,
+        entry: "matvec_sg_lora",
+        io: &[R, W, R, R],
+        weights: true,
+        lora: true,
+        accumulate: true,
+        dtype: true,
+        variants: matvec_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::SubgroupSizeProbe,
+        shader: Shader::MatvecSubgroup,
+        entry: "subgroup_size_probe",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
 ];
 
 impl Kernel {
@@ -727,7 +790,7 @@ impl PipelineKey {
             c.push(("ACCUMULATE", if self.accumulate { 1.0 } else { 0.0 }));
         }
         match self.kernel {
-            Kernel::Matvec | Kernel::MatvecLora => {
+            Kernel::Matvec | Kernel::MatvecLora | Kernel::MatvecSg | Kernel::MatvecSgLora => {
                 let (lanes, fuse) = matvec_overrides(self.variant);
                 c.push(("LANES", lanes as f64));
                 c.push(("NORM", (fuse & 1) as f64));

@@ -366,8 +366,16 @@ pub fn linear_rows(
         let n_rows = hi - lo;
         let n_out = if fuse.glu { n_rows / 2 } else { n_rows };
         let g = rec.ctx().min_workgroups();
+        let mut kernel = kernel;
         let variant = match kernel {
-            Kernel::Matvec | Kernel::MatvecLora => matvec_variant(matvec_lanes(n_rows, g), fuse.code()),
+            Kernel::Matvec | Kernel::MatvecLora => {
+                let lanes = matvec_lanes(n_rows, g);
+                // The subgroup twin where a row group fits in one subgroup (no barrier).
+                if rec.ctx().subgroup_matvec(lanes) {
+                    kernel = if lora.is_some() { Kernel::MatvecSgLora } else { Kernel::MatvecSg };
+                }
+                matvec_variant(lanes, fuse.code())
+            }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 matvec_variant(matvec_batch_lanes(n_rows, g), batch_tokens(io.m))
             }

@@ -51,6 +51,20 @@ pub fn gpu() -> Option<Arc<GpuContext>> {
     }
 }
 
+/// A context of its own with `options` (not shared), under the same policy as [`gpu`].
+pub fn gpu_with(options: qwen35_wgpu::GpuOptions) -> Option<Arc<GpuContext>> {
+    match GpuContext::with_options(options) {
+        Ok(ctx) => Some(Arc::new(ctx)),
+        Err(e) => {
+            if adapter_required() {
+                panic!("no GPU adapter (CI or QWEN35_REQUIRE_ADAPTER is set): {e}");
+            }
+            eprintln!("SKIPPED: no GPU adapter ({e}); set CI=true to make this a failure");
+            None
+        }
+    }
+}
+
 /// Tensors of a reference fixture file.
 pub struct Reference {
     bytes: Vec<u8>,

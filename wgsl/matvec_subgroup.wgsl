@@ -1,0 +1,126 @@
+// matvec.wgsl's kernels with the row groups' partial sums reduced by subgroup shuffles instead
+// of workgroup memory: no barrier, nothing staged (the loader appends this file to matvec.wgsl;
+// the engine compiles it only on a device with wgpu's SUBGROUP feature).
+//
+// No subgroup size is assumed and neither is how local invocations map onto subgroups: a row
+// group is `l = min(LANES, subgroup size)` consecutive lanes of one subgroup (by subgroup id
+// and subgroup invocation id), striding along K by l. The workgroup's rows (8 * 64 / LANES, as
+// the host dispatched them) belong to its first 64 / LANES row groups; when the subgroup is
+// narrower than LANES there are more row groups than that and the others stay idle, slower but
+// exact. The host picks LANES <= the subgroup size it measured, so every lane works. After the
+// product, log2(l) shuffle-xor steps leave each lane of a row group holding its 8 rows' sums;
+// lane q stores output q of the group (and q + l, ... when l < 8).
+
+fn slot_sg(wg: vec3<u32>, nwg: vec3<u32>, sg_id: u32, sg_lane: u32, sg_size: u32) -> Slot {
+    let l = min(LANES, sg_size);
+    let row0 = (wg.y * nwg.x + wg.x) * outputs() * (WG / LANES);
+    return Slot(row0, sg_id * (sg_size / l) + sg_lane / l, sg_lane % l, l);
+}
+
+// Whether the slot's row group computes rows of this workgroup.
+fn computes(s: Slot) -> bool {
+    return s.group < WG / LANES;
+}
+
+// v summed over the aligned block of `l` lanes this lane is in (l a power of two up to the
+// subgroup size), in every lane of the block.
+fn block_sum4(v: vec4<f32>, l: u32) -> vec4<f32> {
+    var sum = v;
+    for (var m = 1u; m < l; m <<= 1u) {
+        sum += subgroupShuffleXor(sum, m);
+    }
+    return sum;
+}
+
+fn block_sum(v: f32, l: u32) -> f32 {
+    var sum = v;
+    for (var m = 1u; m < l; m <<= 1u) {
+        sum += subgroupShuffleXor(sum, m);
+    }
+    return sum;
+}
+
+// The row group's 8 row sums in every lane of it (rows 0-3, 4-7), and for NORM the norm scale.
+struct Sums {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+    scale: f32,
+}
+
+fn reduce_sg(s: Slot) -> Sums {
+    var part = Partials(vec4<f32>(0.0), vec4<f32>(0.0), 0.0);
+    if (computes(s)) {
+        part = base_partials(s);
+    }
+    var sums = Sums(block_sum4(part.lo, s.stride), block_sum4(part.hi, s.stride), 1.0);
+    if (NORM) {
+        sums.scale = inverseSqrt(block_sum(part.ssq, s.stride) / f32(p.k) + p.eps);
+    }
+    return sums;
+}
+
+// Output q of the row group (with GLU the gate sum in x, the up sum in y), norm-scaled.
+fn output_sg(sums: Sums, q: u32) -> vec2<f32> {
+    var all = array<f32, 8>(sums.lo.x, sums.lo.y, sums.lo.z, sums.lo.w, sums.hi.x, sums.hi.y, sums.hi.z, sums.hi.w);
+    var v = vec2<f32>(all[q], 0.0);
+    if (GLU) {
+        v.y = all[q + TM / 2u];
+    }
+    return v * sums.scale;
+}
+
+@compute @workgroup_size(64)
+fn matvec_sg(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(subgroup_id) sg_id: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
+    let s = slot_sg(wg, nwg, sg_id, sg_lane, sg_size);
+    let sums = reduce_sg(s);
+    for (var q = s.lane; q < outputs(); q += s.stride) {
+        let o = s.group * outputs() + q;
+        if (computes(s) && s.row0 + o < p.n) {
+            store(s, o, output_sg(sums, q));
+        }
+    }
+}
+
+@compute @workgroup_size(64)
+fn matvec_sg_lora(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg_id: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
+    let s = slot_sg(wg, nwg, sg_id, sg_lane, sg_size);
+    if (p.lora_parts > 0u) {
+        // The split shrink's t in workgroup memory before any lane's expand reads it.
+        sum_parts(li);
+        workgroupBarrier();
+    }
+    let sums = reduce_sg(s);
+    for (var q = s.lane; q < outputs(); q += s.stride) {
+        let o = s.group * outputs() + q;
+        if (computes(s) && s.row0 + o < p.n) {
+            var v = output_sg(sums, q);
+            v.x += lora_row(s.row0 + o, 0u);
+            if (GLU) {
+                v.y += lora_row(p.n + s.row0 + o, 0u);
+            }
+            store(s, o, v);
+        }
+    }
+}
+
+// The subgroup size a 64-invocation workgroup of this module runs with, into y[0]: the host
+// measures it once per device to pick LANES (Metal and some Vulkan drivers report only a range).
+@compute @workgroup_size(64)
+fn subgroup_size_probe(@builtin(local_invocation_index) li: u32, @builtin(subgroup_size) sg_size: u32) {
+    if (li == 0u) {
+        y[0] = f32(sg_size);
+    }
+}
