@@ -17,7 +17,8 @@ use qwen35_wgpu::kernels::matmul::{
     LoraExpand, LoraSegment, ScaleTableAt, SplitShrink, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
-    argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_max, topk_scratch_bytes, topk_value, TopkIo,
+    argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
+    topk_scratch_bytes, topk_value, TopkIo,
 };
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use qwen35_wgpu::model::Dtype;
@@ -695,7 +696,8 @@ fn gpu_top_k_matches_a_sort_in_the_samplers_order() {
                 let hb = ctx.upload("hist", bytemuck::cast_slice(&hist)).expect("hist");
                 let hv = upload(&ctx, &vec![0.0; hist.len()]);
                 let io = TopkIo { logits: &lb, parts: &parts, out: &out, hist_ids: &hb, hist_out: &hv };
-                run(&ctx, |rec| topk(rec, &io, n, k, h.len()));
+                let inv_t = [1.0, 1.0 / 0.7, 2.5][k % 3];
+                run(&ctx, |rec| topk(rec, &io, n, k, h.len(), inv_t));
                 let words: Vec<u32> = read(&ctx, &out, 2 * k).iter().map(|w| w.to_bits()).collect();
                 let got: Vec<(u32, u32)> = words.chunks(2).map(|p| (p[1], topk_value(p[0]).to_bits())).collect();
                 let mut want: Vec<(u32, f32)> =
@@ -707,6 +709,19 @@ fn gpu_top_k_matches_a_sort_in_the_samplers_order() {
                     let values: Vec<u32> = read(&ctx, &hv, h.len()).iter().map(|x| x.to_bits()).collect();
                     let orig: Vec<u32> = h.iter().map(|&i| v[i as usize].to_bits()).collect();
                     assert_eq!(values, orig, "history logits of {n}");
+                }
+                // Each block's softmax mass over its finite logits outside the history (f64 here).
+                let blocks = topk_blocks(n);
+                let at = topk_mass_offset(n, k) as usize / 4;
+                let got = read(&ctx, &parts, at + 2 * blocks);
+                for b in 0..blocks {
+                    let block = (b * 4096..((b + 1) * 4096).min(n)).filter(|i| !h.contains(&(*i as u32)));
+                    let finite: Vec<f64> = block.map(|i| v[i] as f64).filter(|l| l.is_finite()).collect();
+                    let m = finite.iter().copied().fold(f64::MIN, f64::max);
+                    let sum: f64 = finite.iter().map(|l| ((l - m) * inv_t as f64).exp()).sum();
+                    let (gm, gs) = (got[at + 2 * b] as f64, got[at + 2 * b + 1] as f64);
+                    assert_eq!(gm, m, "block {b} of {n} logits: largest");
+                    assert!((gs - sum).abs() <= 1e-5 * sum, "block {b} of {n} logits: mass {gs} vs {sum}");
                 }
             }
         }

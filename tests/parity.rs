@@ -251,7 +251,7 @@ fn sample_by_hand(model: &Arc<Model>, prompt: &[u32], params: &GenerateParams) -
 }
 
 #[test]
-fn top_k_sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
+fn sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
     if gpu().is_none() {
         return;
     }
@@ -261,9 +261,17 @@ fn top_k_sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
         let model = Arc::new(Model::load(ctx.clone(), &fixture_model(name)).expect("model"));
         let prompt = Reference::load(name).ids("prompt1.ids");
         let vocab = model.config.vocab_size;
-        for (i, (temperature, top_k, top_p, repetition_penalty)) in
-            [(0.8, 5, 1.0, 1.0), (1.5, 40, 0.9, 1.3), (0.6, 1, 1.0, 1.0), (1.0, 20, 0.7, 0.9)].into_iter().enumerate()
-        {
+        // Top-k settings, then sampling without top-k (top-p, the temperature alone, a penalty).
+        let settings = [
+            (0.8, 5, 1.0, 1.0),
+            (1.5, 40, 0.9, 1.3),
+            (0.6, 1, 1.0, 1.0),
+            (1.0, 20, 0.7, 0.9),
+            (0.7, 0, 0.8, 1.0),
+            (0.5, 0, 1.0, 1.0),
+            (1.0, 0, 0.95, 1.2),
+        ];
+        for (i, (temperature, top_k, top_p, repetition_penalty)) in settings.into_iter().enumerate() {
             let params = GenerateParams {
                 max_tokens: 10,
                 temperature,
@@ -278,6 +286,19 @@ fn top_k_sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
             let out = session(&model).generate(&prompt, &params, |_| true).expect("generate");
             let used = ctx.counters() - before;
             assert_eq!(out, sample_by_hand(&model, &prompt, &params), "{name} {params:?}");
+            if top_k == 0 {
+                // 64 pairs (at most the vocabulary), the flag and one (max, sum) pair per 4,096
+                // logits per token, plus a whole row for each token the candidates left to it:
+                // some but not all.
+                let per_token = ((2 * vocab.min(64) + 1) * 4 + vocab.div_ceil(4096) * 8) as u64;
+                let row = (vocab * 4) as u64;
+                if repetition_penalty == 1.0 {
+                    let rest = used.read_back - per_token * out.len() as u64;
+                    assert_eq!(rest % row, 0, "{name} {params:?}: candidates and whole rows only");
+                    assert!(rest / row < out.len() as u64, "{name} {params:?}: every token read its row");
+                }
+                continue;
+            }
             // k + 8 pairs and the non-finite flag per token, and the history's logits with a
             // penalty: never a whole row.
             let pairs = ((2 * (top_k + 8) + 1) * 4 * out.len()) as u64;

@@ -6,7 +6,11 @@
 //              (hist_out, exact; the host applies the penalty) and replaced by the lowest key, so
 //              the candidates are the k largest of the other tokens.
 // topk_blocks: workgroup b takes logits[b * block .. (b + 1) * block) and writes its k best
-//              (key, id) pairs, best first.
+//              (key, id) pairs, best first; after every block's pairs, its softmax mass at the
+//              inverse temperature inv_t: (m, s) with m the block's largest finite logit and
+//              s = sum exp((l - m) * inv_t) over its finite logits (the masked history entries
+//              left out), in f32, as two f32 bit patterns at dst[2 * (blocks * k + b)]. Sampling
+//              without top-k needs the whole row's mass (sampler.rs bounds its rounding).
 // topk_final:  one workgroup merges the blocks' pairs into the k best overall.
 //
 // A key is the f32 bit pattern mapped so that unsigned order is the total order (NaN with the
@@ -20,7 +24,7 @@ struct Params {
     parts: u32,   // topk_final: pairs to merge (blocks * k, at most WG * PER)
     k: u32,       // pairs kept per block and overall
     hist: u32,    // topk_mask: history ids
-    _pad0: u32,
+    inv_t: f32,   // topk_blocks: 1 / temperature for the block masses
     _pad1: u32,
     _pad2: u32,
 }
@@ -94,8 +98,61 @@ fn topk_mask(@builtin(global_invocation_id) gid: vec3<u32>) {
     }
 }
 
+// Lowest value a block's largest logit starts from (an empty block's mass is 0 at it).
+const NO_MAX: f32 = -3.0e38;
+
+// The softmax mass of masses (ma, sa) and (mb, sb) together, at the larger maximum.
+fn merge_mass(ma: f32, sa: f32, mb: f32, sb: f32) -> vec2<f32> {
+    let m = max(ma, mb);
+    return vec2<f32>(m, sa * exp((ma - m) * p.inv_t) + sb * exp((mb - m) * p.inv_t));
+}
+
+// Workgroup b's softmax mass into dst after the blocks' pairs (the invocations' masses merged
+// by a tree; runs after select_rounds, whose last barrier frees win_k / win_i).
+fn block_mass(keys: ptr<function, array<u32, 32>>, m: u32, li: u32, b: u32, blocks: u32) {
+    var mx = NO_MAX;
+    for (var j = 0u; j < m; j++) {
+        let bits = topk_bits((*keys)[j]);
+        if ((bits & 0x7f800000u) != 0x7f800000u) {
+            mx = max(mx, bitcast<f32>(bits));
+        }
+    }
+    var sum = 0.0;
+    for (var j = 0u; j < m; j++) {
+        let bits = topk_bits((*keys)[j]);
+        if ((bits & 0x7f800000u) != 0x7f800000u) {
+            sum += exp((bitcast<f32>(bits) - mx) * p.inv_t);
+        }
+    }
+    win_k[li] = bitcast<u32>(mx);
+    win_i[li] = bitcast<u32>(sum);
+    workgroupBarrier();
+    for (var s = WG / 2u; s > 0u; s >>= 1u) {
+        if (li < s) {
+            let v = merge_mass(bitcast<f32>(win_k[li]), bitcast<f32>(win_i[li]), bitcast<f32>(win_k[li + s]),
+                bitcast<f32>(win_i[li + s]));
+            win_k[li] = bitcast<u32>(v.x);
+            win_i[li] = bitcast<u32>(v.y);
+        }
+        workgroupBarrier();
+    }
+    if (li == 0u) {
+        dst[2u * (blocks * p.k + b)] = win_k[0];
+        dst[2u * (blocks * p.k + b) + 1u] = win_i[0];
+    }
+}
+
+// The f32 bits a key stands for (key_of inverted; the masked entries' key 0 gives MASKED, a NaN).
+fn topk_bits(key: u32) -> u32 {
+    return select(~key, key & 0x7fffffffu, (key & 0x80000000u) != 0u);
+}
+
 @compute @workgroup_size(256)
-fn topk_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn topk_blocks(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
     var keys: array<u32, 32>;
     var ids: array<u32, 32>;
     let start = wg.x * p.block;
@@ -110,6 +167,7 @@ fn topk_blocks(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_i
         }
     }
     select_rounds(&keys, &ids, m, li, 2u * wg.x * p.k);
+    block_mass(&keys, m, li, wg.x, nwg.x);
 }
 
 @compute @workgroup_size(256)

@@ -155,8 +155,10 @@ pub struct TopkParams {
     pub k: u32,
     /// History ids masked.
     pub hist: u32,
+    /// 1 / temperature, for the blocks' softmax masses.
+    pub inv_t: f32,
     /// Padding.
-    pub _pad: [u32; 3],
+    pub _pad: [u32; 2],
 }
 
 /// Logits per workgroup of the first top-k pass (256 invocations × 16).
@@ -171,9 +173,21 @@ pub fn topk_max(n: usize) -> usize {
     (TOPK_MERGE / n.div_ceil(TOPK_BLOCK).max(1)).min(128)
 }
 
-/// Bytes of the pair buffer [`topk`] needs for `n` logits.
+/// Bytes of the pair buffer [`topk`] needs for `n` logits: the blocks' pairs, then their masses.
 pub fn topk_scratch_bytes(n: usize) -> u64 {
-    (n.div_ceil(TOPK_BLOCK) * topk_max(n) * 8) as u64
+    (n.div_ceil(TOPK_BLOCK) * (topk_max(n) + 1) * 8) as u64
+}
+
+/// Blocks of the first top-k pass over `n` logits (one softmax mass each).
+pub fn topk_blocks(n: usize) -> usize {
+    n.div_ceil(TOPK_BLOCK)
+}
+
+/// Byte offset in the pair buffer of the blocks' softmax masses after a pass keeping `k`: one
+/// `(m, s)` f32 pair per block, `s = Σ exp((l − m) · inv_t)` over the block's finite logits outside
+/// the history, `m` its largest (see `topk.wgsl`).
+pub fn topk_mass_offset(n: usize, k: usize) -> u64 {
+    (topk_blocks(n) * k * 8) as u64
 }
 
 /// The buffers of a top-k pass.
@@ -192,22 +206,24 @@ pub struct TopkIo<'a> {
 
 /// Record the `k` (≤ [`topk_max`]) best of `n` logits after masking `hist` history ids: pairs
 /// (key, id) in `Sampler::sample`'s order, key = the f32 bits mapped to a total order
-/// ([`topk_value`] maps back).
-pub fn topk(rec: &mut Recorder, io: &TopkIo, n: usize, k: usize, hist: usize) -> Result<(), GpuError> {
+/// ([`topk_value`] maps back); and each block's softmax mass at `inv_t` in the scratch
+/// ([`topk_mass_offset`]).
+pub fn topk(rec: &mut Recorder, io: &TopkIo, n: usize, k: usize, hist: usize, inv_t: f32) -> Result<(), GpuError> {
     if k == 0 || k > topk_max(n) {
         return Err(GpuError::Validation {
             during: "recording a top-k pass".into(),
             message: format!("k = {k}, expected 1..={}", topk_max(n)),
         });
     }
-    let blocks = n.div_ceil(TOPK_BLOCK);
+    let blocks = topk_blocks(n);
     let params = TopkParams {
         n: n as u32,
         block: TOPK_BLOCK as u32,
         parts: (blocks * k) as u32,
         k: k as u32,
         hist: hist as u32,
-        _pad: [0; 3],
+        inv_t,
+        _pad: [0; 2],
     };
     if hist > 0 {
         let groups = [hist.div_ceil(256) as u32, 1, 1];

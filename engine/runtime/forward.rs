@@ -21,7 +21,7 @@ use crate::kernels::matmul::{
     linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, SplitShrink, WeightRows,
     SPLIT_SHRINK_MAX_RANK,
 };
-use crate::kernels::misc::{argmax, embed, swiglu, topk, TopkIo};
+use crate::kernels::misc::{argmax, embed, swiglu, topk, topk_blocks, topk_mass_offset, TopkIo};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraGroup, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
@@ -485,7 +485,7 @@ pub(crate) struct LearnTaps<'a> {
 }
 
 /// Which positions of a step get the final norm and lm_head.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub(crate) enum Rows {
     /// The last position: logits for sampling.
     Last,
@@ -507,6 +507,9 @@ pub(crate) enum Rows {
         k: usize,
         /// Distinct history ids.
         hist: usize,
+        /// For sampling without top-k: the inverse temperature at which the candidate pass's
+        /// blocks' softmax masses are copied out after the flag.
+        mass: Option<f32>,
     },
 }
 
@@ -630,7 +633,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
             argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
             rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 8);
         }
-        if let Rows::Sample { k, hist } = rows {
+        if let Rows::Sample { k, hist, mass } = rows {
             let b = &s.sample;
             // The row's non-finite flag, before the mask overwrites the history's logits (with
             // the lowest key, a NaN pattern); the argmax's id is not used.
@@ -644,11 +647,15 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 hist_ids: &b.hist_ids,
                 hist_out: &b.hist_out,
             };
-            topk(&mut rec, &io, c.vocab_size, k, hist)?;
+            topk(&mut rec, &io, c.vocab_size, k, hist, mass.unwrap_or(1.0))?;
             let pairs = (k * 8) as u64;
             rec.copy(&b.out, 0, b.staging.buffer(), 0, pairs);
             if hist > 0 {
                 rec.copy(&b.hist_out, 0, b.staging.buffer(), pairs, (hist * 4) as u64);
+            }
+            if mass.is_some() {
+                let bytes = (topk_blocks(c.vocab_size) * 8) as u64;
+                rec.copy(&b.parts, topk_mass_offset(c.vocab_size, k), b.staging.buffer(), flag_at + 4, bytes);
             }
         }
         let index = rec.submit()?;

@@ -8,12 +8,14 @@
 //! last token) is never committed: its GDN states went to the other buffer of each pair and the
 //! position did not advance, so the session holds exactly the tokens returned. When the callback
 //! changes the session (an adapter switch), the run-ahead step is discarded and recomputed.
-//! Top-k sampling (with or without top-p and the repetition penalty) finds its candidates on the
-//! GPU: the step ends with a top-k pass over the logits (the history's logits copied out and
-//! masked first) and only the candidates come back, k + 8 (id, logit) pairs and one logit per
-//! distinct history id; the host draws from them exactly as it would from the whole row, and
-//! reads the row only when the candidates cannot decide (`Sampler::sample_candidates`). Sampling
-//! without top-k reads the logits back and chooses on the CPU.
+//! Sampling (top-k, top-p, the temperature alone, with or without the repetition penalty) finds
+//! its candidates on the GPU: the step ends with a top-k pass over the logits (the history's
+//! logits copied out and masked first) and only the candidates come back, k + 8 (id, logit) pairs
+//! with top-k (64 without, plus the row's softmax mass as one (max, sum) pair per 4,096 logits)
+//! and one logit per distinct history id; the host draws from them exactly as it would from the
+//! whole row, and reads the row only when the candidates cannot decide
+//! (`Sampler::sample_candidates`: a nucleus or a draw past the candidates, or too close to a
+//! boundary for the mass's f32 rounding).
 //!
 //! Every path refuses a row of logits with a NaN or an infinity ([`RunError::NonFiniteLogits`]):
 //! the CPU paths look at the row, the GPU paths read back a flag that the argmax pass computes
@@ -139,7 +141,7 @@ impl Session {
         }
     }
 
-    /// Top-k sampling from `k` candidates found on the GPU.
+    /// Sampling from `k` candidates found on the GPU (and without top-k, the row's softmax mass).
     fn generate_sampled<E: From<RunError>>(
         &mut self,
         prompt: &[u32],
@@ -157,13 +159,14 @@ impl Session {
             if sampler.penalizes() { prompt.iter().copied().collect() } else { BTreeSet::new() };
         let mut input = last.to_vec();
         let mut out = Vec::new();
+        let mass = sampler.needs_mass();
         loop {
             let hist: Vec<u32> = distinct.iter().copied().collect();
-            let index = self.submit_sample(Input::Ids(&input), k, &hist)?;
+            let index = self.submit_sample(Input::Ids(&input), k, &hist, mass)?;
             self.commit(input.len());
-            let (cands, values) = self.read_sample(index, k, hist.len(), self.pos - 1)?;
-            let hist_logits: Vec<(u32, f32)> = hist.iter().copied().zip(values).collect();
-            let next = match sampler.sample_candidates(&cands, &hist_logits, vocab) {
+            let read = self.read_sample(index, (k, hist.len(), mass.is_some()), self.pos - 1)?;
+            let hist_logits: Vec<(u32, f32)> = hist.iter().copied().zip(read.hist).collect();
+            let next = match sampler.sample_candidates(&read.cands, &hist_logits, vocab, &read.masses) {
                 Some(id) => id,
                 None => {
                     // The mask overwrote the history's logits: put them back, then use the row.

@@ -8,6 +8,16 @@ use crate::runtime::GenerateParams;
 /// temperature makes equal at the k-th place (ties are then broken by id, not by the raw logit).
 const TIE_MARGIN: usize = 8;
 
+/// Candidates a GPU pass returns for sampling without top-k (top-p, or the temperature alone):
+/// the top-p nucleus, or the draw, must fall among them, else the whole row decides.
+const NO_TOP_K_CANDIDATES: usize = 64;
+
+/// How close (in probability) a top-p cut-off or a draw may come to a boundary and still be
+/// decided from the GPU's softmax mass: that mass is summed in f32 over blocks of 4,096 f32
+/// exponentials (relative error about 1e-6, below 1e-5 for any row), so a margin of 1e-4 makes
+/// the decision the same as the whole row's f64 sums; closer cases go to the whole row.
+const MASS_MARGIN: f64 = 1e-4;
+
 /// Temperatures below this are greedy: dividing logits by a smaller one overflows f32 for
 /// ordinary logits (1e-40, a subnormal, turns every logit above 3.4e-2 into +inf and the
 /// softmax into NaN) and the distribution it stands for is the argmax anyway (at 1e-5 a logit gap
@@ -105,24 +115,38 @@ impl Sampler {
     }
 
     /// How many candidates a GPU pass must hand [`Sampler::sample_candidates`] for a choice over
-    /// `vocab` logits (at most `max`), when this sampler can choose from candidates at all: top-k
-    /// sampling, with `TIE_MARGIN` more than k.
+    /// `vocab` logits (at most `max`), when this sampler can choose from candidates at all: with
+    /// top-k, `TIE_MARGIN` more than k; without, `NO_TOP_K_CANDIDATES` and the row's softmax
+    /// mass ([`Sampler::needs_mass`]).
     pub(crate) fn gpu_candidates(&self, vocab: usize, max: usize) -> Option<usize> {
-        let k = self.top_k + TIE_MARGIN;
-        (self.temperature > 0.0 && self.top_k > 0 && k <= max && k <= vocab).then_some(k)
+        if self.temperature == 0.0 {
+            return None;
+        }
+        let k = if self.top_k > 0 { self.top_k + TIE_MARGIN } else { NO_TOP_K_CANDIDATES.min(max).min(vocab) };
+        (k > 0 && k <= max && k <= vocab).then_some(k)
+    }
+
+    /// Whether the candidates need the row's softmax mass beside them (sampling without top-k),
+    /// and at which inverse temperature the GPU sums it.
+    pub(crate) fn needs_mass(&self) -> Option<f32> {
+        (self.temperature > 0.0 && self.top_k == 0).then(|| 1.0 / self.temperature)
     }
 
     /// The choice [`Sampler::sample_after`] makes, from the GPU's candidates: `cands` are the
     /// best (id, logit) pairs of the tokens outside the history in `sample`'s order, `history`
-    /// the distinct history ids (ascending) with their logits. `None` (nothing drawn) when the candidates
-    /// cannot prove the top k: a history id or an id past the vocabulary among them, or the last
-    /// candidate tying the k-th after the division by the temperature (then the caller samples
-    /// from the whole row).
+    /// the distinct history ids (ascending) with their logits, and without top-k `masses` the
+    /// row's softmax mass outside the history per block of logits (`(m, s)`, `s = Σ exp((l − m) ·
+    /// inv_t)` at [`Sampler::needs_mass`]'s inverse temperature). `None` (nothing drawn) when the
+    /// candidates cannot decide: a history id or an id past the vocabulary among them; with
+    /// top-k, the last candidate tying the k-th after the division by the temperature; without,
+    /// the top-p nucleus or the draw reaching past the candidates or within `MASS_MARGIN` of a
+    /// boundary (then the caller samples from the whole row, with the same random draw).
     pub(crate) fn sample_candidates(
         &mut self,
         cands: &[(u32, f32)],
         history: &[(u32, f32)],
         vocab: usize,
+        masses: &[(f32, f32)],
     ) -> Option<u32> {
         let in_history = |id: u32| history.binary_search_by_key(&id, |&(h, _)| h).is_ok();
         let last = cands.last()?;
@@ -137,12 +161,65 @@ impl Sampler {
             // The division overflowed (see `sample`): the whole row decides, greedily.
             return None;
         }
+        if self.top_k == 0 {
+            let hist: Vec<f32> = history.iter().map(|&(_, l)| self.penalized(l) / t).collect();
+            // With every token among them (a small vocabulary), nothing lies outside.
+            let bound = if cands.len() + history.len() >= vocab { f32::NEG_INFINITY } else { last.1 / t };
+            return self.choose_with_mass(&all, bound, &hist, masses);
+        }
         let kth = all.get(self.top_k.max(1) - 1)?.1;
         // Every token outside the candidates scales to at most the last one's value.
         if (last.1 / t).total_cmp(&kth) != std::cmp::Ordering::Less {
             return None;
         }
         Some(self.choose(all))
+    }
+
+    /// Sampling without top-k from the sorted scaled candidates and history `all`, every token
+    /// outside them scaling to at most `bound`; `hist` the history's scaled logits. The row's
+    /// total weight is the blocks' masses plus the history's; the entries above `bound` are the
+    /// head of the whole row's order, so a nucleus or a draw inside them (clear of the margin)
+    /// is the whole row's.
+    fn choose_with_mass(&mut self, all: &[(u32, f32)], bound: f32, hist: &[f32], masses: &[(f32, f32)]) -> Option<u32> {
+        let head = all.iter().take_while(|&&(_, l)| l > bound).count();
+        let max = all.first()?.1;
+        let w: Vec<f64> = all[..head].iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+        let inv_t = 1.0 / self.temperature;
+        let outside: f64 = masses.iter().map(|&(m, s)| s as f64 * ((m * inv_t) as f64 - max as f64).exp()).sum();
+        let total = outside + hist.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>();
+        if !(total.is_finite() && total > 0.0) {
+            return None;
+        }
+        let mut cum = 0.0;
+        if self.top_p < 1.0 {
+            let p = self.top_p as f64;
+            for (i, wi) in w.iter().enumerate() {
+                let before = cum;
+                cum += wi / total;
+                if cum >= p - MASS_MARGIN {
+                    let clear = cum >= p + MASS_MARGIN && (i == 0 || before < p - MASS_MARGIN);
+                    let keep = clear.then_some(i + 1)?;
+                    let kept = w[..keep].iter().sum();
+                    return Some(self.draw(&all[..keep], &w[..keep], kept));
+                }
+            }
+            return None;
+        }
+        // The draw over the whole row, from a copy of the generator: committed only when the
+        // candidates decide it, so the whole row's draw (the fallback) uses the same number.
+        let mut rng = self.rng.clone();
+        let u = rng.next_f64();
+        for (i, wi) in w.iter().enumerate() {
+            let next = cum + wi / total;
+            if u < next + MASS_MARGIN {
+                let clear = u < next - MASS_MARGIN && (i == 0 || u >= cum + MASS_MARGIN);
+                let id = clear.then_some(all[i].0)?;
+                self.rng = rng;
+                return Some(id);
+            }
+            cum = next;
+        }
+        None
     }
 
     /// Whether this is greedy decoding with no repetition penalty (the choice the GPU makes).
@@ -177,31 +254,36 @@ impl Sampler {
             cand.truncate(self.top_k.max(1));
         }
         let max = cand[0].1;
-        let mut probs: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
-        let total: f64 = probs.iter().sum();
-        probs.iter_mut().for_each(|p| *p /= total);
+        let w: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+        let total: f64 = w.iter().sum();
+        let mut keep = w.len();
         if self.top_p < 1.0 {
             let mut cum = 0.0;
-            let mut keep = probs.len();
-            for (i, p) in probs.iter().enumerate() {
-                cum += p;
+            for (i, wi) in w.iter().enumerate() {
+                cum += wi / total;
                 if cum >= self.top_p as f64 {
                     keep = i + 1;
                     break;
                 }
             }
-            probs.truncate(keep);
-            let total: f64 = probs.iter().sum();
-            probs.iter_mut().for_each(|p| *p /= total);
         }
+        // The kept weights renormalised by their own sum (the top-p nucleus's draw depends on
+        // the nucleus alone, which is what lets candidates reproduce it exactly).
+        let kept = if keep == w.len() { total } else { w[..keep].iter().sum() };
+        self.draw(&cand[..keep], &w[..keep], kept)
+    }
+
+    /// Draw from `cand` with weights `w` summing to `total`.
+    fn draw(&mut self, cand: &[(u32, f32)], w: &[f64], total: f64) -> u32 {
         let mut u = self.rng.next_f64();
-        for (i, p) in probs.iter().enumerate() {
-            if u < *p {
+        for (i, wi) in w.iter().enumerate() {
+            let p = wi / total;
+            if u < p {
                 return cand[i].0;
             }
             u -= p;
         }
-        cand[probs.len() - 1].0
+        cand[w.len() - 1].0
     }
 }
 
@@ -290,10 +372,77 @@ mod tests {
             let (cands, hist) = gpu_view(&logits, &history, k);
             for draw in 0..5 {
                 let want = full.sample_after(&logits, &history);
-                let got = gpu.sample_candidates(&cands, &hist, vocab);
+                let got = gpu.sample_candidates(&cands, &hist, vocab, &[]);
                 assert_eq!(got, Some(want), "case {case} draw {draw}");
             }
         }
+    }
+
+    /// The blocks' softmax masses the GPU pass computes (`topk.wgsl`), in f32 the same way:
+    /// per block of `block` logits outside `history`, its largest and Σ exp((l − m) · inv_t).
+    fn gpu_masses(logits: &[f32], history: &[u32], inv_t: f32, block: usize) -> Vec<(f32, f32)> {
+        logits
+            .chunks(block)
+            .enumerate()
+            .map(|(b, chunk)| {
+                let outside = |&(i, _): &(usize, &f32)| !history.contains(&((b * block + i) as u32));
+                let m = chunk.iter().enumerate().filter(outside).map(|(_, &l)| l).fold(-3e38f32, f32::max);
+                let s = chunk.iter().enumerate().filter(outside).map(|(_, &l)| ((l - m) * inv_t).exp()).sum();
+                (m, s)
+            })
+            .collect()
+    }
+
+    /// Without top-k (top-p, or the temperature alone), the candidates and the row's mass choose
+    /// what the whole row chooses whenever they decide, with the same random draws, and they
+    /// decide most peaked rows (the nucleus or the draw inside the 64 best).
+    #[test]
+    fn candidates_and_the_rows_mass_choose_what_the_whole_row_chooses() {
+        let mut state = SplitMix64(23);
+        let mut decided = 0;
+        let mut draws = 0;
+        for case in 0..80 {
+            let vocab = 100 + case * 97;
+            // Zipf-like rows (probability ~ rank^-a at temperature 1, ranks shuffled, some noise),
+            // as a language model's rows are.
+            let a = [1.2f32, 1.6, 2.0][case % 3];
+            let logits: Vec<f32> = (0..vocab)
+                .map(|i| -a * (1.0 + ((i * 7919 + case * 31) % vocab) as f32).ln() + state.next_f64() as f32 * 0.3)
+                .collect();
+            // History: some of the most likely tokens (their mass counts beside the blocks') and
+            // a few others.
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|&x, &y| logits[y as usize].total_cmp(&logits[x as usize]));
+            let mut history: Vec<u32> = (0..case % 7).map(|i| ((i * 53 + case) % vocab) as u32).collect();
+            history.extend(order.iter().step_by(3).take(case % 4));
+            let p = GenerateParams {
+                temperature: [0.3, 0.6, 0.8, 1.0, 0.7][case % 5],
+                top_k: 0,
+                top_p: [1.0, 0.95, 0.8, 0.5][case % 4 / 2 + case % 3 % 2],
+                repetition_penalty: [1.0, 1.3][case % 2],
+                seed: case as u64,
+                ..Default::default()
+            };
+            let (mut full, mut gpu) = (Sampler::from_params(&p).expect("p"), Sampler::from_params(&p).expect("p"));
+            let k = gpu.gpu_candidates(vocab, 128).expect("sampling takes candidates");
+            let inv_t = gpu.needs_mass().expect("without top-k the mass comes too");
+            let distinct: Vec<u32> = if gpu.penalizes() { history.clone() } else { Vec::new() };
+            let (cands, hist) = gpu_view(&logits, &distinct, k);
+            let masses = gpu_masses(&logits, &distinct, inv_t, 1000);
+            for draw in 0..6 {
+                let got = gpu.sample_candidates(&cands, &hist, vocab, &masses);
+                let want = full.sample_after(&logits, &history);
+                draws += 1;
+                if let Some(id) = got {
+                    decided += 1;
+                    assert_eq!(id, want, "case {case} draw {draw}");
+                } else {
+                    // The whole row draws instead, with the number the candidates did not use.
+                    assert_eq!(gpu.sample_after(&logits, &history), want, "case {case} draw {draw}: fallback");
+                }
+            }
+        }
+        assert!(decided * 10 >= draws * 7, "candidates decided {decided} of {draws} draws");
     }
 
     #[test]
@@ -303,17 +452,21 @@ mod tests {
         let k = s.gpu_candidates(64, 128).expect("k");
         // Every logit equal: the last candidate ties the second, an id outside could rank above it.
         let (cands, hist) = gpu_view(&[1.0; 64], &[], k);
-        assert_eq!(s.sample_candidates(&cands, &hist, 64), None);
+        assert_eq!(s.sample_candidates(&cands, &hist, 64, &[]), None);
         // A history id among the candidates (the pass did not mask it), or an id past the vocabulary.
         let logits: Vec<f32> = (0..64).map(|i| i as f32).collect();
         let (cands, _) = gpu_view(&logits, &[], k);
-        assert_eq!(s.sample_candidates(&cands, &[(63, 63.0)], 64), None);
-        assert_eq!(s.sample_candidates(&cands, &[], 60), None);
-        assert!(s.sample_candidates(&cands, &[], 64).is_some());
-        // Greedy and sampling without top-k take no candidates.
+        assert_eq!(s.sample_candidates(&cands, &[(63, 63.0)], 64, &[]), None);
+        assert_eq!(s.sample_candidates(&cands, &[], 60, &[]), None);
+        assert!(s.sample_candidates(&cands, &[], 64, &[]).is_some());
+        // Greedy takes no candidates, nor a top-k the pass cannot hold; without top-k, 64 (or
+        // the whole vocabulary when smaller) and the mass.
         assert_eq!(Sampler::greedy().gpu_candidates(64, 128), None);
-        assert_eq!(Sampler::new(1.0, 0, 0.9, 0).expect("p").gpu_candidates(64, 128), None);
         assert_eq!(Sampler::new(1.0, 121, 1.0, 0).expect("p").gpu_candidates(1000, 128), None);
+        let s = Sampler::new(0.5, 0, 0.9, 0).expect("p");
+        assert_eq!((s.gpu_candidates(1000, 128), s.needs_mass()), (Some(64), Some(2.0)));
+        assert_eq!(Sampler::new(1.0, 0, 1.0, 0).expect("p").gpu_candidates(40, 128), Some(40));
+        assert_eq!(Sampler::new(1.0, 5, 1.0, 0).expect("p").needs_mass(), None);
     }
 
     #[test]
@@ -339,7 +492,7 @@ mod tests {
         let mut s = Sampler::new(MIN_TEMPERATURE, 2, 1.0, 5).expect("valid");
         let k = s.gpu_candidates(16, 128).expect("k");
         let (cands, hist) = gpu_view(&logits, &[], k);
-        assert_eq!(s.sample_candidates(&cands, &hist, 16), None, "the whole row decides");
+        assert_eq!(s.sample_candidates(&cands, &hist, 16, &[]), None, "the whole row decides");
         assert!((0..20).all(|_| s.sample_after(&logits, &[]) == 2));
     }
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Staging};
-use crate::kernels::misc::{argmax_scratch_bytes, topk_max, topk_scratch_bytes, topk_value};
+use crate::kernels::misc::{argmax_scratch_bytes, topk_blocks, topk_max, topk_scratch_bytes, topk_value};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::adapters::{ActiveAdapter, LoraState};
@@ -58,6 +58,17 @@ impl Logits {
     }
 }
 
+/// What a sampled step's candidate pass hands the host ([`Session::read_sample`]).
+pub(crate) struct SampleRead {
+    /// The best (id, logit) pairs outside the history, best first.
+    pub(crate) cands: Candidates,
+    /// The distinct history ids' logits, in the order they were uploaded.
+    pub(crate) hist: Vec<f32>,
+    /// Per block of logits `(m, s)`: its largest logit outside the history and
+    /// `Σ exp((l − m) · inv_t)` over them (sampling without top-k; else empty).
+    pub(crate) masses: Vec<(f32, f32)>,
+}
+
 /// The buffers of a sampled step's candidate pass (`topk.wgsl`), reused for every token.
 pub(crate) struct SampleBuffers {
     /// The blocks' pairs.
@@ -70,7 +81,8 @@ pub(crate) struct SampleBuffers {
     pub(crate) hist_out: wgpu::Buffer,
     /// The argmax pass's output: word 1 is the row's non-finite flag.
     pub(crate) flag: wgpu::Buffer,
-    /// The pairs, then the history logits, then the non-finite flag, as read back.
+    /// The pairs, then the history logits, then the non-finite flag, then (sampling without
+    /// top-k) the blocks' softmax masses, as read back.
     pub(crate) staging: Staging,
 }
 
@@ -84,7 +96,7 @@ impl SampleBuffers {
             hist_ids: ctx.storage_buffer("history ids", hist, true)?,
             hist_out: ctx.storage_buffer("history logits", hist, true)?,
             flag: ctx.storage_buffer("non-finite flag", 8, true)?,
-            staging: Staging::new(ctx, "candidates readback", pairs + hist + 4),
+            staging: Staging::new(ctx, "candidates readback", pairs + hist + 4 + (topk_blocks(vocab) * 8) as u64),
         })
     }
 }
@@ -509,36 +521,41 @@ impl Session {
     }
 
     /// Submit a step of `input` whose last position's logits go through the top-`k` candidate
-    /// pass, with the logits of the distinct `history` ids copied out and masked; not committed.
+    /// pass, with the logits of the distinct `history` ids copied out and masked, and with
+    /// `mass` (an inverse temperature) the blocks' softmax masses; not committed.
     pub(crate) fn submit_sample(
         &mut self,
         input: Input,
         k: usize,
         history: &[u32],
+        mass: Option<f32>,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
         if !history.is_empty() {
             self.ctx().write(&self.sample.hist_ids, 0, bytemuck::cast_slice(history));
         }
-        Ok(forward::step(self, input, Rows::Sample { k, hist: history.len() }, Capture::None)?.index)
+        Ok(forward::step(self, input, Rows::Sample { k, hist: history.len(), mass }, Capture::None)?.index)
     }
 
-    /// The candidates (id, logit), best first, and the history's logits a sample step left, once
-    /// submission `index` has completed; a [`RunError::NonFiniteLogits`] when the row held a NaN
-    /// or an infinity. `position` is the sequence position of the step's last token.
+    /// What a sample step left, once submission `index` has completed: the candidates (id,
+    /// logit), best first, the history's logits, and with `mass` the blocks' softmax masses
+    /// (`topk.wgsl`; empty without); a [`RunError::NonFiniteLogits`] when the row held a NaN or
+    /// an infinity. `position` is the sequence position of the step's last token.
     pub(crate) fn read_sample(
         &self,
         index: wgpu::SubmissionIndex,
-        k: usize,
-        hist: usize,
+        (k, hist, mass): (usize, usize, bool),
         position: usize,
-    ) -> Result<(Candidates, Vec<f32>), RunError> {
-        let words = self.sample.staging.read_words(self.ctx(), index, 2 * k + hist + 1)?;
+    ) -> Result<SampleRead, RunError> {
+        let blocks = if mass { topk_blocks(self.model.config.vocab_size) } else { 0 };
+        let words = self.sample.staging.read_words(self.ctx(), index, 2 * k + hist + 1 + 2 * blocks)?;
         if words[2 * k + hist] != 0 {
             return Err(RunError::NonFiniteLogits { position });
         }
         let cands = words[..2 * k].chunks_exact(2).map(|p| (p[1], topk_value(p[0]))).collect();
-        let hist = words[2 * k..2 * k + hist].iter().map(|&w| f32::from_bits(w)).collect();
-        Ok((cands, hist))
+        let logits = words[2 * k..2 * k + hist].iter().map(|&w| f32::from_bits(w)).collect();
+        let masses =
+            words[2 * k + hist + 1..].chunks_exact(2).map(|p| (f32::from_bits(p[0]), f32::from_bits(p[1]))).collect();
+        Ok(SampleRead { cands, hist: logits, masses })
     }
 
     /// The id a choice step copied into `slot`, once submission `index` has completed; a
