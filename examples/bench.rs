@@ -5,7 +5,7 @@
 //! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
 //! its peers.
 //!
-//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4|q4-quality] [--prompt 128] [--decode 64] [--repeats 5]`
+//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4|q4-quality] [--prompt 128] [--decode 64] [--repeats 5] [--subgroups auto|off|always]`
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -19,8 +19,8 @@ use qwen35_wgpu::model::Mixer;
 use qwen35_wgpu::runtime::argmax;
 use qwen35_wgpu::runtime::PromptCache;
 use qwen35_wgpu::{
-    ActiveAdapter, Batch, GenerateParams, GpuContext, LearnOptions, LlmBackend, LoadOptions, LoraAdapter, Model,
-    QuantizeRecipe, Session, SessionOptions, Signal, TokenEvent, TrainSpec, WgpuBackend,
+    ActiveAdapter, Batch, GenerateParams, GpuContext, GpuOptions, LearnOptions, LlmBackend, LoadOptions, LoraAdapter,
+    Model, QuantizeRecipe, Session, SessionOptions, Signal, Subgroups, TokenEvent, TrainSpec, WgpuBackend,
 };
 
 #[derive(Parser)]
@@ -65,6 +65,19 @@ struct Args {
     /// sessions, cycling through the adapter, a second copy of it and none, decode together.
     #[arg(long, value_delimiter = ',')]
     batch_sessions: Vec<usize>,
+    /// Subgroup kernels: `auto` (where the adapter has subgroups and a row group fits in one),
+    /// `off` (the portable kernels only) or `always`.
+    #[arg(long, default_value = "auto", value_parser = parse_subgroups)]
+    subgroups: Subgroups,
+}
+
+fn parse_subgroups(s: &str) -> Result<Subgroups, String> {
+    match s {
+        "auto" => Ok(Subgroups::Auto),
+        "off" => Ok(Subgroups::Off),
+        "always" => Ok(Subgroups::Always),
+        _ => Err(format!("expected auto, off or always, found {s:?}")),
+    }
 }
 
 fn parse_quantize(s: &str) -> Result<QuantizeRecipe, String> {
@@ -322,7 +335,7 @@ fn measure(session: &mut Session, ids: &[u32], args: &Args, label: &str) -> Resu
 
 fn main() -> Result<()> {
     let args = Args::parse();
-    let ctx = Arc::new(GpuContext::new()?);
+    let ctx = Arc::new(GpuContext::with_options(GpuOptions { subgroups: args.subgroups })?);
     let t = Instant::now();
     let load = LoadOptions { quantize: args.quantize, ..Default::default() };
     let model = Arc::new(Model::load_with(ctx.clone(), &args.model, &load)?);
@@ -337,6 +350,7 @@ fn main() -> Result<()> {
     let mut summary = serde_json::json!({
         "gpu": ctx.info.name,
         "backend": format!("{:?}", ctx.info.backend),
+        "subgroup_size": ctx.subgroup_size(),
         "model": args.model,
         "model_load_s": load_s,
         "weights": weight_dtypes(&model),
