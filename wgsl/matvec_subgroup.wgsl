@@ -2,9 +2,9 @@
 // of workgroup memory: no barrier, nothing staged (the loader appends this file to matvec.wgsl;
 // the engine compiles it only on a device with wgpu's SUBGROUP feature).
 //
-// No subgroup size is assumed and neither is how local invocations map onto subgroups: a row
-// group is `l = min(LANES, subgroup size)` consecutive lanes of one subgroup (by subgroup id
-// and subgroup invocation id), striding along K by l. The workgroup's rows (8 * 64 / LANES, as
+// No subgroup size is assumed: a row group is `l = min(LANES, subgroup size)` consecutive lanes
+// of one subgroup (by subgroup id and subgroup invocation id), striding along K by l. Subgroups
+// must be full (subgroup_size_probe checks that, and their order, once per device). The workgroup's rows (8 * 64 / LANES, as
 // the host dispatched them) belong to its first 64 / LANES row groups; when the subgroup is
 // narrower than LANES there are more row groups than that and the others stay idle, slower but
 // exact. The host picks LANES <= the subgroup size it measured, so every lane works. After the
@@ -116,11 +116,23 @@ fn matvec_sg_lora(
     }
 }
 
-// The subgroup size a 64-invocation workgroup of this module runs with, into y[0]: the host
-// measures it once per device to pick LANES (Metal and some Vulkan drivers report only a range).
+// The subgroup size a 64-invocation workgroup of this module runs with, into y[0] (the host
+// picks LANES by it once per device; Metal and some Vulkan drivers report only a range), and a 1
+// into y[1] when a subgroup is not full or the subgroups do not number the invocations in order
+// (the kernels above need full subgroups, and naga's HLSL derives subgroup_id from that order):
+// the host then keeps the portable kernels.
 @compute @workgroup_size(64)
-fn subgroup_size_probe(@builtin(local_invocation_index) li: u32, @builtin(subgroup_size) sg_size: u32) {
+fn subgroup_size_probe(
+    @builtin(local_invocation_index) li: u32,
+    @builtin(subgroup_id) sg_id: u32,
+    @builtin(subgroup_invocation_id) sg_lane: u32,
+    @builtin(subgroup_size) sg_size: u32,
+) {
+    let members = subgroupAdd(1u);
     if (li == 0u) {
         y[0] = f32(sg_size);
+    }
+    if (members != min(sg_size, WG) || sg_id * sg_size + sg_lane != li) {
+        y[1] = 1.0;
     }
 }

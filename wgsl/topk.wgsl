@@ -99,7 +99,7 @@ fn topk_mask(@builtin(global_invocation_id) gid: vec3<u32>) {
 }
 
 // Lowest value a block's largest logit starts from (an empty block's mass is 0 at it).
-const NO_MAX: f32 = -3.0e38;
+const NO_MAX: f32 = -3.4028235e38; // -f32::MAX
 
 // The softmax mass of masses (ma, sa) and (mb, sb) together, at the larger maximum.
 fn merge_mass(ma: f32, sa: f32, mb: f32, sb: f32) -> vec2<f32> {

@@ -196,7 +196,8 @@ impl GpuContext {
     }
 
     /// The subgroup size `matvec_subgroup.wgsl` runs with on this device, measured once (a
-    /// power of two from 8 to 128), else `None` (no usable subgroups: the portable kernels run).
+    /// power of two from 4 to 128, the subgroups full and numbering the invocations in order),
+    /// else `None` (no usable subgroups: the portable kernels run).
     fn measure_subgroup_size(&self) -> Result<Option<u32>, GpuError> {
         let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("probe arena"),
@@ -210,8 +211,9 @@ impl GpuContext {
         let mut rec = Recorder::new(self, &mut cache);
         rec.dispatch(PipelineKey::plain(Kernel::SubgroupSizeProbe), &[0u32; 4], &[&x, &y], &[], [1, 1, 1])?;
         rec.submit()?;
-        let size = read_f32(self, &y, 0, 1)?.first().copied().unwrap_or(0.0) as u32;
-        Ok((size.is_power_of_two() && (8..=128).contains(&size)).then_some(size))
+        let got = read_f32(self, &y, 0, 2)?;
+        let (size, irregular) = (got.first().copied().unwrap_or(0.0) as u32, got.get(1).copied().unwrap_or(1.0));
+        Ok((size.is_power_of_two() && (4..=128).contains(&size) && irregular == 0.0).then_some(size))
     }
 
     /// The subgroup size the subgroup kernels run with, when the device has subgroups and

@@ -184,42 +184,31 @@ impl Sampler {
         let head = all.iter().take_while(|&&(_, l)| l > bound).count();
         let max = all.first()?.1;
         let w: Vec<f64> = all[..head].iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
-        let inv_t = 1.0 / self.temperature;
-        let outside: f64 = masses.iter().map(|&(m, s)| s as f64 * ((m * inv_t) as f64 - max as f64).exp()).sum();
-        let total = outside + hist.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>();
+        let total = self.mass_total(max, hist, masses);
         if !(total.is_finite() && total > 0.0) {
             return None;
         }
-        let mut cum = 0.0;
+        let margin = mass_margin(max);
         if self.top_p < 1.0 {
-            let p = self.top_p as f64;
-            for (i, wi) in w.iter().enumerate() {
-                let before = cum;
-                cum += wi / total;
-                if cum >= p - MASS_MARGIN {
-                    let clear = cum >= p + MASS_MARGIN && (i == 0 || before < p - MASS_MARGIN);
-                    let keep = clear.then_some(i + 1)?;
-                    let kept = w[..keep].iter().sum();
-                    return Some(self.draw(&all[..keep], &w[..keep], kept));
-                }
-            }
-            return None;
+            let keep = nucleus(&w, total, self.top_p as f64, margin)?;
+            let kept = w[..keep].iter().sum();
+            return Some(self.draw(&all[..keep], &w[..keep], kept));
         }
         // The draw over the whole row, from a copy of the generator: committed only when the
         // candidates decide it, so the whole row's draw (the fallback) uses the same number.
         let mut rng = self.rng.clone();
-        let u = rng.next_f64();
-        for (i, wi) in w.iter().enumerate() {
-            let next = cum + wi / total;
-            if u < next + MASS_MARGIN {
-                let clear = u < next - MASS_MARGIN && (i == 0 || u >= cum + MASS_MARGIN);
-                let id = clear.then_some(all[i].0)?;
-                self.rng = rng;
-                return Some(id);
-            }
-            cum = next;
-        }
-        None
+        let i = landing(&w, total, rng.next_f64(), margin)?;
+        self.rng = rng;
+        Some(all[i].0)
+    }
+
+    /// The row's total weight relative to its largest scaled logit `max`: the blocks' masses
+    /// (each block's largest logit scaled as the whole row scales it) and the history's
+    /// scaled logits `hist`.
+    fn mass_total(&self, max: f32, hist: &[f32], masses: &[(f32, f32)]) -> f64 {
+        let t = self.temperature;
+        let outside: f64 = masses.iter().map(|&(m, s)| s as f64 * ((m / t - max) as f64).exp()).sum();
+        outside + hist.iter().map(|&l| ((l - max) as f64).exp()).sum::<f64>()
     }
 
     /// Whether this is greedy decoding with no repetition penalty (the choice the GPU makes).
@@ -275,16 +264,59 @@ impl Sampler {
 
     /// Draw from `cand` with weights `w` summing to `total`.
     fn draw(&mut self, cand: &[(u32, f32)], w: &[f64], total: f64) -> u32 {
-        let mut u = self.rng.next_f64();
-        for (i, wi) in w.iter().enumerate() {
-            let p = wi / total;
-            if u < p {
-                return cand[i].0;
-            }
-            u -= p;
-        }
-        cand[w.len() - 1].0
+        cand[draw_index(w, total, self.rng.next_f64())].0
     }
+}
+
+/// How far (in probability) a top-p cut-off or a draw must be from a boundary to be decided from
+/// the GPU's mass, for a row whose largest scaled logit is `max`: `MASS_MARGIN` for the f32 sums,
+/// plus the f32 rounding of the scaled exponents (about one ulp of |l / T| each, which the whole
+/// row and the GPU round differently; the weights that count lie within ~64 of `max`).
+fn mass_margin(max: f32) -> f64 {
+    MASS_MARGIN + 8.0 * f32::EPSILON as f64 * (max.abs() as f64 + 64.0)
+}
+
+/// The size of the top-p nucleus over the head weights `w` of a row of total weight `total`
+/// (cumulated in order), when its cut-off lies inside the head and clear of `p` by `margin`.
+fn nucleus(w: &[f64], total: f64, p: f64, margin: f64) -> Option<usize> {
+    let mut cum = 0.0;
+    for (i, wi) in w.iter().enumerate() {
+        let before = cum;
+        cum += wi / total;
+        if cum >= p - margin {
+            let clear = cum >= p + margin && (i == 0 || before < p - margin);
+            return clear.then_some(i + 1);
+        }
+    }
+    None
+}
+
+/// Where a draw `u` over a row of total weight `total` lands among the head weights `w`
+/// (cumulated in order): its index when it is inside the head and clear of the boundaries by
+/// `margin`.
+fn landing(w: &[f64], total: f64, u: f64, margin: f64) -> Option<usize> {
+    let mut cum = 0.0;
+    for (i, wi) in w.iter().enumerate() {
+        let next = cum + wi / total;
+        if u < next + margin {
+            let clear = u < next - margin && (i == 0 || u >= cum + margin);
+            return clear.then_some(i);
+        }
+        cum = next;
+    }
+    None
+}
+
+/// The index `Sampler::draw` picks with the number `u` from weights `w` summing to `total`.
+fn draw_index(w: &[f64], total: f64, mut u: f64) -> usize {
+    for (i, wi) in w.iter().enumerate() {
+        let p = wi / total;
+        if u < p {
+            return i;
+        }
+        u -= p;
+    }
+    w.len() - 1
 }
 
 /// Index of the largest value (first on ties; NaN never wins).
@@ -443,6 +475,37 @@ mod tests {
             }
         }
         assert!(decided * 10 >= draws * 7, "candidates decided {decided} of {draws} draws");
+    }
+
+    /// At a low temperature the scaled logits are large, and the whole row and the GPU round
+    /// their exponents differently (about an ulp of |l / T| each): the margin grows with them, so
+    /// at no random number does the mass decide a draw the whole row makes differently (with
+    /// the f32 sums' margin alone, some would).
+    #[test]
+    fn low_temperature_draws_decided_from_the_mass_are_the_whole_rows() {
+        let t = 0.002f32;
+        let mut logits = vec![24.362213f32, 24.36215, 24.35591];
+        logits.extend((0..50).map(|i| 24.0 - i as f32 * 0.01));
+        let s = Sampler::new(t, 0, 1.0, 0).expect("p");
+        // The whole row, as `choose` weighs it.
+        let mut all: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / t)).collect();
+        all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        let max = all[0].1;
+        let w: Vec<f64> = all.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+        let total: f64 = w.iter().sum();
+        // The GPU's view: the three best (a head of two) and the masses.
+        let (cands, _) = gpu_view(&logits, &[], 3);
+        let bound = cands[2].1 / t;
+        let head = all.iter().take_while(|&&(_, l)| l > bound).count();
+        let mass = s.mass_total(max, &[], &gpu_masses(&logits, &[], 1.0 / t, 4096));
+        let wrong = |margin: f64| {
+            (0..1_000_000).any(|step| {
+                let u = step as f64 / 1e6;
+                landing(&w[..head], mass, u, margin).is_some_and(|i| i != draw_index(&w, total, u))
+            })
+        };
+        assert!(!wrong(mass_margin(max)), "a draw decided from the mass differs from the whole row's");
+        assert!(wrong(MASS_MARGIN), "the f32 sums' margin alone decides some draws wrongly here");
     }
 
     #[test]
