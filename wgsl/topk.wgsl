@@ -10,7 +10,8 @@
 //              inverse temperature inv_t: (m, s) with m the block's largest finite logit and
 //              s = sum exp((l - m) * inv_t) over its finite logits (the masked history entries
 //              left out), in f32, as two f32 bit patterns at dst[2 * (blocks * k + b)]. Sampling
-//              without top-k needs the whole row's mass (sampler.rs bounds its rounding).
+//              without top-k needs the whole row's mass (sampler.rs bounds its rounding); with
+//              inv_t = 0 (top-k sampling) the masses are skipped.
 // topk_final:  one workgroup merges the blocks' pairs into the k best overall.
 //
 // A key is the f32 bit pattern mapped so that unsigned order is the total order (NaN with the
@@ -24,7 +25,7 @@ struct Params {
     parts: u32,   // topk_final: pairs to merge (blocks * k, at most WG * PER)
     k: u32,       // pairs kept per block and overall
     hist: u32,    // topk_mask: history ids
-    inv_t: f32,   // topk_blocks: 1 / temperature for the block masses
+    inv_t: f32,   // topk_blocks: 1 / temperature for the block masses (0: no masses)
     _pad1: u32,
     _pad2: u32,
 }
@@ -167,7 +168,9 @@ fn topk_blocks(
         }
     }
     select_rounds(&keys, &ids, m, li, 2u * wg.x * p.k);
-    block_mass(&keys, m, li, wg.x, nwg.x);
+    if (p.inv_t > 0.0) {
+        block_mass(&keys, m, li, wg.x, nwg.x);
+    }
 }
 
 @compute @workgroup_size(256)

@@ -155,7 +155,7 @@ pub struct TopkParams {
     pub k: u32,
     /// History ids masked.
     pub hist: u32,
-    /// 1 / temperature, for the blocks' softmax masses.
+    /// 1 / temperature, for the blocks' softmax masses (0: none are computed).
     pub inv_t: f32,
     /// Padding.
     pub _pad: [u32; 2],
@@ -206,8 +206,8 @@ pub struct TopkIo<'a> {
 
 /// Record the `k` (≤ [`topk_max`]) best of `n` logits after masking `hist` history ids: pairs
 /// (key, id) in `Sampler::sample`'s order, key = the f32 bits mapped to a total order
-/// ([`topk_value`] maps back); and each block's softmax mass at `inv_t` in the scratch
-/// ([`topk_mass_offset`]).
+/// ([`topk_value`] maps back); and with `inv_t > 0` each block's softmax mass at that inverse
+/// temperature in the scratch ([`topk_mass_offset`]).
 pub fn topk(rec: &mut Recorder, io: &TopkIo, n: usize, k: usize, hist: usize, inv_t: f32) -> Result<(), GpuError> {
     if k == 0 || k > topk_max(n) {
         return Err(GpuError::Validation {

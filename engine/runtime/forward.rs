@@ -647,7 +647,7 @@ pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) 
                 hist_ids: &b.hist_ids,
                 hist_out: &b.hist_out,
             };
-            topk(&mut rec, &io, c.vocab_size, k, hist, mass.unwrap_or(1.0))?;
+            topk(&mut rec, &io, c.vocab_size, k, hist, mass.unwrap_or(0.0))?;
             let pairs = (k * 8) as u64;
             rec.copy(&b.out, 0, b.staging.buffer(), 0, pairs);
             if hist > 0 {

@@ -154,15 +154,15 @@ impl Sampler {
             return None;
         }
         let t = self.temperature;
+        let hist: Vec<f32> = history.iter().map(|&(_, l)| self.penalized(l) / t).collect();
         let mut all: Vec<(u32, f32)> = cands.iter().map(|&(id, l)| (id, l / t)).collect();
-        all.extend(history.iter().map(|&(id, l)| (id, self.penalized(l) / t)));
+        all.extend(history.iter().zip(&hist).map(|(&(id, _), &l)| (id, l)));
         all.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if all.first().is_some_and(|&(_, l)| !l.is_finite()) {
             // The division overflowed (see `sample`): the whole row decides, greedily.
             return None;
         }
         if self.top_k == 0 {
-            let hist: Vec<f32> = history.iter().map(|&(_, l)| self.penalized(l) / t).collect();
             // With every token among them (a small vocabulary), nothing lies outside.
             let bound = if cands.len() + history.len() >= vocab { f32::NEG_INFINITY } else { last.1 / t };
             return self.choose_with_mass(&all, bound, &hist, masses);
@@ -245,17 +245,10 @@ impl Sampler {
         let max = cand[0].1;
         let w: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
         let total: f64 = w.iter().sum();
-        let mut keep = w.len();
-        if self.top_p < 1.0 {
-            let mut cum = 0.0;
-            for (i, wi) in w.iter().enumerate() {
-                cum += wi / total;
-                if cum >= self.top_p as f64 {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
+        // The nucleus where the cumulated probability first reaches top-p (no margin: this is
+        // the whole row), else every candidate.
+        let keep = if self.top_p < 1.0 { nucleus(&w, total, self.top_p as f64, 0.0) } else { None };
+        let keep = keep.unwrap_or(w.len());
         // The kept weights renormalised by their own sum (the top-p nucleus's draw depends on
         // the nucleus alone, which is what lets candidates reproduce it exactly).
         let kept = if keep == w.len() { total } else { w[..keep].iter().sum() };
