@@ -20,7 +20,7 @@ use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
     topk_scratch_bytes, topk_value, TopkIo,
 };
-use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
+use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
 use qwen35_wgpu::model::Dtype;
 use qwen35_wgpu::{reference as cpu, GpuError};
 
@@ -749,6 +749,44 @@ fn rms_norms_match_reference() {
         let what = format!("rms_norm_gated {rows}x{n}");
         assert_close(&what, &read(&ctx, &vb, rows * n), &want, KERNEL_ATOL, KERNEL_RTOL);
     }
+}
+
+#[test]
+fn rms_norm_with_shrink_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    // Ranks below, at and above the kernel's 8 rows of A per pass, not multiples of 8 or 4; rows
+    // of one and several workgroups; widths below and above one vec4 per invocation.
+    for (rows, n, rank) in [(1, 4, 1), (1, 64, 8), (2, 132, 13), (3, 260, 3), (1, 1024, 64), (2, 512, 17)] {
+        let x = rand(rows * n, 11, 2.0);
+        let w = rand(n, 12, 0.5);
+        let a = rand(rank * n, 13, 1.0 / (n as f32).sqrt());
+        let wv = GpuVector::upload(&ctx, "w", &w).expect("w");
+        let (xb, yb) = (upload(&ctx, &x), upload(&ctx, &vec![0.0; rows * n]));
+        let (ab, tb) = (upload(&ctx, &a), upload(&ctx, &vec![7.0; rows * rank + 1]));
+        let abg = ctx.weights_bind_group(&ab, "a");
+        let io = NormIo { x: &xb, y: &yb, x_offset: 0, y_offset: 0, rows, n, eps: 1e-6 };
+        run(&ctx, |rec| rms_norm_shrink(rec, &wv, &io, NormShrink { a: &abg, rank, t: &tb }));
+        let y = cpu::rms_norm(&x, &w, n, 1e-6);
+        let what = format!("rms_norm_shrink {rows}x{n} rank {rank}");
+        assert_close(&what, &read(&ctx, &yb, rows * n), &y, KERNEL_ATOL, KERNEL_RTOL);
+        let want: Vec<f32> = (0..rows * rank)
+            .map(|e| {
+                let (m, r) = (e / rank, e % rank);
+                (0..n).map(|i| f64::from(a[r * n + i]) * f64::from(y[m * n + i])).sum::<f64>() as f32
+            })
+            .collect();
+        let got = read(&ctx, &tb, rows * rank + 1);
+        assert_close(&format!("{what}: t"), &got[..rows * rank], &want, KERNEL_ATOL, KERNEL_RTOL);
+        assert_eq!(got[rows * rank], 7.0, "{what}: wrote past t");
+    }
+    // A row length that is not a multiple of 4 is refused, not computed wrongly.
+    let (xb, ab) = (upload(&ctx, &[1.0; 6]), upload(&ctx, &[1.0; 6]));
+    let (wv, abg) = (GpuVector::upload(&ctx, "w", &[0.0; 6]).expect("w"), ctx.weights_bind_group(&ab, "a"));
+    let io = NormIo { x: &xb, y: &xb, x_offset: 0, y_offset: 0, rows: 1, n: 6, eps: 1e-6 };
+    let mut cache = IoBindCache::new(upload(&ctx, &[0.0; 64]));
+    let mut rec = Recorder::new(&ctx, &mut cache);
+    let err = rms_norm_shrink(&mut rec, &wv, &io, NormShrink { a: &abg, rank: 1, t: &xb });
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
 }
 
 #[test]

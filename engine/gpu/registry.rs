@@ -189,6 +189,8 @@ pub enum Kernel {
     RmsNorm,
     /// Gated RMSNorm of the GDN output, in place.
     RmsNormGated,
+    /// `RmsNorm` that also writes the LoRA shrink of the normalised rows.
+    RmsNormShrink,
     /// q norm + RoPE.
     PrepQ,
     /// k norm + RoPE, K/V cache write.
@@ -266,7 +268,7 @@ pub struct KernelDesc {
     /// Whether it binds a group-1 weight buffer.
     pub weights: bool,
     /// Whether it binds a group-2 adapter slot (LoRA B; LoRA A for the split shrinks of
-    /// `gdn_decode_lora` and `attend_one_lora`).
+    /// `gdn_decode_lora` and `attend_one_lora` and the shrink of `rms_norm_shrink`).
     pub lora: bool,
     /// Whether the shader has the `ACCUMULATE` override.
     pub accumulate: bool,
@@ -285,7 +287,7 @@ fn matmul_rows_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 39] = [
+pub const KERNELS: [KernelDesc; 40] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -370,6 +372,17 @@ pub const KERNELS: [KernelDesc; 39] = [
         io: &[R, W],
         weights: true,
         lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::RmsNormShrink,
+        shader: Shader::Norm,
+        entry: "rms_norm_shrink",
+        io: &[R, W, W],
+        weights: true,
+        lora: true,
         accumulate: false,
         dtype: false,
         variants: no_variants,

@@ -1,4 +1,4 @@
-//! `norm.wgsl`: RMSNorm1p and the GDN gated RMSNorm.
+//! `norm.wgsl`: RMSNorm1p (alone or with the LoRA shrink of its output) and the GDN gated RMSNorm.
 
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, GpuVector, Recorder};
@@ -22,8 +22,8 @@ pub struct NormParams {
     pub y_stride: u32,
     /// Epsilon inside the root.
     pub eps: f32,
-    /// Padding.
-    pub _pad: u32,
+    /// `rms_norm_shrink`: the rows of A (otherwise 0).
+    pub rank: u32,
 }
 
 /// Rows of `x` (contiguous, length `n`, from element `x_offset`) normalised into `y`.
@@ -54,8 +54,41 @@ pub fn rms_norm_gated(rec: &mut Recorder, w: &GpuVector, io: &NormIo) -> Result<
     record(rec, Kernel::RmsNormGated, w, io)
 }
 
-fn record(rec: &mut Recorder, kernel: Kernel, w: &GpuVector, io: &NormIo) -> Result<(), GpuError> {
-    let params = NormParams {
+/// The LoRA shrink `rms_norm_shrink` writes: `t[row, r] = y[row] · A[r]` for `r < rank`.
+#[derive(Clone, Copy)]
+pub struct NormShrink<'a> {
+    /// Group-2 bind group over A (f32 `[rank, n]`, one binding).
+    pub a: &'a wgpu::BindGroup,
+    /// Rows of A.
+    pub rank: usize,
+    /// The output, `[rows, rank]` from element 0.
+    pub t: &'a wgpu::Buffer,
+}
+
+/// [`rms_norm`], and the LoRA shrink of each normalised row in the same dispatch (a workgroup
+/// per row and 8 rows of A, each finding the row's norm). The row length must be a multiple of 4.
+pub fn rms_norm_shrink(rec: &mut Recorder, w: &GpuVector, io: &NormIo, shrink: NormShrink) -> Result<(), GpuError> {
+    if !io.n.is_multiple_of(4) {
+        return Err(GpuError::Validation {
+            during: "rms_norm_shrink".into(),
+            message: format!("row length {} is not a multiple of 4", io.n),
+        });
+    }
+    let params = NormParams { rank: shrink.rank as u32, ..params(io) };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension as usize;
+    if io.rows > max || shrink.rank.div_ceil(8) > max {
+        return Err(GpuError::Validation {
+            during: "rms_norm_shrink".into(),
+            message: format!("{} rows and rank {} exceed {max} workgroups per dimension", io.rows, shrink.rank),
+        });
+    }
+    let groups = [shrink.rank.div_ceil(8) as u32, io.rows as u32, 1];
+    let key = PipelineKey::plain(Kernel::RmsNormShrink);
+    rec.dispatch(key, &params, &[io.x, io.y, shrink.t], &[&w.bind_group, shrink.a], groups)
+}
+
+fn params(io: &NormIo) -> NormParams {
+    NormParams {
         n: io.n as u32,
         rows: io.rows as u32,
         x_offset: io.x_offset as u32,
@@ -63,8 +96,12 @@ fn record(rec: &mut Recorder, kernel: Kernel, w: &GpuVector, io: &NormIo) -> Res
         y_offset: io.y_offset as u32,
         y_stride: io.n as u32,
         eps: io.eps,
-        _pad: 0,
-    };
+        rank: 0,
+    }
+}
+
+fn record(rec: &mut Recorder, kernel: Kernel, w: &GpuVector, io: &NormIo) -> Result<(), GpuError> {
+    let params = params(io);
     let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
     let groups = grid_1d(io.rows as u32, max);
     rec.dispatch(PipelineKey::plain(kernel), &params, &[io.x, io.y], &[&w.bind_group], groups)

@@ -19,7 +19,7 @@ use crate::learn::{check_learnable, validate_events, LearnOptions, LearnReport, 
 use crate::lora::{InputGroup, LoraAdapter, LoraGroup, LoraMember, Proj};
 use crate::model::{Dtype, Mixer, Model};
 use crate::runtime::cache::LayerState;
-use crate::runtime::forward::{step, Capture, Input, LearnTaps, Rows};
+use crate::runtime::session::{Capture, Input, LearnTaps, Rows};
 use crate::runtime::Session;
 
 /// One trainable tensor (a group's concatenated A, or one projection's B) and its state.
@@ -260,7 +260,7 @@ impl Trainer {
             final_norm: &bf.final_norm,
         };
         let tap = Capture::Learn { layer: self.layer, row0: p - 1, rows: r, taps };
-        step(session, Input::Ids(&ids), Rows::Hidden, tap)?;
+        session.step(Input::Ids(&ids), Rows::Hidden, tap)?;
         let rowinfo: Vec<u32> = ev.response.iter().flat_map(|&t| [t, (coef / r as f32).to_bits()]).collect();
         model.ctx.write(&self.bufs.rowinfo, 0, bytemuck::cast_slice(&rowinfo));
         let Self { io, bufs: b, tensors, a_of, b_of, adapter, layer: li, .. } = self;

@@ -19,8 +19,8 @@ use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attn_params, gdn_params, gdn_step_fits, lin, lm_head, mixer_out, mlp_block, norm_rows, project, shrink, LayerLora,
-    Parts, Src, ATTN_IN, GDN_IN,
+    attn_params, block_input, gdn_params, gdn_step_fits, lin, lm_head, mixer_out, mlp_block, norm_rows, project,
+    LayerLora, Parts, Shrunk, Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::{Logits, Session};
@@ -204,14 +204,13 @@ impl Batch {
         embed(&mut rec, &model.embed, &self.ids, n, &sc.hidden)?;
         for (i, layer) in model.layers.iter().enumerate() {
             let lora = self.lora.as_ref().map(|l| LayerLora { bound: &l.bound, t: &l.t, layer: i });
-            rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, n))?;
-            let src = Src::plain(&sc.xnorm);
+            let mixer_in = block_input(&mut rec, c, sc, &layer.input_norm, false, lora, InputGroup::MixerIn, n)?;
             match &layer.mixer {
-                Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, src, lora)?,
-                Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, src, lora)?,
+                Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
+                Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
             }
-            rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, n))?;
-            mlp_block(&mut rec, c, sc, &layer.mlp, Src::plain(&sc.xnorm), lora, n)?;
+            let mlp_in = block_input(&mut rec, c, sc, &layer.post_norm, false, lora, InputGroup::MlpIn, n)?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, lora, n)?;
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
@@ -387,12 +386,11 @@ fn gdn_rows(
     w: &GdnWeights,
     sessions: &[&mut Session],
     layer: usize,
-    src: Src,
+    (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
 ) -> Result<(), GpuError> {
     let n = sessions.len();
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
-    let s = shrink(rec, lora, InputGroup::MixerIn, src, n)?;
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     project(rec, c, part(0), &lin(src.x, &sc.wide_a, n, cd), src, &s)?;
     project(rec, c, part(1), &lin(src.x, &sc.mid_a, n, vd), src, &s)?;
@@ -464,12 +462,11 @@ fn attention_rows(
     w: &AttnWeights,
     sessions: &[&mut Session],
     layer: usize,
-    src: Src,
+    (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
 ) -> Result<(), GpuError> {
     let n = sessions.len();
     let (q_out, kv, attn) = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_heads * c.head_dim);
-    let s = shrink(rec, lora, InputGroup::MixerIn, src, n)?;
     let part = |parts| Parts { w: &w.qkv, order: &ATTN_IN, parts };
     project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, n, q_out), src, &s)?;
     project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, n, kv), src, &s)?;

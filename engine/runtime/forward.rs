@@ -1,4 +1,5 @@
-//! The layer loop: records one step (up to `max_batch` tokens) into one command buffer.
+//! The layer loop's blocks: what one step (up to `max_batch` tokens; `session/step.rs` records it)
+//! runs per layer.
 //!
 //! Scratch use per block (see `cache.rs` for the buffers):
 //! * GDN: xnorm → in_proj_qkv → wide_a → conv → wide_b → delta rule (+ beta, decay) → mid_b,
@@ -13,37 +14,20 @@
 //! The projections that read one input are one weight (rows concatenated, `weights.rs`); a
 //! multi-token step runs each projection's row range into its own buffer.
 
-use crate::error::{GpuError, RunError};
-use crate::gpu::{Dtype, GpuContext, GpuWeight, Recorder};
+use crate::error::GpuError;
+use crate::gpu::{Dtype, GpuVector, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
     linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, SplitShrink, WeightRows,
     SPLIT_SHRINK_MAX_RANK,
 };
-use crate::kernels::misc::{argmax, embed, swiglu, topk, topk_blocks, topk_mass_offset, TopkIo};
-use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
+use crate::kernels::misc::swiglu;
+use crate::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
 use crate::lora::{InputGroup, LoraGroup, Proj};
-use crate::model::{AttnWeights, GdnWeights, Mixer, Mlp, Model, TextConfig};
+use crate::model::{AttnWeights, GdnWeights, Mlp, Model, TextConfig};
 use crate::runtime::adapters::BoundSet;
-use crate::runtime::cache::{LayerState, Scratch};
-use crate::runtime::session::{Logits, Session};
-
-pub(crate) struct StepOutput {
-    pub logits: Logits,
-    pub hidden: Option<Vec<f32>>,
-    /// The submission of the step's layers (a greedy choice is ready when it completes).
-    pub index: wgpu::SubmissionIndex,
-}
-
-/// A step's tokens.
-#[derive(Clone, Copy)]
-pub(crate) enum Input<'a> {
-    /// Ids from the host.
-    Ids(&'a [u32]),
-    /// The one id an earlier step's greedy choice left in the session's id buffer.
-    Chosen,
-}
+use crate::runtime::cache::Scratch;
 
 /// The active adapter as one layer's step sees it.
 #[derive(Clone, Copy)]
@@ -106,6 +90,41 @@ pub(crate) fn head_split<'a>(
     })
 }
 
+/// A block's input for the projections of `group` and their LoRA shrink when an adapter covers
+/// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections;
+/// otherwise `xnorm`, written by a norm dispatch of its own, which for one token also writes the
+/// shrink when A is f32 in one binding (`rms_norm_shrink`: one dispatch instead of two).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn block_input<'a>(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    sc: &'a Scratch,
+    norm: &'a GpuVector,
+    fold: bool,
+    lora: Option<LayerLora<'a>>,
+    group: InputGroup,
+    t: usize,
+) -> Result<(Src<'a>, Option<Shrunk<'a>>), GpuError> {
+    if fold {
+        let src = Src::normed(&sc.hidden, &norm.buffer, c.rms_norm_eps);
+        return Ok((src, shrink(rec, lora, group, src, t)?));
+    }
+    let io = norm_rows(sc, c, 0, t);
+    let src = Src::plain(&sc.xnorm);
+    let covered = lora.and_then(|l| Some((l, l.bound.lora.group(l.layer, group)?)));
+    if let Some((l, g)) = covered.filter(|_| t == 1 && c.hidden_size.is_multiple_of(4)) {
+        if let [chunk] = g.a.chunks.as_slice() {
+            if chunk.dtype == Dtype::F32 && g.a.cols == c.hidden_size {
+                let shrink = NormShrink { a: &chunk.bind_group, rank: g.rank_total, t: l.t };
+                rms_norm_shrink(rec, norm, &io, shrink)?;
+                return Ok((src, Some(Shrunk { lora: l, group: g, parts: None })));
+            }
+        }
+    }
+    rms_norm(rec, norm, &io)?;
+    Ok((src, shrink(rec, lora, group, src, t)?))
+}
+
 /// The input of a block's projections: a buffer and what to do to it first (single-token steps
 /// fold the block's RMSNorm or the SwiGLU product into the projections that read it).
 #[derive(Clone, Copy)]
@@ -120,7 +139,7 @@ impl<'a> Src<'a> {
     }
 
     /// `x` through the block norm `weight` (fused into the projections that read it).
-    fn normed(x: &'a wgpu::Buffer, weight: &'a wgpu::Buffer, eps: f32) -> Self {
+    pub(crate) fn normed(x: &'a wgpu::Buffer, weight: &'a wgpu::Buffer, eps: f32) -> Self {
         Self { x, fuse: Fuse { norm: Some(FusedNorm { weight, eps }), glu: false } }
     }
 }
@@ -208,19 +227,18 @@ pub(crate) fn lin<'a>(x: &'a wgpu::Buffer, y: &'a wgpu::Buffer, m: usize, y_stri
 }
 
 #[allow(clippy::too_many_arguments)]
-fn gdn_block(
+pub(crate) fn gdn_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &GdnWeights,
     conv: [&wgpu::Buffer; 2],
     state: [&wgpu::Buffer; 2],
-    src: Src,
+    (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
-    let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     let params = gdn_params(c, t);
     let fused = t == 1 && gdn_step_fits(c);
@@ -315,7 +333,7 @@ pub(crate) fn attn_params(
 }
 
 #[allow(clippy::too_many_arguments)]
-fn attention_block(
+pub(crate) fn attention_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
@@ -324,13 +342,12 @@ fn attention_block(
     rope: &wgpu::Buffer,
     pos0: usize,
     s_max: usize,
-    src: Src,
+    (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
     (t, one): (usize, bool),
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
     let (q_out, kv) = (2 * hq * hd, hkv * hd);
-    let s = shrink(rec, lora, InputGroup::MixerIn, src, t)?;
     let part = |parts| Parts { w: &w.qkv, order: &ATTN_IN, parts };
     if one {
         // One token: q|gate, k and v in one dispatch, read in place by one attention dispatch
@@ -390,12 +407,11 @@ pub(crate) fn mlp_block(
     c: &TextConfig,
     sc: &Scratch,
     w: &Mlp,
-    src: Src,
+    (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
-    let s = shrink(rec, lora, InputGroup::MlpIn, src, t)?;
     let part = |parts| Parts { w: &w.gate_up, order: &MLP_IN, parts };
     if t == 1 && part(0..2).rows(c).in_one_chunk() {
         let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
@@ -442,242 +458,4 @@ pub(crate) fn lm_head(
         accumulate: false,
     };
     linear_with(rec, model.output(), &io, None, src.fuse)
-}
-
-fn capture_slot(rec: &mut Recorder, sc: &Scratch, dst: Option<&wgpu::Buffer>, slot: usize, bytes: u64) {
-    if let Some(dst) = dst {
-        rec.copy(&sc.hidden, 0, dst, slot as u64 * bytes, bytes);
-    }
-}
-
-/// What a step copies out of the residual stream besides its result.
-#[derive(Clone, Copy)]
-pub(crate) enum Capture<'a> {
-    /// Nothing.
-    None,
-    /// The residual stream after the embedding and after every layer (`[L+1, T, H]`).
-    Layers,
-    /// What a learning step differentiates, from the attention layer `layer` (see [`LearnTaps`]),
-    /// with rows `row0..row0 + rows` of the residual stream entering its MLP.
-    Learn { layer: usize, row0: usize, rows: usize, taps: LearnTaps<'a> },
-}
-
-/// Where a learning step's forward copies what the backward reads, each from element 0 and for
-/// every row of the step unless said otherwise (`T` rows).
-#[derive(Clone, Copy)]
-pub(crate) struct LearnTaps<'a> {
-    /// The layer's normalised mixer input `[T, H]`.
-    pub mixer_in: &'a wgpu::Buffer,
-    /// Rows `row0..row0 + rows` of the residual entering the layer's MLP `[rows, H]`.
-    pub mlp_in: &'a wgpu::Buffer,
-    /// q_proj's output (query and gate per head) `[T, 2·Hq·hd]`.
-    pub qg: &'a wgpu::Buffer,
-    /// The normed, rotated queries `[T, Hq·hd]`.
-    pub q: &'a wgpu::Buffer,
-    /// k_proj's output `[T, Hkv·hd]`.
-    pub kraw: &'a wgpu::Buffer,
-    /// The gated attention output (o_proj's input) `[T, Hq·hd]`.
-    pub attn_out: &'a wgpu::Buffer,
-    /// The residual after the last layer `[T, H]`.
-    pub hidden: &'a wgpu::Buffer,
-    /// The final norm's output `[T, H]`.
-    pub final_norm: &'a wgpu::Buffer,
-}
-
-/// Which positions of a step get the final norm and lm_head.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub(crate) enum Rows {
-    /// The last position: logits for sampling.
-    Last,
-    /// Every position's logits.
-    All,
-    /// Every position's final-norm hidden state, no logits.
-    Hidden,
-    /// The last position's greedy choice, made on the GPU: the id goes into the session's id
-    /// buffer (the next step's input) and into its choice staging slot; nothing is read back here.
-    Choose {
-        /// The staging slot (of two) the id is copied into.
-        slot: usize,
-    },
-    /// The last position's sampling candidates, found on the GPU: the `k` best logits outside
-    /// the `hist` history ids the session uploaded, and the history's own logits, copied into the
-    /// session's candidate staging; nothing is read back here.
-    Sample {
-        /// Candidates.
-        k: usize,
-        /// Distinct history ids.
-        hist: usize,
-        /// For sampling without top-k: the inverse temperature at which the candidate pass's
-        /// blocks' softmax masses are copied out after the flag.
-        mass: Option<f32>,
-    },
-}
-
-/// Record and submit one step of `input` (at most `max_batch` tokens) at the session's position.
-/// The GDN layers read the state pair at the session's parity and write the other one: the step
-/// takes effect when the caller commits it ([`Session::commit`]).
-pub(crate) fn step(s: &mut Session, input: Input, rows: Rows, capture: Capture) -> Result<StepOutput, RunError> {
-    let model = s.model.clone();
-    let ctx: &GpuContext = &model.ctx;
-    let c = &model.config;
-    let t = match input {
-        Input::Ids(ids) => {
-            ctx.write(&s.ids, 0, bytemuck::cast_slice(ids));
-            ids.len()
-        }
-        Input::Chosen => 1,
-    };
-    let h = c.hidden_size;
-    let (from, to) = (s.parity, 1 - s.parity);
-    let slot_bytes = (t * h * 4) as u64;
-    let row = (h * 4) as u64;
-    let captured = if matches!(capture, Capture::Layers) {
-        Some(ctx.storage_buffer("hidden capture", slot_bytes * (c.num_layers() as u64 + 1), false)?)
-    } else {
-        None
-    };
-    let last = matches!(rows, Rows::Last | Rows::Choose { .. } | Rows::Sample { .. });
-    let (r0, n) = if last { (t - 1, 1) } else { (0, t) };
-    let first_rows = if rows == Rows::Hidden { 0 } else { n.min(s.logits_rows) };
-    // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
-    // the prologues of the projections that read them (no dispatch of their own).
-    let fold = s.fused && t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
-    // One token not captured for learning: attention runs q|k|v in one dispatch, read in place.
-    let one = t == 1 && !matches!(capture, Capture::Learn { .. });
-    let eps = c.rms_norm_eps;
-    let index = {
-        let sc = &s.scratch;
-        let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
-        embed(&mut rec, &model.embed, &s.ids, t, &sc.hidden)?;
-        capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
-        let active = s.lora.bound.as_ref().zip(s.lora.t.as_ref());
-        for (i, layer) in model.layers.iter().enumerate() {
-            let lora = active.map(|(bound, (t, _))| LayerLora { bound, t, layer: i });
-            let mixer_src = if fold {
-                Src::normed(&sc.hidden, &layer.input_norm.buffer, eps)
-            } else {
-                rms_norm(&mut rec, &layer.input_norm, &norm_rows(sc, c, 0, t))?;
-                Src::plain(&sc.xnorm)
-            };
-            if let Capture::Learn { layer, taps, .. } = capture {
-                if layer == i {
-                    rec.copy(&sc.xnorm, 0, taps.mixer_in, 0, t as u64 * row);
-                }
-            }
-            match (&layer.mixer, &s.states[i]) {
-                (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
-                    let (conv, state) = ([&conv[from], &conv[to]], [&state[from], &state[to]]);
-                    gdn_block(&mut rec, c, sc, w, conv, state, mixer_src, lora, t)?
-                }
-                (Mixer::Attention(w), LayerState::Attention { k, v }) => {
-                    let cache = (k, v);
-                    let rope = &s.rope;
-                    attention_block(
-                        &mut rec,
-                        c,
-                        sc,
-                        w,
-                        cache,
-                        rope,
-                        s.pos,
-                        s.opts.max_context,
-                        mixer_src,
-                        lora,
-                        (t, one),
-                    )?
-                }
-                _ => {
-                    return Err(RunError::Gpu(GpuError::Validation {
-                        during: format!("layer {i}"),
-                        message: "layer state does not match the layer type".into(),
-                    }))
-                }
-            }
-            if let Capture::Learn { layer, row0, rows, taps } = capture {
-                if layer == i {
-                    // The attention block's activations (its single-token path is not taken when
-                    // learning, so they are in the per-projection buffers).
-                    let (attn, kv) = ((c.num_heads * c.head_dim * 4) as u64, (c.num_kv_heads * c.head_dim * 4) as u64);
-                    let tt = t as u64;
-                    rec.copy(&sc.wide_a, 0, taps.qg, 0, tt * 2 * attn);
-                    rec.copy(&sc.wide_b, 0, taps.q, 0, tt * attn);
-                    rec.copy(&sc.mid_a, 0, taps.kraw, 0, tt * kv);
-                    rec.copy(&sc.mid_b, 0, taps.attn_out, 0, tt * attn);
-                    rec.copy(&sc.hidden, row0 as u64 * row, taps.mlp_in, 0, rows as u64 * row);
-                }
-            }
-            let mlp_src = if fold {
-                Src::normed(&sc.hidden, &layer.post_norm.buffer, eps)
-            } else {
-                rms_norm(&mut rec, &layer.post_norm, &norm_rows(sc, c, 0, t))?;
-                Src::plain(&sc.xnorm)
-            };
-            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_src, lora, t)?;
-            capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
-        }
-        let head_src = if fold {
-            Src::normed(&sc.hidden, &model.norm.buffer, eps)
-        } else {
-            rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
-            Src::plain(&sc.xnorm)
-        };
-        if let Capture::Learn { taps, .. } = capture {
-            rec.copy(&sc.hidden, 0, taps.hidden, 0, t as u64 * row);
-            rec.copy(&sc.xnorm, 0, taps.final_norm, 0, t as u64 * row);
-        }
-        if first_rows > 0 {
-            lm_head(&mut rec, &model, head_src, &s.logits, r0, first_rows)?;
-        }
-        if let Rows::Choose { slot } = rows {
-            // The id and the row's non-finite flag.
-            argmax(&mut rec, &s.logits, &s.parts, &s.ids, c.vocab_size)?;
-            rec.copy(&s.ids, 0, s.chosen[slot].buffer(), 0, 8);
-        }
-        if let Rows::Sample { k, hist, mass } = rows {
-            let b = &s.sample;
-            // The row's non-finite flag, before the mask overwrites the history's logits (with
-            // the lowest key, a NaN pattern); the argmax's id is not used.
-            argmax(&mut rec, &s.logits, &s.parts, &b.flag, c.vocab_size)?;
-            let flag_at = (k * 8 + hist * 4) as u64;
-            rec.copy(&b.flag, 4, b.staging.buffer(), flag_at, 4);
-            let io = TopkIo {
-                logits: &s.logits,
-                parts: &b.parts,
-                out: &b.out,
-                hist_ids: &b.hist_ids,
-                hist_out: &b.hist_out,
-            };
-            topk(&mut rec, &io, c.vocab_size, k, hist, mass.unwrap_or(0.0))?;
-            let pairs = (k * 8) as u64;
-            rec.copy(&b.out, 0, b.staging.buffer(), 0, pairs);
-            if hist > 0 {
-                rec.copy(&b.hist_out, 0, b.staging.buffer(), pairs, (hist * 4) as u64);
-            }
-            if mass.is_some() {
-                let bytes = (topk_blocks(c.vocab_size) * 8) as u64;
-                rec.copy(&b.parts, topk_mass_offset(c.vocab_size, k), b.staging.buffer(), flag_at + 4, bytes);
-            }
-        }
-        let index = rec.submit()?;
-        if let Rows::Choose { .. } | Rows::Sample { .. } = rows {
-            let logits = Logits { rows: 0, vocab: c.vocab_size, data: Vec::new() };
-            return Ok(StepOutput { logits, hidden: None, index });
-        }
-        index
-    };
-    let mut data = s.read_logits(first_rows)?;
-    let mut done = first_rows;
-    while done < n && rows != Rows::Hidden {
-        let rows = (n - done).min(s.logits_rows);
-        let mut rec = Recorder::new(ctx, &mut s.io).profiled(s.profile.as_mut());
-        lm_head(&mut rec, &model, Src::plain(&s.scratch.xnorm), &s.logits, r0 + done, rows)?;
-        rec.submit()?;
-        data.extend(s.read_logits(rows)?);
-        done += rows;
-    }
-    let hidden = match &captured {
-        Some(buf) => Some(crate::gpu::read_f32(ctx, buf, 0, (c.num_layers() + 1) * t * h)?),
-        None => None,
-    };
-    Ok(StepOutput { logits: Logits { rows: done, vocab: c.vocab_size, data }, hidden, index })
 }

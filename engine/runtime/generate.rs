@@ -26,8 +26,8 @@ use std::collections::BTreeSet;
 
 use crate::error::RunError;
 use crate::kernels::misc::topk_max;
-use crate::runtime::forward::Input;
 use crate::runtime::sampler::Sampler;
+use crate::runtime::session::Input;
 use crate::runtime::session::Session;
 
 /// Generation settings.

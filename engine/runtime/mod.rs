@@ -7,7 +7,7 @@ pub(crate) mod forward;
 mod generate;
 mod prompt_cache;
 mod sampler;
-mod session;
+pub(crate) mod session;
 
 pub use adapters::ActiveAdapter;
 pub use batch::{Batch, MAX_BATCH_SESSIONS};

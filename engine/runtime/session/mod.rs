@@ -10,8 +10,11 @@ use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::adapters::{ActiveAdapter, LoraState};
 use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerState, Scratch};
-use crate::runtime::forward::{self, Capture, Input, Rows};
 use crate::runtime::sampler::Candidates;
+
+mod step;
+
+pub(crate) use step::{Capture, Input, LearnTaps, Rows};
 
 /// Largest context a session holds, in tokens (2^20: four times Qwen 3.5's 262,144 positions).
 /// Checked before anything is allocated, so every cache size below is computed without overflow.
@@ -310,7 +313,7 @@ impl Session {
     pub fn prefill(&mut self, ids: &[u32]) -> Result<(), RunError> {
         self.check(ids)?;
         for chunk in ids.chunks(self.opts.max_batch) {
-            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.step(Input::Ids(chunk), Rows::Hidden, Capture::None)?;
             self.commit(chunk.len());
         }
         Ok(())
@@ -442,7 +445,7 @@ impl Session {
         let h = self.model.config.hidden_size;
         let mut out = Vec::with_capacity(ids.len() * h);
         for chunk in ids.chunks(self.opts.max_batch) {
-            forward::step(self, Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            self.step(Input::Ids(chunk), Rows::Hidden, Capture::None)?;
             out.extend(read_f32(self.ctx(), &self.scratch.xnorm, 0, chunk.len() * h)?);
             self.commit(chunk.len());
         }
@@ -489,7 +492,7 @@ impl Session {
                 (false, true) => Rows::Last,
                 (false, false) => Rows::Hidden,
             };
-            let out = forward::step(self, Input::Ids(chunk), rows, tap)?;
+            let out = self.step(Input::Ids(chunk), rows, tap)?;
             self.commit(chunk.len());
             if all {
                 logits.rows += out.logits.rows;
@@ -517,7 +520,7 @@ impl Session {
     /// Submit a step of `input` whose last position's greedy choice is made on the GPU and
     /// copied into staging slot `slot`; the step is not committed and nothing is waited for.
     pub(crate) fn submit_choice(&mut self, input: Input, slot: usize) -> Result<wgpu::SubmissionIndex, RunError> {
-        Ok(forward::step(self, input, Rows::Choose { slot }, Capture::None)?.index)
+        Ok(self.step(input, Rows::Choose { slot }, Capture::None)?.index)
     }
 
     /// Submit a step of `input` whose last position's logits go through the top-`k` candidate
@@ -533,7 +536,7 @@ impl Session {
         if !history.is_empty() {
             self.ctx().write(&self.sample.hist_ids, 0, bytemuck::cast_slice(history));
         }
-        Ok(forward::step(self, input, Rows::Sample { k, hist: history.len(), mass }, Capture::None)?.index)
+        Ok(self.step(input, Rows::Sample { k, hist: history.len(), mass }, Capture::None)?.index)
     }
 
     /// What a sample step left, once submission `index` has completed: the candidates (id,
