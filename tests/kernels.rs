@@ -13,8 +13,9 @@ use qwen35_wgpu::gpu::{
 use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink};
 use qwen35_wgpu::kernels::matmul::{
-    batch_tokens, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse, FusedNorm, LinearIo,
-    LoraExpand, LoraSegment, ScaleTableAt, SplitShrink, WeightRows, MATMUL_ROWS, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse,
+    FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_ROWS,
+    MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
@@ -164,6 +165,7 @@ fn segment_b(segments: &[(usize, usize)], seed: u64) -> (Vec<f32>, Vec<usize>) {
 fn matvec_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     matvec_sweep(&ctx);
+    glu_shrink_out_sweep(&ctx);
 }
 
 /// The matvec sweeps on a context without subgroups (the portable reduction for every shape) and
@@ -180,8 +182,80 @@ fn matvec_sweeps_match_reference_on_both_reduction_paths() {
             assert!(has, "{}: no SUBGROUP feature, so CI would not test the subgroup kernels", ctx.info.name);
         }
         matvec_sweep(&ctx);
+        glu_shrink_out_sweep(&ctx);
         affine_sweep(&ctx);
     }
+}
+
+/// A SwiGLU matvec that also writes the next projection's shrink split by workgroup: the
+/// outputs, each workgroup's part (its outputs times their columns of A, the rank's padding
+/// zero) and nothing past the last part, over every rows-per-workgroup variant, ranks around
+/// the padding, dtypes, with and without a norm and a LoRA expand of its own.
+fn glu_shrink_out_sweep(ctx: &GpuContext) {
+    let g = ctx.min_workgroups();
+    // (outputs, k, rank, dtype, norm, own LoRA rank)
+    let cases = [
+        (1, 8, 1, Dtype::BF16, false, 0),
+        (5, 13, 4, Dtype::F32, true, 0),
+        (33, 16, 13, Dtype::F16, false, 3),
+        (8 * g - 3, 24, 16, Dtype::BF16, true, 4),
+        (16 * g + 5, 8, 2, Dtype::BF16, false, 0),
+        (32 * g + 1, 40, 33, Dtype::F32, false, 8),
+    ];
+    let mut lanes = std::collections::BTreeSet::new();
+    for (ci, &(n, k, rank, dtype, norm, own)) in cases.iter().enumerate() {
+        let seed = 900 + ci as u64 * 7;
+        let (bytes, w) = weight_bytes(&rand(2 * n * k, seed, 1.0), dtype);
+        let gw = GpuWeight::upload(ctx, "w", dtype, 2 * n, k, &bytes, u64::MAX).expect("weight");
+        let x = rand(k, seed + 1, 1.0);
+        let norm_w = rand(k, seed + 2, 0.5);
+        let a = rand(rank * n, seed + 3, 1.0);
+        let count = glu_shrink_parts(ctx, 2 * n);
+        lanes.insert(matvec_lanes(2 * n, g));
+        let per = 256 / matvec_lanes(2 * n, g) as usize;
+        let (at, pad) = (n.next_multiple_of(4), rank.next_multiple_of(4));
+        let y_len = at + count * pad + 4;
+        let (xb, yb, ab, nb) = (upload(ctx, &x), upload(ctx, &vec![7.0; y_len]), upload(ctx, &a), upload(ctx, &norm_w));
+        // Its own expand (gate|up adapted too): one segment over all 2n rows.
+        let t = rand(own.max(1), seed + 4, 1.0);
+        let b = rand(2 * n * own.max(1), seed + 5, 0.1);
+        let (tb, bb) = (upload(ctx, &t), upload(ctx, &b));
+        let bg = ctx.weights_bind_group(&bb, "b");
+        let lora = LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg);
+        let shrink_out = Some(ShrinkOut { a: &ab, rank, at });
+        let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu: true, shrink_out };
+        let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
+        run(ctx, |rec| linear_rows(rec, WeightRows::all(&gw), &io, (own > 0).then_some(&lora), fuse));
+        let xin = if norm { cpu::rms_norm(&x, &norm_w, k, 1e-6) } else { x.clone() };
+        let mut vals = cpu::linear(&xin, &w, 1, 2 * n, k);
+        if own > 0 {
+            for (r, v) in vals.iter_mut().enumerate() {
+                *v += 0.5 * (0..own).map(|c| t[c] * b[r * own + c]).sum::<f32>();
+            }
+        }
+        let h: Vec<f32> = (0..n).map(|o| cpu::silu(vals[o]) * vals[n + o]).collect();
+        let got = read(ctx, &yb, y_len);
+        let what = format!("SwiGLU shrink out n{n} k{k} rank {rank} {dtype:?} norm {norm} own rank {own}");
+        assert_close(&what, &got[..n], &h, KERNEL_ATOL, KERNEL_RTOL);
+        for q in 0..count {
+            let part = &got[at + q * pad..at + (q + 1) * pad];
+            let cols = q * per..((q + 1) * per).min(n);
+            let want: Vec<f32> = (0..rank).map(|r| cols.clone().map(|o| a[r * n + o] * h[o]).sum()).collect();
+            assert_close(&format!("{what}: part {q} of {count}"), &part[..rank], &want, KERNEL_ATOL, KERNEL_RTOL);
+            assert!(part[rank..].iter().all(|&v| v == 0.0), "{what}: padding of part {q}");
+        }
+        assert!(got[at + count * pad..].iter().all(|&v| v == 7.0), "{what}: wrote past the parts");
+    }
+    assert_eq!(lanes.len(), 4, "every rows-per-workgroup variant: {lanes:?}");
+    // Refused, not computed wrongly: parts that do not fit in y.
+    let gw = GpuWeight::upload(ctx, "w", Dtype::F32, 8, 8, &[0; 8 * 8 * 4], u64::MAX).expect("weight");
+    let (xb, yb, ab) = (upload(ctx, &[1.0; 8]), upload(ctx, &[0.0; 4]), upload(ctx, &[1.0; 4]));
+    let fuse = Fuse { glu: true, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 4 }), ..Fuse::NONE };
+    let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: 4, accumulate: false };
+    let mut cache = IoBindCache::new(upload(ctx, &[0.0; 64]));
+    let mut rec = Recorder::new(ctx, &mut cache);
+    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
 }
 
 /// Matvec shapes, dtypes, LoRA segments, fusions and split shrinks against the reference.
@@ -290,7 +364,7 @@ fn matvec_sweep(ctx: &GpuContext) {
                 let lora = LoraExpand { t: &tb, t_stride: t_cols, b: &bg, segments, table, parts };
                 let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
-                let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu };
+                let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu, shrink_out: None };
                 let view = WeightRows { w: &gw, rows: view0..view0 + rows };
                 run(ctx, |rec| linear_rows(rec, view, &io, (rank > 0).then_some(&lora), fuse));
                 let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };

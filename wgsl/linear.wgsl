@@ -23,6 +23,11 @@
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
 //    output row); the kernel sums them into workgroup memory in its prologue. Each shader defines
 //    t_vec and t_one, the t values (not the scale table) lora_row reads.
+// Shrink out (matvec with GLU only): when out_rank > 0, the dispatch also writes the LoRA shrink
+//    of its output for the projection that reads it (down_proj), split by workgroup: part w's
+//    column r at y element out_at + w * (out_rank rounded up to 4) + r, the sum over the
+//    workgroup's outputs o of y[o] * out_a[r, o] (out_a f32 [out_rank, n]); that projection
+//    sums the parts as a split shrink.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override ACCUMULATE: bool = false;
@@ -47,6 +52,10 @@ struct Params {
     lora_sc_stride: u32,
     lora_parts: u32,
     lora_parts_at: u32,
+    out_rank: u32,
+    out_at: u32,
+    _pad0: u32,
+    _pad1: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,

@@ -40,10 +40,12 @@ const TM: u32 = 8u;
 
 // Parameters, bindings 0-3 and the weight decoder: linear.wgsl (t is bound to x when unused).
 @group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM: its weight (x when unused)
+@group(0) @binding(5) var<storage, read> out_a: array<f32>;      // shrink out: A (x when unused)
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 var<workgroup> tsum: array<vec4<f32>, 64>; // split shrink: t summed from its parts (rank <= 256)
+var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs
 
 // Split shrink (linear.wgsl): invocations sum the parts' columns into tsum, 4 at a time (the
 // parts start 16-byte aligned, each rank rounded up to 4 floats); the reduction's barrier comes
@@ -297,11 +299,35 @@ fn stores(s: Slot, li: u32) -> bool {
 fn store(s: Slot, li: u32, v: vec2<f32>) {
     let idx = p.y_offset + s.row0 + li;
     if (GLU) {
-        y[idx] = silu(v.x) * v.y;
+        let h = silu(v.x) * v.y;
+        y[idx] = h;
+        outs[li] = h;
     } else if (ACCUMULATE) {
         y[idx] = y[idx] + v.x;
     } else {
         y[idx] = v.x;
+    }
+}
+
+// Shrink out (linear.wgsl; GLU only, uniform: out_rank > 0): after one barrier, invocation r
+// sums the workgroup's outputs times row r of A over their columns and stores the workgroup's
+// part (the rank's padding as zeros).
+fn shrink_out(row0: u32, part: u32, li: u32) {
+    if (row0 >= p.n) {
+        return; // a workgroup past the rows (a two-dimensional grid's last row)
+    }
+    workgroupBarrier();
+    let pad = (p.out_rank + 3u) & ~3u;
+    let n = min(outputs() * (WG / LANES), p.n - row0);
+    for (var r = li; r < pad; r += WG) {
+        var sum = 0.0;
+        if (r < p.out_rank) {
+            let a0 = r * p.n + row0;
+            for (var o = 0u; o < n; o++) {
+                sum = fma(outs[o], out_a[a0 + o], sum);
+            }
+        }
+        y[p.out_at + part * pad + r] = sum;
     }
 }
 
@@ -315,6 +341,9 @@ fn matvec(
     let v = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
         store(s, li, v);
+    }
+    if (GLU && p.out_rank > 0u) {
+        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 
@@ -336,5 +365,8 @@ fn matvec_lora(
             v.y += lora_row(p.n + o, 0u);
         }
         store(s, li, v);
+    }
+    if (GLU && p.out_rank > 0u) {
+        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }

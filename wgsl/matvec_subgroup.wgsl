@@ -73,6 +73,7 @@ fn output_sg(sums: Sums, q: u32) -> vec2<f32> {
 fn matvec_sg(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
     @builtin(subgroup_id) sg_id: u32,
     @builtin(subgroup_invocation_id) sg_lane: u32,
     @builtin(subgroup_size) sg_size: u32,
@@ -84,6 +85,9 @@ fn matvec_sg(
         if (computes(s) && s.row0 + o < p.n) {
             store(s, o, output_sg(sums, q));
         }
+    }
+    if (GLU && p.out_rank > 0u) {
+        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 
@@ -113,6 +117,9 @@ fn matvec_sg_lora(
             }
             store(s, o, v);
         }
+    }
+    if (GLU && p.out_rank > 0u) {
+        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 

@@ -3,7 +3,7 @@
 use std::ops::Range;
 
 use crate::error::GpuError;
-use crate::gpu::{grid_1d, Dtype, GpuWeight, Recorder};
+use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
     matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_BATCH_TOKENS,
     MATVEC_LANES,
@@ -46,6 +46,13 @@ pub struct MatmulParams {
     pub lora_parts: u32,
     /// Split shrink: the element of x where part 0 starts (a multiple of 4).
     pub lora_parts_at: u32,
+    /// Shrink out (matvec with SwiGLU): the rank of the next projection's shrink written split
+    /// by workgroup (0: none).
+    pub out_rank: u32,
+    /// Shrink out: the element of y where part 0 starts (a multiple of 4).
+    pub out_at: u32,
+    /// Padding (the segment fields are 16-byte aligned).
+    pub _pad: [u32; 2],
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -67,6 +74,20 @@ pub struct FusedNorm<'a> {
     pub eps: f32,
 }
 
+/// The LoRA shrink of a SwiGLU layer's output for the projection that reads it (down_proj),
+/// written by the SwiGLU dispatch split by workgroup ([`glu_shrink_parts`] parts of `rank`
+/// rounded up to 4, in y from element `at`): that projection sums them as a [`SplitShrink`]
+/// instead of a shrink dispatch of its own.
+#[derive(Clone, Copy)]
+pub struct ShrinkOut<'a> {
+    /// A, f32 `[rank, n]` (n: the layer's outputs).
+    pub a: &'a wgpu::Buffer,
+    /// Rows of A (at most [`SPLIT_SHRINK_MAX_RANK`]).
+    pub rank: usize,
+    /// The element of y where part 0 starts (a multiple of 4, past the outputs).
+    pub at: usize,
+}
+
 /// What a single-token linear layer fuses in, saving the dispatches that would do it.
 #[derive(Clone, Copy)]
 pub struct Fuse<'a> {
@@ -75,11 +96,13 @@ pub struct Fuse<'a> {
     /// SwiGLU after the product (`GLU`) over a concatenated `[gate; up]` weight: the rows are
     /// split in halves and `y = silu(gate) · up` (half as many outputs as rows).
     pub glu: bool,
+    /// With SwiGLU: the next projection's LoRA shrink of the output, split by workgroup.
+    pub shrink_out: Option<ShrinkOut<'a>>,
 }
 
 impl Fuse<'_> {
     /// Nothing fused.
-    pub const NONE: Fuse<'static> = Fuse { norm: None, glu: false };
+    pub const NONE: Fuse<'static> = Fuse { norm: None, glu: false, shrink_out: None };
 
     /// The `variant` bits: 1 = norm, 2 = SwiGLU.
     pub fn code(&self) -> u32 {
@@ -148,6 +171,39 @@ pub struct SplitShrink {
 
 /// The largest total rank a split shrink takes (`tsum` in `matvec.wgsl`).
 pub const SPLIT_SHRINK_MAX_RANK: usize = 256;
+
+/// The parts a single-token SwiGLU layer over `rows` weight rows (`[gate; up]`) writes its
+/// [`ShrinkOut`] in: one per workgroup.
+pub fn glu_shrink_parts(ctx: &GpuContext, rows: usize) -> usize {
+    let lanes = matvec_lanes(rows, ctx.min_workgroups()) as usize;
+    (rows / 2).div_ceil(4 * 64 / lanes)
+}
+
+/// Why `s` cannot be written by the SwiGLU layer `view` → `io`, if it cannot.
+fn shrink_out_error(ctx: &GpuContext, view: &WeightRows, io: &LinearIo, s: ShrinkOut) -> Option<String> {
+    let n = view.rows.len() / 2;
+    let end = s.at + glu_shrink_parts(ctx, view.rows.len()) * s.rank.next_multiple_of(4);
+    if io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 {
+        Some(format!(
+            "a shrink out needs one token, one binding and y from 0, got {} tokens from {}",
+            io.m, io.y_offset
+        ))
+    } else if s.rank == 0 || s.rank > SPLIT_SHRINK_MAX_RANK || !s.at.is_multiple_of(4) || s.at < n {
+        Some(format!(
+            "a shrink out takes a rank of 1 to {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4 past the {n} outputs: got rank {}, parts from {}",
+            s.rank, s.at
+        ))
+    } else if (end * 4) as u64 > io.y.size() || ((s.rank * n) * 4) as u64 > s.a.size() {
+        Some(format!(
+            "a shrink out of rank {} over {n} outputs runs past y ({} bytes, parts to element {end}) or A ({} bytes)",
+            s.rank,
+            io.y.size(),
+            s.a.size()
+        ))
+    } else {
+        None
+    }
+}
 
 /// The uniform fields of up to four segments: ends, ranks, t columns, B elements, scales.
 type SegmentFields = ([u32; 4], [u32; 4], [u32; 4], [u32; 4], [f32; 4]);
@@ -320,6 +376,8 @@ pub fn linear_rows(
             "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
             io.m, p.count, p.at
         ))
+    } else if let Some(msg) = fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, s)) {
+        Some(msg)
     } else if let Some((rank, p)) =
         split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
     {
@@ -336,6 +394,7 @@ pub fn linear_rows(
         return Err(GpuError::Validation { during: "recording a linear layer".into(), message });
     }
     let (eps, aux) = fuse.norm.map_or((0.0, io.x), |n| (n.eps, n.weight));
+    let out_a = fuse.shrink_out.map_or(io.x, |s| s.a);
     // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
     // Affine weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
     let batch = (2..=MAX_BATCH_TOKENS).contains(&io.m)
@@ -400,6 +459,9 @@ pub fn linear_rows(
             lora_sc_stride: lora.and_then(|l| l.table).map_or(0, |s| s.stride as u32),
             lora_parts: lora.and_then(|l| l.parts).map_or(0, |s| s.count as u32),
             lora_parts_at: lora.and_then(|l| l.parts).map_or(0, |s| s.at as u32),
+            out_rank: fuse.shrink_out.map_or(0, |s| s.rank as u32),
+            out_at: fuse.shrink_out.map_or(0, |s| s.at as u32),
+            _pad: [0; 2],
             seg_end,
             seg_rank,
             seg_t,
@@ -416,10 +478,12 @@ pub fn linear_rows(
         match (lora, io.m == 1) {
             (None, false) => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
             (Some(l), false) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
-            // matvec binds t and the norm weight always (x where unused).
-            (None, true) => rec.dispatch(key, &params, &[io.x, io.y, io.x, aux], &[&chunk.bind_group], groups)?,
+            // matvec binds t, the norm weight and the shrink-out A always (x where unused).
+            (None, true) => {
+                rec.dispatch(key, &params, &[io.x, io.y, io.x, aux, out_a], &[&chunk.bind_group], groups)?
+            }
             (Some(l), true) => {
-                rec.dispatch(key, &params, &[io.x, io.y, l.t, aux], &[&chunk.bind_group, l.b], groups)?
+                rec.dispatch(key, &params, &[io.x, io.y, l.t, aux, out_a], &[&chunk.bind_group, l.b], groups)?
             }
         }
         rec.weight_bytes((n_rows * chunk.dtype.row_bytes(w.cols)) as u64);

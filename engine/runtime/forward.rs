@@ -15,12 +15,12 @@
 //! multi-token step runs each projection's row range into its own buffer.
 
 use crate::error::GpuError;
-use crate::gpu::{Dtype, GpuVector, GpuWeight, Recorder};
+use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder};
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, SplitShrink, WeightRows,
-    SPLIT_SHRINK_MAX_RANK,
+    glu_shrink_parts, linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ShrinkOut,
+    SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
@@ -140,7 +140,7 @@ impl<'a> Src<'a> {
 
     /// `x` through the block norm `weight` (fused into the projections that read it).
     pub(crate) fn normed(x: &'a wgpu::Buffer, weight: &'a wgpu::Buffer, eps: f32) -> Self {
-        Self { x, fuse: Fuse { norm: Some(FusedNorm { weight, eps }), glu: false } }
+        Self { x, fuse: Fuse { norm: Some(FusedNorm { weight, eps }), ..Fuse::NONE } }
     }
 }
 
@@ -413,8 +413,11 @@ pub(crate) fn mlp_block(
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
     let part = |parts| Parts { w: &w.gate_up, order: &MLP_IN, parts };
+    let mut split = None;
     if t == 1 && part(0..2).rows(c).in_one_chunk() {
-        let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
+        split = glu_split(rec.ctx(), lora, &sc.mlp_g, i);
+        let shrink_out = split.as_ref().map(|(out, _)| *out);
+        let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &lin(src.x, &sc.mlp_g, t, i), glu, &s)?;
     } else {
         project(rec, c, part(0..1), &lin(src.x, &sc.mlp_g, t, i), src, &s)?;
@@ -423,8 +426,36 @@ pub(crate) fn mlp_block(
     }
     let act = Src::plain(&sc.mlp_g);
     let out = LinearIo { accumulate: true, ..lin(&sc.mlp_g, &sc.hidden, t, c.hidden_size) };
-    let s = shrink(rec, lora, InputGroup::MlpOut, act, t)?;
+    let s = match split {
+        Some((_, shrunk)) => Some(shrunk),
+        None => shrink(rec, lora, InputGroup::MlpOut, act, t)?,
+    };
     project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, act, &s)
+}
+
+/// down_proj's shrink written by one token's gate|up SwiGLU dispatch, split by workgroup into
+/// `out` after its `n` outputs: the [`ShrinkOut`] that dispatch takes and what down_proj's expand
+/// reads. None where `head_split` would refuse (A not f32 in one binding, a rank above the
+/// matvec's, `out` too small): down_proj then takes the shrink dispatch.
+fn glu_split<'a>(
+    ctx: &GpuContext,
+    lora: Option<LayerLora<'a>>,
+    out: &'a wgpu::Buffer,
+    n: usize,
+) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
+    let l = lora?;
+    let g = l.bound.lora.group(l.layer, InputGroup::MlpOut)?;
+    let [chunk] = g.a.chunks.as_slice() else {
+        return None;
+    };
+    let count = glu_shrink_parts(ctx, 2 * n);
+    let at = n.next_multiple_of(4);
+    let fits = chunk.dtype == Dtype::F32
+        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
+        && g.a.cols == n
+        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
+    let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
+    fits.then_some((ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at }, shrunk))
 }
 
 pub(crate) fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
