@@ -40,4 +40,4 @@ pub use lora::{AdapterInfo, LayerScales, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
 pub use runtime::{ActiveAdapter, Batch, GenerateParams, Logits, Sampler, Session, SessionOptions};
 pub use text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
-pub use wgpu_backend::{SessionId, WgpuBackend, MAX_SESSIONS};
+pub use wgpu_backend::{SessionId, WgpuBackend, DEFAULT_SNAPSHOT_BUDGET, MAX_SESSIONS};

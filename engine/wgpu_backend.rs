@@ -22,6 +22,11 @@ pub type SessionId = u64;
 /// Most sessions one backend keeps open.
 pub const MAX_SESSIONS: usize = 64;
 
+/// GPU bytes the prompt-cache snapshots of all sessions may hold together unless set otherwise
+/// ([`WgpuBackend::set_snapshot_budget`]): 256 MiB, 13 snapshots at the 0.8B dimensions (one
+/// session holds at most [`MAX_SNAPSHOTS`](crate::runtime::MAX_SNAPSHOTS)).
+pub const DEFAULT_SNAPSHOT_BUDGET: u64 = 256 << 20;
+
 /// One conversation: a session (KV cache, GDN states, sampler), what its state can be reused
 /// for, and its active adapter set.
 struct Conversation {
@@ -31,6 +36,8 @@ struct Conversation {
     cache: PromptCache,
     /// The active set, as given.
     active: Vec<AdapterWeight>,
+    /// When a request last used it (the backend's request count then).
+    last_used: u64,
 }
 
 struct Loaded {
@@ -45,6 +52,8 @@ struct Loaded {
     next_id: SessionId,
     /// The buffers of batched steps ([`WgpuBackend::generate_batch`]), made on first use.
     batch: Option<Batch>,
+    /// Requests served (the clock of `Conversation::last_used`).
+    requests: u64,
 }
 
 impl Loaded {
@@ -63,8 +72,40 @@ impl Loaded {
         let session = Session::new(self.model.clone(), opts.clone())?;
         let id = self.next_id;
         self.next_id += 1;
-        self.sessions.push(Conversation { id, session, cache: PromptCache::default(), active: Vec::new() });
+        self.sessions.push(Conversation {
+            id,
+            session,
+            cache: PromptCache::default(),
+            active: Vec::new(),
+            last_used: 0,
+        });
         Ok(id)
+    }
+
+    /// Mark the sessions at `using` as used by the request starting now.
+    fn touch(&mut self, using: &[usize]) {
+        self.requests += 1;
+        for &i in using {
+            self.sessions[i].last_used = self.requests;
+        }
+    }
+
+    /// Free prompt-cache snapshots until all sessions' fit in `budget` bytes: the least
+    /// recently used session's oldest first, the sessions at `using` (the request's) last.
+    fn fit_snapshots(&mut self, budget: u64, using: &[usize]) {
+        while self.sessions.iter().map(|c| c.cache.snapshot_bytes()).sum::<u64>() > budget {
+            let victim = self
+                .sessions
+                .iter()
+                .enumerate()
+                .filter(|(_, c)| c.cache.snapshot_count() > 0)
+                .min_by_key(|(i, c)| (using.contains(i), c.last_used))
+                .map(|(i, _)| i);
+            match victim {
+                Some(i) => self.sessions[i].cache.drop_oldest(),
+                None => return,
+            };
+        }
     }
 
     fn index(&self, id: SessionId) -> Result<usize, BackendError> {
@@ -82,6 +123,7 @@ impl Loaded {
 pub struct WgpuBackend {
     ctx: Arc<GpuContext>,
     opts: SessionOptions,
+    snapshot_budget: u64,
     loaded: Option<Loaded>,
     resident: Vec<(AdapterId, Arc<LoraAdapter>)>,
     trainer: Option<(AdapterId, Trainer)>,
@@ -95,7 +137,7 @@ impl WgpuBackend {
 
     /// A backend on an existing context.
     pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
-        Self { ctx, opts, loaded: None, resident: Vec::new(), trainer: None }
+        Self { ctx, opts, snapshot_budget: DEFAULT_SNAPSHOT_BUDGET, loaded: None, resident: Vec::new(), trainer: None }
     }
 
     /// The GPU context (e.g. to read [`GpuContext::bytes_uploaded`]).
@@ -216,6 +258,7 @@ impl WgpuBackend {
         requests: &[(SessionId, &[u32])],
         params: &GenerateParams,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
+        let budget = self.snapshot_budget;
         let loaded = self.loaded()?;
         for (i, (id, _)) in requests.iter().enumerate() {
             loaded.index(*id)?;
@@ -231,22 +274,26 @@ impl WgpuBackend {
             loaded.batch = Some(Batch::new(loaded.model.clone(), n)?);
         }
         let turn_start = loaded.turn_start;
-        let Loaded { sessions, batch, .. } = loaded;
-        let mut convs: Vec<(usize, &mut Conversation)> = sessions
-            .iter_mut()
-            .filter_map(|c| requests.iter().position(|(id, _)| *id == c.id).map(|i| (i, c)))
-            .collect();
-        convs.sort_by_key(|(i, _)| *i);
+        let using = requests.iter().map(|(id, _)| loaded.index(*id)).collect::<Result<Vec<_>, _>>()?;
+        loaded.touch(&using);
         let mut fed = Vec::with_capacity(n);
-        for (i, c) in convs.iter_mut() {
-            match c.cache.prepare(&mut c.session, requests[*i].1, turn_start) {
+        for (&s, (_, prompt)) in using.iter().zip(requests) {
+            let c = &mut loaded.sessions[s];
+            match c.cache.prepare(&mut c.session, prompt, turn_start) {
                 Ok(f) => fed.push(f),
                 Err(e) => {
                     c.cache.clear();
                     return Err(e.into());
                 }
             }
+            loaded.fit_snapshots(budget, &using);
         }
+        let Loaded { sessions, batch, .. } = loaded;
+        let mut convs: Vec<(usize, &mut Conversation)> = sessions
+            .iter_mut()
+            .filter_map(|c| requests.iter().position(|(id, _)| *id == c.id).map(|i| (i, c)))
+            .collect();
+        convs.sort_by_key(|(i, _)| *i);
         let prompts: Vec<&[u32]> = requests.iter().map(|(_, p)| *p).collect();
         let out = {
             let mut rows: Vec<&mut Session> = convs.iter_mut().map(|(_, c)| &mut c.session).collect();
@@ -259,6 +306,28 @@ impl WgpuBackend {
             }
         }
         Ok(out?)
+    }
+
+    /// Bound the GPU bytes the prompt-cache snapshots of all sessions hold together (default
+    /// [`DEFAULT_SNAPSHOT_BUDGET`]): after a request's prompt is prepared, snapshots are freed,
+    /// the least recently used session's oldest first and the request's own last, until they fit.
+    /// A smaller budget only makes later requests prefill more; 0 keeps no snapshot past a
+    /// prompt's preparation.
+    pub fn set_snapshot_budget(&mut self, bytes: u64) {
+        self.snapshot_budget = bytes;
+        if let Some(loaded) = self.loaded.as_mut() {
+            loaded.fit_snapshots(bytes, &[]);
+        }
+    }
+
+    /// The budget of [`WgpuBackend::set_snapshot_budget`].
+    pub fn snapshot_budget(&self) -> u64 {
+        self.snapshot_budget
+    }
+
+    /// GPU bytes the prompt-cache snapshots of all sessions hold now.
+    pub fn snapshot_bytes(&self) -> u64 {
+        self.loaded.as_ref().map_or(0, |l| l.sessions.iter().map(|c| c.cache.snapshot_bytes()).sum())
     }
 
     /// The current session's id.
@@ -290,8 +359,9 @@ impl WgpuBackend {
         let resident = &self.resident;
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
         let turn_start = loaded.turn_start;
+        let current = loaded.current;
+        loaded.touch(&[current]);
         let conv = loaded.cur();
-        let mut active = conv.active.clone();
         let fed = match conv.cache.prepare(&mut conv.session, prompt, turn_start) {
             Ok(fed) => fed,
             Err(e) => {
@@ -299,6 +369,9 @@ impl WgpuBackend {
                 return Err(e.into());
             }
         };
+        loaded.fit_snapshots(self.snapshot_budget, &[current]);
+        let conv = loaded.cur();
+        let mut active = conv.active.clone();
         let mut switched = false;
         let out = conv.session.generate_from_with(prompt, fed, params, |token, session| {
             let mut switch = AdapterSwitch::default();
@@ -336,6 +409,7 @@ impl WgpuBackend {
             current: 0,
             next_id: 1,
             batch: None,
+            requests: 0,
         };
         loaded.open(&self.opts)?;
         self.resident.clear();

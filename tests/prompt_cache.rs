@@ -195,3 +195,47 @@ fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
     let (rel, _) = common::rel_and_max(got.last(), want.last());
     assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
 }
+
+/// The snapshots of all sessions stay within the backend's budget, freed from the least recently
+/// used session first (the request's own last), and the replies do not change.
+#[test]
+fn all_sessions_snapshots_fit_the_budget_least_recently_used_first() {
+    let (Some(mut b), Some(mut fresh)) = (backend(true), backend(false)) else { return };
+    let count = |b: &mut WgpuBackend, id| {
+        let back = b.current_session().expect("a session");
+        b.select_session(id).expect("select");
+        let n = b.prompt_cache().expect("loaded").snapshot_count();
+        b.select_session(back).expect("select back");
+        n
+    };
+    let first = b.current_session().expect("a session");
+    let second = b.create_session().expect("a second session");
+    let mut talks = [(first, Vec::new()), (second, Vec::new())];
+    let mut budget = None;
+    for turn in 0..3 {
+        for (who, (id, messages)) in talks.iter_mut().enumerate() {
+            b.select_session(*id).expect("select");
+            messages.push(ChatMessage::new("user", QUESTIONS[(2 * turn + who) % 4]));
+            let request = ChatRequest::new(messages.clone());
+            let reply = b.chat(&request, &params(), &mut |_| true).expect("chat");
+            let want = fresh.chat(&request, &params(), &mut |_| true).expect("fresh");
+            assert_eq!(reply.text, want.text, "turn {turn} of session {id}");
+            messages.push(ChatMessage::new("assistant", &reply.content));
+            // From the first request on: room for what one request keeps (two snapshots).
+            let room = *budget.get_or_insert_with(|| {
+                assert_eq!(b.prompt_cache().expect("loaded").snapshot_count(), 2, "a first request keeps two");
+                let bytes = b.snapshot_bytes();
+                b.set_snapshot_budget(bytes);
+                bytes
+            });
+            assert!(b.snapshot_bytes() <= room, "turn {turn} of session {id}: {} > {room} bytes", b.snapshot_bytes());
+            if turn == 0 && who == 1 {
+                // The second session's first request took two snapshots: the first session's,
+                // used longer ago, were freed, not its own.
+                assert_eq!((count(&mut b, first), count(&mut b, second)), (0, 2), "snapshots per session");
+            }
+        }
+    }
+    b.set_snapshot_budget(0);
+    assert_eq!(b.snapshot_bytes(), 0, "a zero budget keeps nothing");
+}

@@ -14,9 +14,10 @@
 use crate::error::RunError;
 use crate::runtime::session::{Session, StateSnapshot};
 
-/// Snapshots kept (oldest dropped first): two per request, so the last two turns. At the 0.8B
-/// dimensions one is 19 MiB (18 GDN layers: a 1 MiB recurrent state and a 72 KiB conv history
-/// each), so the cache holds at most 77 MiB.
+/// Snapshots kept per session (oldest dropped first): two per request, so the last two turns. At
+/// the 0.8B dimensions one is 19 MiB (18 GDN layers: a 1 MiB recurrent state and a 72 KiB conv
+/// history each), so one session's cache holds at most 77 MiB; the backend also bounds the bytes
+/// of all its sessions' snapshots together (`WgpuBackend::set_snapshot_budget`).
 pub const MAX_SNAPSHOTS: usize = 4;
 
 /// What the prompt cache did so far.
@@ -71,6 +72,26 @@ impl PromptCache {
     /// Counters since the cache was made.
     pub fn stats(&self) -> PromptCacheStats {
         self.stats
+    }
+
+    /// Snapshots held.
+    pub fn snapshot_count(&self) -> usize {
+        self.snapshots.len()
+    }
+
+    /// GPU bytes the snapshots hold.
+    pub fn snapshot_bytes(&self) -> u64 {
+        self.snapshots.iter().map(|(_, s)| s.bytes()).sum()
+    }
+
+    /// Free the oldest snapshot (a later prompt that would have gone on from it prefills more);
+    /// false when there is none.
+    pub fn drop_oldest(&mut self) -> bool {
+        if self.snapshots.is_empty() {
+            return false;
+        }
+        self.snapshots.remove(0);
+        true
     }
 
     /// Bring `session` to a state that holds a prefix of `prompt` and return its length (fewer

@@ -113,6 +113,15 @@ qe_status qe_engine_free(qe_engine engine);
 // QE_CANCELLED with the text so far. Safe from any thread; never waits for the engine.
 qe_status qe_cancel(qe_engine engine);
 
+// Bound the GPU bytes the prompt-cache snapshots of all of `engine`'s sessions hold together
+// (default 256 MiB): past it the least recently used session's snapshots are freed first, so a
+// smaller budget only means more prefill on later requests; 0 keeps none between requests.
+// `bytes_out` (null: not written) receives the bytes they hold after the change.
+//
+// # Safety
+// `bytes_out` is null or valid for a write.
+qe_status qe_set_snapshot_budget(qe_engine engine, uint64_t bytes, uint64_t *bytes_out);
+
 // Open a session on `engine` (no adapter active, an empty context). Free it with
 // qe_session_free.
 //

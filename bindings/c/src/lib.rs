@@ -353,6 +353,28 @@ pub extern "C" fn qe_cancel(engine: qe_engine) -> qe_status {
     })
 }
 
+/// Bound the GPU bytes the prompt-cache snapshots of all of `engine`'s sessions hold together
+/// (default 256 MiB): past it the least recently used session's snapshots are freed first, so a
+/// smaller budget only means more prefill on later requests; 0 keeps none between requests.
+/// `bytes_out` (null: not written) receives the bytes they hold after the change.
+///
+/// # Safety
+/// `bytes_out` is null or valid for a write.
+#[no_mangle]
+pub unsafe extern "C" fn qe_set_snapshot_budget(engine: qe_engine, bytes: u64, bytes_out: *mut u64) -> qe_status {
+    guard(|| {
+        let e = self::engine(engine)?;
+        let mut b = lock(&e)?;
+        b.set_snapshot_budget(bytes);
+        let held = b.snapshot_bytes();
+        if bytes_out.is_null() {
+            return Ok(());
+        }
+        // SAFETY: checked non-null; the caller's contract.
+        unsafe { put(bytes_out, held, "bytes_out") }
+    })
+}
+
 /// Open a session on `engine` (no adapter active, an empty context). Free it with
 /// qe_session_free.
 ///

@@ -213,6 +213,18 @@ int main(int argc, char **argv) {
     free(in_s2);
     free(in_s1);
 
+    /* The two sessions' prompt-cache snapshots: a zero budget frees them, and answers stay. */
+    uint64_t held = 0;
+    MUST(qe_set_snapshot_budget(e, (uint64_t)1 << 30, &held));
+    CHECK(held > 0, "two chats keep snapshots: %llu bytes", (unsigned long long)held);
+    MUST(qe_set_snapshot_budget(e, 0, &held));
+    CHECK(held == 0, "a zero budget frees them: %llu bytes", (unsigned long long)held);
+    char *no_snapshots = ask_ok(e, s);
+    CHECK(strcmp(no_snapshots, french) == 0, "the same answer without snapshots: %s", no_snapshots);
+    free(no_snapshots);
+    MUST(qe_set_snapshot_budget(e, (uint64_t)256 << 20, NULL));
+    CHECK(qe_set_snapshot_budget(0, 0, NULL) == QE_INVALID_HANDLE, "a budget for engine 0");
+
     /* Stop by the callback's return value after 2 deltas. */
     counter stop = {0, 2, 0};
     char *cut = ask(e, s2, &st, &stop);
