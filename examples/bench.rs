@@ -69,6 +69,23 @@ struct Args {
     /// `off` (the portable kernels only) or `always`.
     #[arg(long, default_value = "auto", value_parser = parse_subgroups)]
     subgroups: Subgroups,
+    /// Greedy run-ahead (step t + 1 submitted before token t is read): `auto` (the session's
+    /// default: on for GPUs, off for CPU adapters), `on` or `off`.
+    #[arg(long, default_value = "auto", value_parser = parse_run_ahead)]
+    run_ahead: RunAhead,
+}
+
+/// `--run-ahead`: the session's default, or on or off.
+#[derive(Clone, Copy, Debug)]
+struct RunAhead(Option<bool>);
+
+fn parse_run_ahead(s: &str) -> Result<RunAhead, String> {
+    match s {
+        "auto" => Ok(RunAhead(None)),
+        "on" => Ok(RunAhead(Some(true))),
+        "off" => Ok(RunAhead(Some(false))),
+        _ => Err(format!("expected auto, on or off, found {s:?}")),
+    }
 }
 
 fn parse_subgroups(s: &str) -> Result<Subgroups, String> {
@@ -344,6 +361,9 @@ fn main() -> Result<()> {
     let ids: Vec<u32> = (0..args.prompt as u32).map(|i| (i * 7919 + 13) % vocab).collect();
     let opts = SessionOptions { max_context: args.prompt + 3 * args.decode + 16, max_batch: args.prompt.max(1) };
     let mut session = Session::new(model.clone(), opts)?;
+    if let RunAhead(Some(on)) = args.run_ahead {
+        session.set_run_ahead(on);
+    }
     let (prefill, decode) = measure(&mut session, &ids, &args, "base")?;
     let counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
     let sampled_json = sampled_decode(&ctx, &mut session, &ids, &args)?;
@@ -351,6 +371,7 @@ fn main() -> Result<()> {
         "gpu": ctx.info.name,
         "backend": format!("{:?}", ctx.info.backend),
         "subgroup_size": ctx.subgroup_size(),
+        "run_ahead": session.run_ahead(),
         "model": args.model,
         "model_load_s": load_s,
         "weights": weight_dtypes(&model),

@@ -104,11 +104,11 @@ fn generation_stops_with_a_typed_error_at_the_context_limit() {
     let model = Arc::new(Model::load(ctx, &fixture_model(MODEL)).expect("model"));
     let limit = 24;
     let prompt = ids(limit - 4, model.config.vocab_size);
-    // Greedy (GPU choice with a run-ahead step), top-k (GPU candidates), plain temperature
-    // (the CPU sampler on the whole row).
-    let samplers = [(0.0, 0), (0.8, 5), (0.8, 0)];
-    for (temperature, top_k) in samplers {
-        let what = format!("temperature {temperature}, top-k {top_k}");
+    // Greedy (GPU choice, with and without a run-ahead step), top-k (GPU candidates), plain
+    // temperature (the candidates, or the whole row).
+    let samplers = [(0.0, 0, true), (0.0, 0, false), (0.8, 5, true), (0.8, 0, true)];
+    for (temperature, top_k, ahead) in samplers {
+        let what = format!("temperature {temperature}, top-k {top_k}, run-ahead {ahead}");
         let params = |max_tokens| GenerateParams {
             max_tokens,
             temperature,
@@ -118,6 +118,7 @@ fn generation_stops_with_a_typed_error_at_the_context_limit() {
             ..Default::default()
         };
         let mut s = Session::new(model.clone(), SessionOptions { max_context: limit, max_batch: 8 }).expect("session");
+        s.set_run_ahead(ahead);
         // A prompt of P tokens and T new ones need P + T − 1 positions (the last token is not fed).
         let fits = s.generate(&prompt, &params(5), |_| true).expect("five tokens fit");
         assert_eq!((fits.len(), s.position()), (5, limit), "{what}");

@@ -190,8 +190,10 @@ fn gpu_greedy_runs_ahead_without_leaking_state() {
     };
     let prompt = Reference::load("gva_tied_f32").ids("prompt1.ids");
     let params = GenerateParams { max_tokens: 8, stop_at_eos: false, ..Default::default() };
-    // The callback stops at the 4th token: the step that ran ahead for a 5th is never committed.
+    // The callback stops at the 4th token: the step that ran ahead for a 5th is never committed
+    // (run-ahead is the GPU default; CPU adapters run without it).
     let mut s = session(&model);
+    s.set_run_ahead(true);
     let mut n = 0;
     let out = s
         .generate(&prompt, &params, |_| {
@@ -224,13 +226,19 @@ fn greedy_decode_is_one_submit_and_four_bytes_per_token() {
     let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
     let prompt = Reference::load("gva_tied_f32").ids("prompt1.ids");
     let params = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
-    let mut s = session(&model);
-    let before = model.ctx.counters();
-    let out = s.generate(&prompt, &params, |_| true).expect("generate");
-    let used = model.ctx.counters() - before;
-    assert_eq!(out.len(), 6);
-    assert_eq!(used.submits, 6, "one submit for the prompt, one per further token");
-    assert_eq!(used.read_back, 6 * 8, "only the chosen ids and their rows' non-finite flags come back");
+    let mut outs = Vec::new();
+    for ahead in [true, false] {
+        let mut s = session(&model);
+        s.set_run_ahead(ahead);
+        let before = model.ctx.counters();
+        let out = s.generate(&prompt, &params, |_| true).expect("generate");
+        let used = model.ctx.counters() - before;
+        assert_eq!(out.len(), 6);
+        assert_eq!(used.submits, 6, "run-ahead {ahead}: one submit for the prompt, one per further token");
+        assert_eq!(used.read_back, 6 * 8, "run-ahead {ahead}: only the chosen ids and their non-finite flags");
+        outs.push(out);
+    }
+    assert_eq!(outs[0], outs[1], "the same tokens with and without the run-ahead step");
 }
 
 /// Sampling the way `generate` did before the GPU candidate pass: the whole row read back, the

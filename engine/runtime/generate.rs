@@ -207,7 +207,7 @@ impl Session {
         loop {
             // `pending` (committed) chooses the next token; the step after it runs ahead unless
             // that token is the last one wanted or the context is full.
-            let ahead = if out.len() + 1 < params.max_tokens && self.pos < self.opts.max_context {
+            let ahead = if self.run_ahead && out.len() + 1 < params.max_tokens && self.pos < self.opts.max_context {
                 Some(self.submit_choice(Input::Chosen, 1 - slot)?)
             } else {
                 None

@@ -153,6 +153,8 @@ pub struct Session {
     pub(crate) profile: Option<Profile>,
     /// Whether single-token steps fold the block norms and SwiGLU into the projections.
     pub(crate) fused: bool,
+    /// Whether greedy generation submits step t + 1 before it reads token t.
+    pub(crate) run_ahead: bool,
 }
 
 impl Session {
@@ -229,6 +231,7 @@ impl Session {
             sample,
             profile: None,
             fused: !ctx.is_cpu(),
+            run_ahead: !ctx.is_cpu(),
         };
         s.reset();
         Ok(s)
@@ -404,6 +407,20 @@ impl Session {
     /// See [`Session::set_fused_decode`].
     pub fn fused_decode(&self) -> bool {
         self.fused
+    }
+
+    /// Whether greedy generation submits step t + 1 (its input: the id step t's argmax leaves
+    /// on the GPU) before it reads token t, so the device never waits for the host. The default
+    /// is on for GPUs and off for CPU adapters (lavapipe), where the device is the host's own
+    /// cores: recording the next step while the current one runs takes a core from it, and
+    /// greedy decode measured 10-15 % slower with it (BENCHMARKS.md, "History").
+    pub fn set_run_ahead(&mut self, on: bool) {
+        self.run_ahead = on;
+    }
+
+    /// See [`Session::set_run_ahead`].
+    pub fn run_ahead(&self) -> bool {
+        self.run_ahead
     }
 
     /// Make a submitted step of `tokens` tokens part of the sequence: its GDN states become the
