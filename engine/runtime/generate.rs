@@ -3,11 +3,12 @@
 //!
 //! Greedy decoding without a repetition penalty chooses on the GPU: each step ends with an argmax
 //! that writes the id into the next step's input buffer, one submit per token, and only that id
-//! (4 bytes, and 4 more for the non-finite flag) comes back. Step t+1 is submitted before token t is read, so the GPU never waits for
-//! the host; a run-ahead step that turns out not to be needed (EOS, the callback stopping, the
-//! last token) is never committed: its GDN states went to the other buffer of each pair and the
-//! position did not advance, so the session holds exactly the tokens returned. When the callback
-//! changes the session (an adapter switch), the run-ahead step is discarded and recomputed.
+//! (4 bytes, and 4 more for the non-finite flag) comes back. On GPUs step t+1 is submitted before
+//! token t is read, so the device never waits for the host ([`Session::set_run_ahead`]); a
+//! run-ahead step that turns out not to be needed (EOS, the callback stopping, the last token) is
+//! never committed: its GDN states went to the other buffer of each pair and the position did not
+//! advance, so the session holds exactly the tokens returned. When the callback changes the
+//! session (an adapter switch), the run-ahead step is discarded and recomputed.
 //! Sampling (top-k, top-p, the temperature alone, with or without the repetition penalty) finds
 //! its candidates on the GPU: the step ends with a top-k pass over the logits (the history's
 //! logits copied out and masked first) and only the candidates come back, k + 8 (id, logit) pairs
