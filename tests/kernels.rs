@@ -256,6 +256,12 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
     let mut rec = Recorder::new(ctx, &mut cache);
     let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    // Refused: a shrink out without the SwiGLU that writes it.
+    let yb = upload(ctx, &[0.0; 64]);
+    let io = LinearIo { y: &yb, y_stride: 8, ..io };
+    let fuse = Fuse { glu: false, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8 }), ..Fuse::NONE };
+    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
 }
 
 /// Matvec shapes, dtypes, LoRA segments, fusions and split shrinks against the reference.

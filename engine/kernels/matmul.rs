@@ -179,13 +179,13 @@ pub fn glu_shrink_parts(ctx: &GpuContext, rows: usize) -> usize {
     (rows / 2).div_ceil(4 * 64 / lanes)
 }
 
-/// Why `s` cannot be written by the SwiGLU layer `view` → `io`, if it cannot.
-fn shrink_out_error(ctx: &GpuContext, view: &WeightRows, io: &LinearIo, s: ShrinkOut) -> Option<String> {
+/// Why `s` cannot be written by the layer `view` → `io` (SwiGLU when `glu`), if it cannot.
+fn shrink_out_error(ctx: &GpuContext, view: &WeightRows, io: &LinearIo, glu: bool, s: ShrinkOut) -> Option<String> {
     let n = view.rows.len() / 2;
     let end = s.at + glu_shrink_parts(ctx, view.rows.len()) * s.rank.next_multiple_of(4);
-    if io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 {
+    if !glu || io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 {
         Some(format!(
-            "a shrink out needs one token, one binding and y from 0, got {} tokens from {}",
+            "a shrink out needs SwiGLU, one token, one binding and y from 0, got SwiGLU {glu}, {} tokens from {}",
             io.m, io.y_offset
         ))
     } else if s.rank == 0 || s.rank > SPLIT_SHRINK_MAX_RANK || !s.at.is_multiple_of(4) || s.at < n {
@@ -376,7 +376,7 @@ pub fn linear_rows(
             "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
             io.m, p.count, p.at
         ))
-    } else if let Some(msg) = fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, s)) {
+    } else if let Some(msg) = fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, fuse.glu, s)) {
         Some(msg)
     } else if let Some((rank, p)) =
         split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())

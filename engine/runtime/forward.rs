@@ -15,7 +15,7 @@
 //! multi-token step runs each projection's row range into its own buffer.
 
 use crate::error::GpuError;
-use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder};
+use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder, WeightChunk};
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
@@ -46,6 +46,17 @@ pub(crate) struct Shrunk<'a> {
 }
 
 impl<'a> LayerLora<'a> {
+    /// The layer's `group` and its A when A is f32 `[rank, cols]` in one binding, what the
+    /// kernels that shrink inside another dispatch read (the head split, the shrink out,
+    /// `rms_norm_shrink`); None when the adapter does not cover the group or A is not that.
+    fn f32_a(self, group: InputGroup, cols: usize) -> Option<(&'a LoraGroup, &'a WeightChunk)> {
+        let g = self.bound.lora.group(self.layer, group)?;
+        let [chunk] = g.a.chunks.as_slice() else {
+            return None;
+        };
+        (chunk.dtype == Dtype::F32 && g.a.cols == cols).then_some((g, chunk))
+    }
+
     fn shrink(self, rec: &mut Recorder, group: InputGroup, src: Src, m: usize) -> Result<Option<Shrunk<'a>>, GpuError> {
         let Some(g) = self.bound.lora.group(self.layer, group) else {
             return Ok(None);
@@ -73,16 +84,11 @@ pub(crate) fn head_split<'a>(
     (row, heads): (usize, usize),
 ) -> Option<HeadSplit<'a>> {
     let l = lora?;
-    let g = l.bound.lora.group(l.layer, InputGroup::MixerOut)?;
-    let [chunk] = g.a.chunks.as_slice() else {
-        return None;
-    };
+    let (g, chunk) = l.f32_a(InputGroup::MixerOut, row)?;
     let rank_pad = g.rank_total.next_multiple_of(4);
-    let fits = chunk.dtype == Dtype::F32
-        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
+    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
         && row.is_multiple_of(4)
         && (row / heads).is_multiple_of(4)
-        && g.a.cols == row
         && ((row + heads * rank_pad) * 4) as u64 <= out.size();
     fits.then_some(HeadSplit {
         shrink: HeadShrink { a: &chunk.bind_group, rank: g.rank_total },
@@ -111,15 +117,11 @@ pub(crate) fn block_input<'a>(
     }
     let io = norm_rows(sc, c, 0, t);
     let src = Src::plain(&sc.xnorm);
-    let covered = lora.and_then(|l| Some((l, l.bound.lora.group(l.layer, group)?)));
-    if let Some((l, g)) = covered.filter(|_| t == 1 && c.hidden_size.is_multiple_of(4)) {
-        if let [chunk] = g.a.chunks.as_slice() {
-            if chunk.dtype == Dtype::F32 && g.a.cols == c.hidden_size {
-                let shrink = NormShrink { a: &chunk.bind_group, rank: g.rank_total, t: l.t };
-                rms_norm_shrink(rec, norm, &io, shrink)?;
-                return Ok((src, Some(Shrunk { lora: l, group: g, parts: None })));
-            }
-        }
+    let one = t == 1 && c.hidden_size.is_multiple_of(4);
+    if let Some((l, (g, chunk))) = lora.filter(|_| one).and_then(|l| Some((l, l.f32_a(group, c.hidden_size)?))) {
+        let shrink = NormShrink { a: &chunk.bind_group, rank: g.rank_total, t: l.t };
+        rms_norm_shrink(rec, norm, &io, shrink)?;
+        return Ok((src, Some(Shrunk { lora: l, group: g, parts: None })));
     }
     rms_norm(rec, norm, &io)?;
     Ok((src, shrink(rec, lora, group, src, t)?))
@@ -444,15 +446,10 @@ fn glu_split<'a>(
     n: usize,
 ) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
     let l = lora?;
-    let g = l.bound.lora.group(l.layer, InputGroup::MlpOut)?;
-    let [chunk] = g.a.chunks.as_slice() else {
-        return None;
-    };
+    let (g, chunk) = l.f32_a(InputGroup::MlpOut, n)?;
     let count = glu_shrink_parts(ctx, 2 * n);
     let at = n.next_multiple_of(4);
-    let fits = chunk.dtype == Dtype::F32
-        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
-        && g.a.cols == n
+    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
         && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
     let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
     fits.then_some((ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at }, shrunk))
