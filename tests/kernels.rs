@@ -11,10 +11,10 @@ use qwen35_wgpu::gpu::{
     Subgroups,
 };
 use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
-use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink};
+use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
 use qwen35_wgpu::kernels::matmul::{
-    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_rows, matvec_batch_lanes, matvec_lanes, Fuse,
-    FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_ROWS,
+    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_tile, matvec_batch_lanes, matvec_lanes, Fuse,
+    FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES,
     MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
@@ -412,9 +412,10 @@ fn matvec_sweep(ctx: &GpuContext) {
 fn matmul_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     // (m, n, k): tokens below, at and above each tile height (16, 32, 64, 128), outputs around
-    // the 64-column tile,
-    // k a multiple of 8 that is not one of BK (vector staging with a partial last step), odd k
-    // (element staging); x offsets 4 (aligned) and 1 (element staging).
+    // the 64-column tile, a grid of 128 x 128 tiles wide enough for any device's minimum
+    // (partial in both dimensions), k a multiple of 8 that is not one of BK (vector staging
+    // with a partial last step), odd k (element staging); x offsets 4 (aligned) and 1 (element
+    // staging).
     let shapes = [
         (2, 5, 8),
         (64, 33, 16),
@@ -428,9 +429,11 @@ fn matmul_sweep_matches_reference() {
         (17, 65, 40),
         (32, 64, 13),
         (33, 7, 1032),
+        (1100, 1800, 24),
     ];
-    let rows: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| matmul_rows(m)).collect();
-    assert_eq!(rows.into_iter().collect::<Vec<_>>(), MATMUL_ROWS.to_vec(), "tile variants covered");
+    let g = ctx.min_workgroups();
+    let tiles: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, n, _)| matmul_tile(m, n, g)).collect();
+    assert_eq!(tiles.into_iter().collect::<Vec<_>>(), MATMUL_TILES.to_vec(), "tile variants covered");
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 24, 5), (4, n, 20)] {
@@ -590,12 +593,14 @@ fn affine_sweep(ctx: &GpuContext) {
     ];
     // (m, n, k): one token (matvec, rows below and above one workgroup), a short prompt and a
     // long one (tiled matmul); (x offset, rows per chunk, LoRA rank): the 16-byte paths, an
-    // unaligned x (element-wise), a weight split across bindings, a fused expand.
-    let shapes = [(1, 37, 128), (1, 300, 256), (3, 37, 128), (20, 70, 384)];
+    // unaligned x (element-wise), a weight split across bindings, a fused expand; the last
+    // shape takes 128 x 128 tiles on any device (aligned, with a fused expand only).
+    let shapes = [(1, 37, 128), (1, 300, 256), (3, 37, 128), (20, 70, 384), (1100, 1800, 128)];
     for (fi, &(bits, group, scales)) in formats.iter().enumerate() {
         let a = Affine { bits, group, scales };
         for (si, &(m, n, k)) in shapes.iter().enumerate() {
-            for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 16, 4)] {
+            let configs = if m > 128 { &[(4, n, 4)][..] } else { &[(4, n, 0), (1, n, 3), (4, 16, 4)] };
+            for &(x_off, chunk_rows, rank) in configs {
                 let seed = 900 + fi as u64 * 37 + si as u64 * 5 + rank as u64;
                 let (data, w) = affine_weights(a, n, k, seed);
                 let chunk = (chunk_rows * a.row_bytes(k)) as u64;
@@ -877,6 +882,12 @@ fn gated_delta_net_matches_reference_across_steps() {
         cpu::GdnDims { hk: 2, hv: 4, dk: 16, dv: 16 },
         cpu::GdnDims { hk: 3, hv: 3, dk: 10, dv: 14 },
         cpu::GdnDims { hk: 2, hv: 4, dk: 32, dv: 70 },
+        // Several row slices per column (gdn_rule.wgsl holds 32 rows an invocation): two slices
+        // of 32 columns, five slices of 12 columns with four idle invocations, and Qwen 3.5's
+        // own head dims.
+        cpu::GdnDims { hk: 1, hv: 2, dk: 40, dv: 70 },
+        cpu::GdnDims { hk: 1, hv: 1, dk: 130, dv: 20 },
+        cpu::GdnDims { hk: 1, hv: 2, dk: 128, dv: 128 },
     ];
     for (di, d) in dims.iter().enumerate() {
         for k in [2usize, 4] {
@@ -931,6 +942,31 @@ fn gated_delta_net_matches_reference_across_steps() {
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
             }
         }
+    }
+}
+
+#[test]
+fn delta_rule_refuses_head_dims_past_its_registers() {
+    let Some(ctx) = ctx() else { return };
+    let buf = upload(&ctx, &[0.0; 64]);
+    let gp = GpuVector::upload(&ctx, "gate", &[0.0; 4]).expect("gate");
+    let io = GdnIo {
+        mixed: &buf,
+        conv_y: &buf,
+        conv_in: &buf,
+        conv_out: &buf,
+        b: &buf,
+        a: &buf,
+        core: &buf,
+        state_in: &buf,
+        state_out: &buf,
+    };
+    let mut cache = IoBindCache::new(upload(&ctx, &[0.0; 64]));
+    for (dk, hk, hv) in [(DELTA_RULE_MAX_DK + 1, 1, 1), (0, 1, 1), (4, 2, 3)] {
+        let params = GdnParams { t: 1, c: 8, k: 2, hk, hv, dk, dv: 4, ..Default::default() };
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let err = gated_delta(&mut rec, &gp, &gp, &params, &io);
+        assert!(matches!(err, Err(GpuError::Validation { .. })), "dk {dk} hk {hk} hv {hv}: {err:?}");
     }
 }
 

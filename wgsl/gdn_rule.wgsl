@@ -1,12 +1,19 @@
 // The gated delta rule, recurrent form, for every token of the step in order (see
-// gdn_conv.wgsl for the layouts). One invocation owns column j of S_h (Dk values): the update
-// of a column depends only on that column, so no barriers are needed. The first token reads the
-// state from state_in, every write goes to state (the session's other state buffer), so a step
-// that is discarded leaves the state it started from.
+// gdn_conv.wgsl for the layouts).
 //
 //   S = exp(g) S;  delta = beta (v - S^T k);  S += k delta^T;  o = S^T q
 // with q, k l2-normalised (eps 1e-6 inside the sum), q scaled by Dk^-0.5, beta = sigmoid(b),
 // g = -exp(A_log) softplus(a + dt_bias), v-head h reading k-head h / (Hv / Hk).
+//
+// The state stays in registers for the whole step: it is read from state_in once and written to
+// state once (the session's other buffer, so a discarded step leaves the state it started from).
+// A workgroup owns BV columns of one head's S; its invocations split the Dk rows into slices of
+// RPI rows, invocation (slice r, column j) holding S[r*RPI .. r*RPI + RPI, j]. Per token each
+// invocation sums its rows' S^T k and S^T q (and the slice's q.q, k.k, k.q); one barrier later
+// every invocation of a column adds up the slices' partials (double-buffered by token parity, so
+// one barrier a token suffices) and updates its rows. The output needs no second pass over S:
+//   o_j = sum_i S'_ij qn q_i = qn (decay (S^T q)_j + kn delta_j (k.q))
+// and mem_j = decay kn (S^T k)_j, with qn, kn the l2 scales and S' the updated state.
 
 struct Params {
     t: u32,
@@ -23,6 +30,9 @@ struct Params {
     _pad2: u32,
 }
 
+const WG: u32 = 64u;
+const RPI: u32 = 32u; // state rows per invocation; Dk <= WG * RPI (the host checks)
+
 @group(0) @binding(0) var<uniform> p: Params;
 @group(0) @binding(1) var<storage, read> y: array<f32>;
 @group(0) @binding(2) var<storage, read> b: array<f32>;
@@ -32,21 +42,30 @@ struct Params {
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-// The state before the current token.
-fn prev(first: bool, idx: u32) -> f32 {
-    if (first) {
-        return state_in[idx];
-    }
-    return state[idx];
+var<workgroup> part: array<vec2<f32>, 128>; // [2][WG]: (S^T k, S^T q) of (slice, column)
+var<workgroup> dots: array<vec4<f32>, 128>; // [2][WG]: (q.q, k.k, k.q, -) of slice r at r * BV
+
+// Number of rows of slice r (0 past Dk).
+fn slice_rows(r: u32) -> u32 {
+    let i0 = min(r * RPI, p.dk);
+    return min(RPI, p.dk - i0);
 }
 
+// Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
 @compute @workgroup_size(64)
-fn delta_rule(@builtin(global_invocation_id) gid: vec3<u32>) {
-    let j = gid.x;
-    let h = gid.y;
-    if (j >= p.dv || h >= p.hv) {
-        return;
+fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let slices = (p.dk + RPI - 1u) / RPI;
+    let bv = WG / slices;
+    let r = li / bv;
+    let jl = li % bv;
+    let h = wg.y;
+    let j = wg.x * bv + jl;
+    let live = r < slices && j < p.dv;
+    var rows = 0u;
+    if (live) {
+        rows = slice_rows(r);
     }
+    let i0 = min(r, slices - 1u) * RPI;
     let kh = h / (p.hv / p.hk);
     let kd = p.hk * p.dk;
     let vd = p.hv * p.dv;
@@ -54,31 +73,66 @@ fn delta_rule(@builtin(global_invocation_id) gid: vec3<u32>) {
     let a_scale = exp(gate_p[h]);
     let dt_bias = gate_p[p.hv + h];
     let q_scale = inverseSqrt(f32(p.dk));
-    for (var t = 0u; t < p.t; t++) {
-        let first = t == 0u;
-        let qb = t * p.c + kh * p.dk;
-        let kb = qb + kd;
-        var qq = 0.0;
-        var kk = 0.0;
-        for (var i = 0u; i < p.dk; i++) {
-            qq = fma(y[qb + i], y[qb + i], qq);
-            kk = fma(y[kb + i], y[kb + i], kk);
+
+    var s: array<f32, RPI>;
+    var kv: array<f32, RPI>;
+    for (var i = 0u; i < RPI; i++) {
+        s[i] = 0.0;
+        if (i < rows) {
+            s[i] = state_in[sb + (i0 + i) * p.dv];
         }
-        let qn = inverseSqrt(qq + 1e-6) * q_scale;
-        let kn = inverseSqrt(kk + 1e-6);
+    }
+    for (var t = 0u; t < p.t; t++) {
+        let qb = t * p.c + kh * p.dk + i0;
+        let kb = qb + kd;
+        var sk = 0.0;
+        var sq = 0.0;
+        var d = vec3<f32>(0.0);
+        // Rows past the slice read whatever follows (WGSL bounds every access) and count as
+        // zero, so every invocation runs the same loops, with no branch inside.
+        for (var i = 0u; i < RPI; i++) {
+            let qi = select(0.0, y[qb + i], i < rows);
+            let ki = select(0.0, y[kb + i], i < rows);
+            kv[i] = ki;
+            sk = fma(s[i], ki, sk);
+            sq = fma(s[i], qi, sq);
+            d = fma(vec3<f32>(qi, ki, ki), vec3<f32>(qi, ki, qi), d);
+        }
+        let buf = (t & 1u) * WG;
+        part[buf + li] = vec2<f32>(sk, sq);
+        if (jl == 0u) {
+            dots[buf + li] = vec4<f32>(d, 0.0);
+        }
+        workgroupBarrier();
+        sk = 0.0;
+        sq = 0.0;
+        d = vec3<f32>(0.0);
+        for (var rr = 0u; rr < slices; rr++) {
+            let pr = part[buf + rr * bv + jl];
+            sk += pr.x;
+            sq += pr.y;
+            d += dots[buf + rr * bv].xyz;
+        }
+        let qn = inverseSqrt(d.x + 1e-6) * q_scale;
+        let kn = inverseSqrt(d.y + 1e-6);
         let beta = sigmoid(b[t * p.hv + h]);
         let decay = exp(-a_scale * softplus(a[t * p.hv + h] + dt_bias));
-        var mem = 0.0;
-        for (var i = 0u; i < p.dk; i++) {
-            mem = fma(prev(first, sb + i * p.dv) * decay, y[kb + i] * kn, mem);
+        var v = 0.0;
+        if (live) {
+            v = y[t * p.c + 2u * kd + h * p.dv + j];
         }
-        let delta = beta * (y[t * p.c + 2u * kd + h * p.dv + j] - mem);
-        var o = 0.0;
-        for (var i = 0u; i < p.dk; i++) {
-            let s = fma(y[kb + i] * kn, delta, prev(first, sb + i * p.dv) * decay);
-            state[sb + i * p.dv] = s;
-            o = fma(s, y[qb + i] * qn, o);
+        let delta = beta * (v - decay * kn * sk);
+        if (live && r == 0u) {
+            core[t * vd + h * p.dv + j] = qn * fma(kn * delta, d.z, decay * sq);
         }
-        core[t * vd + h * p.dv + j] = o;
+        let kd_delta = kn * delta;
+        for (var i = 0u; i < RPI; i++) {
+            s[i] = fma(kv[i], kd_delta, s[i] * decay);
+        }
+    }
+    for (var i = 0u; i < RPI; i++) {
+        if (i < rows) {
+            state[sb + (i0 + i) * p.dv] = s[i];
+        }
     }
 }

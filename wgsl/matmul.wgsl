@@ -9,25 +9,27 @@
 //
 // Parameters, bindings and the weight decoder: linear.wgsl.
 //
-// Tiling: a workgroup of 16 x 16 invocations computes a TM x 64 tile of y (TM tokens, 64
-// outputs), TM / 16 x 4 per invocation, stepping K by BK = 16 (12 KiB of workgroup memory at
-// most). TM is 128 (8 x 4 per invocation, 12 workgroup loads per 32 FMAs), or 64, 32 or 16 for
-// short prompts (4, 2 or 1 x 4), chosen by the host so few rows are computed only to be thrown
-// away. Each
-// step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8 consecutive
-// k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one vec4<u32> = 8 16-bit
-// weights, or two of f32, for the first 128) and widens them once; neighbouring invocations take
-// neighbouring rows, so the transposed stores hit consecutive words (no bank conflicts) and the
-// compute loop reads whole vec4. The loads for step s + 1 are issued into
-// registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte aligned,
-// tiles are staged element by element.
+// Tiling: a workgroup of 16 x 16 invocations computes a TM x TN tile of y (TM tokens, TN
+// outputs), stepping K by BK = 16. TM x TN is 128 x 128 where the grid of such tiles still fills
+// the device (8 x 8 outputs per invocation: 4 vec4 workgroup loads per 16 vec4 FMAs, 16 KiB of
+// workgroup memory), else 128 x 64 (8 x 4: 3 loads per 8 FMAs), or 64, 32 or 16 x 64 for short
+// prompts (4, 2 or 1 x 4), chosen by the host so few rows are computed only to be thrown away.
+// Each step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8
+// consecutive k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one
+// vec4<u32> = 8 16-bit weights, or two of f32, for the first 2 TN) and widens them once;
+// neighbouring invocations take neighbouring rows, so the transposed stores hit consecutive words
+// (no bank conflicts) and the compute loop reads whole vec4. An invocation's columns are
+// lid.x * 4 .. + 4 and, with TN = 128, 64 + lid.x * 4 .. + 4, so the 16 lanes of a row read
+// consecutive vec4. The loads for step s + 1 are issued into registers before step s is
+// computed. When K is not a multiple of 8 or x is not 16-byte aligned, tiles are staged element
+// by element.
 
 override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
-const TN: u32 = 64u;    // tile columns (outputs)
+override TN: u32 = 64u;  // tile columns (outputs): 64, or 128 with TM = 128
 const BK: u32 = 16u;
 
 var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
-var<workgroup> ws: array<vec4<f32>, 256>; // [BK][TN / 4]: 4 tile columns per vec4
+var<workgroup> ws: array<vec4<f32>, 512>; // [BK][TN / 4] (room for TN = 128): 4 tile columns per vec4
 
 // The t values linear.wgsl's lora_row reads: straight from t's buffer (no split shrink here).
 fn t_vec(i: u32) -> vec4<f32> {
@@ -47,8 +49,8 @@ fn put_w(kk: u32, c: u32, v: f32) {
 }
 
 // acc += xs^T ws over one staged K step: rows lid.y * TM / 16 .. + TM / 16, columns
-// lid.x * 4 .. + 4.
-fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
+// lid.x * 4 .. + 4 (acc[0..8]) and, with TN = 128, 64 + lid.x * 4 .. + 4 (acc[8..16]).
+fn fma_tile(acc: ptr<function, array<vec4<f32>, 16>>, lid: vec3<u32>) {
     if (TM < 64u) {
         // One or two tile rows per invocation, read as single values.
         let per = TM / 16u;
@@ -75,6 +77,17 @@ fn fma_tile(acc: ptr<function, array<vec4<f32>, 8>>, lid: vec3<u32>) {
             (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
             (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
             (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
+            if (TN == 128u) {
+                let b2 = ws[kk * (TN / 4u) + 16u + lid.x];
+                (*acc)[8] = fma(vec4<f32>(a.x), b2, (*acc)[8]);
+                (*acc)[9] = fma(vec4<f32>(a.y), b2, (*acc)[9]);
+                (*acc)[10] = fma(vec4<f32>(a.z), b2, (*acc)[10]);
+                (*acc)[11] = fma(vec4<f32>(a.w), b2, (*acc)[11]);
+                (*acc)[12] = fma(vec4<f32>(a2.x), b2, (*acc)[12]);
+                (*acc)[13] = fma(vec4<f32>(a2.y), b2, (*acc)[13]);
+                (*acc)[14] = fma(vec4<f32>(a2.z), b2, (*acc)[14]);
+                (*acc)[15] = fma(vec4<f32>(a2.w), b2, (*acc)[15]);
+            }
         }
     }
 }
@@ -119,7 +132,7 @@ struct Staged {
 }
 
 // Issue the loads of K step k0: the first 2 TM invocations load x row li % TM, k chunk li / TM
-// (of 8); the first 128 load w row li % 64, k chunk li / 64.
+// (of 8); the first 2 TN load w row li % TN, k chunk li / TN.
 fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     var s = Staged(vec4<f32>(0.0), vec4<f32>(0.0), vec4<u32>(0u), vec4<u32>(0u));
     let kx = k0 + (li / TM) * 8u;
@@ -180,7 +193,7 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         }
         put_x(kk, r, xv);
     }
-    for (var e = 0u; e < 4u; e++) {
+    for (var e = 0u; e < TN / 16u; e++) {
         let idx = li + e * 256u;
         let c = idx % TN;
         let kk = idx / TN;
@@ -193,7 +206,7 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
     }
 }
 
-fn base_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
+fn base_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
     let row0 = wg.y * TM;
     let col0 = wg.x * TN;
     if ((p.k & 7u) == 0u && (p.x_offset & 3u) == 0u) {
@@ -216,7 +229,7 @@ fn base_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
 }
 
 // The LoRA expand (segment 0) as extra K steps: x' = s * t[:, offset..offset + r], w' = B.
-fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
+fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
     let row0 = wg.y * TM;
     let col0 = wg.x * TN;
     let rank = p.seg_rank.x;
@@ -236,7 +249,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
             }
             put_x(idx / TM, r, tv);
         }
-        for (var e = 0u; e < 4u; e++) {
+        for (var e = 0u; e < TN / 16u; e++) {
             let idx = li + e * 256u;
             let c = idx % TN;
             let j = k0 + idx / TN;
@@ -251,12 +264,13 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u
     }
 }
 
-fn store_tile(acc: ptr<function, array<vec4<f32>, 8>>, wg: vec3<u32>, lid: vec3<u32>) {
-    for (var i = 0u; i < TM / 16u; i++) {
+fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>) {
+    for (var q = 0u; q < TM * TN / 1024u; q++) {
+        let i = q % 8u;
         let r = wg.y * TM + lid.y * (TM / 16u) + i;
-        let v = (*acc)[i];
+        let v = (*acc)[q];
         for (var j = 0u; j < 4u; j++) {
-            let c = wg.x * TN + lid.x * 4u + j;
+            let c = wg.x * TN + (q / 8u) * 64u + lid.x * 4u + j;
             if (r < p.m && c < p.n) {
                 let idx = p.y_offset + r * p.y_stride + c;
                 if (ACCUMULATE) {
@@ -275,7 +289,7 @@ fn matmul(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    var acc: array<vec4<f32>, 8>;
+    var acc: array<vec4<f32>, 16>;
     base_tile(&acc, wg, lid, li);
     store_tile(&acc, wg, lid);
 }
@@ -286,7 +300,7 @@ fn matmul_lora(
     @builtin(local_invocation_id) lid: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
-    var acc: array<vec4<f32>, 8>;
+    var acc: array<vec4<f32>, 16>;
     base_tile(&acc, wg, lid, li);
     lora_tile(&acc, wg, lid, li);
     store_tile(&acc, wg, lid);

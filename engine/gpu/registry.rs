@@ -282,8 +282,8 @@ fn no_variants() -> &'static [u32] {
     &[0]
 }
 
-fn matmul_rows_variants() -> &'static [u32] {
-    &MATMUL_ROWS
+fn matmul_tile_variants() -> &'static [u32] {
+    &MATMUL_TILES
 }
 
 /// Every entry point, in [`Kernel`] order.
@@ -297,7 +297,7 @@ pub const KERNELS: [KernelDesc; 40] = [
         lora: false,
         accumulate: true,
         dtype: true,
-        variants: matmul_rows_variants,
+        variants: matmul_tile_variants,
     },
     KernelDesc {
         kernel: Kernel::Matvec,
@@ -319,7 +319,7 @@ pub const KERNELS: [KernelDesc; 40] = [
         lora: true,
         accumulate: true,
         dtype: true,
-        variants: matmul_rows_variants,
+        variants: matmul_tile_variants,
     },
     KernelDesc {
         kernel: Kernel::MatvecLora,
@@ -782,8 +782,8 @@ pub struct PipelineKey {
     /// `ACCUMULATE` (matmul kernels): add into the output instead of overwriting it.
     pub accumulate: bool,
     /// A kernel-specific shape variant (matvec: `LANES`, the invocations along K per row group;
-    /// matvec also `FUSE`, see `matmul::matvec_variant`; matmul: `TM`, the tokens per
-    /// tile); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
+    /// matvec also `FUSE`, see `matmul::matvec_variant`; matmul: `TM` and `TN`, the tokens and
+    /// outputs per tile, see [`matmul_variant`]); 0 for kernels without one. [`Kernel::variants`] lists the valid values.
     pub variant: u32,
 }
 
@@ -809,7 +809,11 @@ impl PipelineKey {
                 c.push(("NORM", (fuse & 1) as f64));
                 c.push(("GLU", (fuse >> 1 & 1) as f64));
             }
-            Kernel::Matmul | Kernel::MatmulLora => c.push(("TM", self.variant as f64)),
+            Kernel::Matmul | Kernel::MatmulLora => {
+                let (tm, tn) = matmul_overrides(self.variant);
+                c.push(("TM", tm as f64));
+                c.push(("TN", tn as f64));
+            }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 let (lanes, tokens) = matvec_overrides(self.variant);
                 c.push(("LANES", lanes as f64));
@@ -827,6 +831,26 @@ pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
 
 /// The `TM` variants of `matmul.wgsl`: tokens per tile.
 pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
+
+/// The tiles of `matmul.wgsl` as [`matmul_variant`]s: every `TM` with 64 outputs, and 128 × 128
+/// (8 × 8 outputs per invocation) for grids wide enough to fill the device.
+pub const MATMUL_TILES: [u32; 5] = [
+    matmul_variant(16, 64),
+    matmul_variant(32, 64),
+    matmul_variant(64, 64),
+    matmul_variant(128, 64),
+    matmul_variant(128, 128),
+];
+
+/// The `variant` of a matmul pipeline: `TM` tokens by `TN` outputs per tile.
+pub const fn matmul_variant(tm: u32, tn: u32) -> u32 {
+    tm | tn << 8
+}
+
+/// `TM` and `TN` of a matmul variant.
+pub fn matmul_overrides(variant: u32) -> (u32, u32) {
+    (variant & 0xff, variant >> 8)
+}
 
 /// The `variant` of a matvec pipeline: `LANES` and `FUSE`.
 pub fn matvec_variant(lanes: u32, fuse: u32) -> u32 {

@@ -56,6 +56,13 @@ pub struct GdnIo<'a> {
     pub state_out: &'a wgpu::Buffer,
 }
 
+/// `gdn_rule.wgsl`'s workgroup size (`WG`) and state rows per invocation (`RPI`): a workgroup
+/// holds `WG / ceil(Dk / RPI)` columns of a head's state in registers.
+const DELTA_RULE_WG: u32 = 64;
+const DELTA_RULE_ROWS: u32 = 32;
+/// Largest key head dim `gdn_rule.wgsl` takes (`WG * RPI`).
+pub const DELTA_RULE_MAX_DK: u32 = DELTA_RULE_WG * DELTA_RULE_ROWS;
+
 /// Record the conv + SiLU and the delta-rule recurrence.
 pub fn gated_delta(
     rec: &mut Recorder,
@@ -64,6 +71,15 @@ pub fn gated_delta(
     params: &GdnParams,
     io: &GdnIo,
 ) -> Result<(), GpuError> {
+    if params.dk == 0 || params.dk > DELTA_RULE_MAX_DK || params.hk == 0 || !params.hv.is_multiple_of(params.hk) {
+        return Err(GpuError::Validation {
+            during: "delta_rule".into(),
+            message: format!(
+                "key head dim {} (expected 1..={DELTA_RULE_MAX_DK}) with {} value heads over {} key heads",
+                params.dk, params.hv, params.hk
+            ),
+        });
+    }
     rec.dispatch(
         PipelineKey::plain(Kernel::ConvSilu),
         params,
@@ -71,12 +87,13 @@ pub fn gated_delta(
         &[&conv_w.bind_group],
         [params.c.div_ceil(64), 1, 1],
     )?;
+    let columns = DELTA_RULE_WG / params.dk.div_ceil(DELTA_RULE_ROWS);
     rec.dispatch(
         PipelineKey::plain(Kernel::DeltaRule),
         params,
         &[io.conv_y, io.b, io.a, io.core, io.state_in, io.state_out],
         &[&gate_p.bind_group],
-        [params.dv.div_ceil(64), params.hv, 1],
+        [params.dv.div_ceil(columns), params.hv, 1],
     )
 }
 

@@ -5,8 +5,8 @@ use std::ops::Range;
 use crate::error::GpuError;
 use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
-    matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants, MATMUL_ROWS, MATVEC_BATCH_TOKENS,
-    MATVEC_LANES,
+    matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants,
+    MATMUL_ROWS, MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use crate::gpu::{Kernel, PipelineKey};
 
@@ -317,7 +317,7 @@ pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
     lanes_for(n, 4, min_groups)
 }
 
-/// Tokens per matmul tile for `m` tokens: 128 (8 × 4 outputs per invocation) unless half a
+/// Tokens per matmul tile for `m` tokens: 128 (8 × 4 or 8 × 8 outputs per invocation) unless half a
 /// tile would be rows computed only to be dropped; up to 64 tokens, the smallest tile that holds
 /// them all (every weight is read once, and at most half the tile is padding).
 pub fn matmul_rows(m: usize) -> u32 {
@@ -327,6 +327,15 @@ pub fn matmul_rows(m: usize) -> u32 {
         33..=64 => 64,
         _ => 128,
     }
+}
+
+/// The matmul tile for `m` tokens and `n` outputs on a device that wants `min_groups`
+/// workgroups: [`matmul_rows`] tokens by 64 outputs, or 128 × 128 (twice the FMAs per staged
+/// value, half the x tiles staged) where a full-height tile's grid still has `min_groups`.
+pub fn matmul_tile(m: usize, n: usize, min_groups: usize) -> u32 {
+    let tm = matmul_rows(m);
+    let wide = tm == 128 && n.div_ceil(128) * m.div_ceil(128) >= min_groups;
+    matmul_variant(tm, if wide { 128 } else { 64 })
 }
 
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
@@ -438,7 +447,7 @@ pub fn linear_rows(
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 matvec_variant(matvec_batch_lanes(n_rows, g), batch_tokens(io.m))
             }
-            _ => matmul_rows(io.m),
+            _ => matmul_tile(io.m, n_out, g),
         };
         let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate: io.accumulate, variant };
         let row0 = lo - rows.start;
@@ -473,7 +482,8 @@ pub fn linear_rows(
             let per_group = if fuse.glu || batch { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
             grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
-            [(n_out as u32).div_ceil(64), (io.m as u32).div_ceil(variant), 1]
+            let (tm, tn) = matmul_overrides(variant);
+            [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), 1]
         };
         match (lora, io.m == 1) {
             (None, false) => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
