@@ -412,10 +412,10 @@ fn matvec_sweep(ctx: &GpuContext) {
 fn matmul_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     // (m, n, k): tokens below, at and above each tile height (16, 32, 64, 128), outputs around
-    // the 64-column tile, a grid of 128 x 128 tiles wide enough for any device's minimum
-    // (partial in both dimensions), k a multiple of 8 that is not one of BK (vector staging
-    // with a partial last step), odd k (element staging); x offsets 4 (aligned) and 1 (element
-    // staging).
+    // the 64-column tile, grids of 128-column tiles wide enough for any device's minimum
+    // (partial in both dimensions) at every height, k a multiple of 8 that is not one of BK
+    // (vector staging with a partial last step), odd k (element staging); x offsets 4 (aligned)
+    // and 1 (element staging).
     let shapes = [
         (2, 5, 8),
         (64, 33, 16),
@@ -430,6 +430,9 @@ fn matmul_sweep_matches_reference() {
         (32, 64, 13),
         (33, 7, 1032),
         (1100, 1800, 24),
+        (5, 16300, 8),
+        (20, 16300, 13),
+        (40, 16300, 16),
     ];
     let g = ctx.min_workgroups();
     let tiles: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, n, _)| matmul_tile(m, n, g)).collect();

@@ -10,10 +10,11 @@
 // Parameters, bindings and the weight decoder: linear.wgsl.
 //
 // Tiling: a workgroup of 16 x 16 invocations computes a TM x TN tile of y (TM tokens, TN
-// outputs), stepping K by BK = 16. TM x TN is 128 x 128 where the grid of such tiles still fills
-// the device (8 x 8 outputs per invocation: 4 vec4 workgroup loads per 16 vec4 FMAs, 16 KiB of
-// workgroup memory), else 128 x 64 (8 x 4: 3 loads per 8 FMAs), or 64, 32 or 16 x 64 for short
-// prompts (4, 2 or 1 x 4), chosen by the host so few rows are computed only to be thrown away.
+// outputs), stepping K by BK = 16. TM is 128 (8 rows per invocation), or 64, 32 or 16 for short
+// prompts (4, 2 or 1), chosen by the host so few rows are computed only to be thrown away; TN is
+// 128 (8 columns per invocation) where the grid of such tiles still fills the device, else 64
+// (4 columns). At 128 x 128 an invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (128 x
+// 64: 3 per 8), with 16 KiB of workgroup memory.
 // Each step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8
 // consecutive k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one
 // vec4<u32> = 8 16-bit weights, or two of f32, for the first 2 TN) and widens them once;
@@ -25,7 +26,7 @@
 // by element.
 
 override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
-override TN: u32 = 64u;  // tile columns (outputs): 64, or 128 with TM = 128
+override TN: u32 = 64u;  // tile columns (outputs): 64 or 128
 const BK: u32 = 16u;
 
 var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
@@ -56,9 +57,17 @@ fn fma_tile(acc: ptr<function, array<vec4<f32>, 16>>, lid: vec3<u32>) {
         let per = TM / 16u;
         for (var kk = 0u; kk < BK; kk++) {
             let b = ws[kk * (TN / 4u) + lid.x];
+            var b2 = vec4<f32>(0.0);
+            if (TN == 128u) {
+                b2 = ws[kk * (TN / 4u) + 16u + lid.x];
+            }
             for (var i = 0u; i < per; i++) {
                 let r = lid.y * per + i;
-                (*acc)[i] = fma(vec4<f32>(xs[kk * (TM / 4u) + (r >> 2u)][r & 3u]), b, (*acc)[i]);
+                let xv = vec4<f32>(xs[kk * (TM / 4u) + (r >> 2u)][r & 3u]);
+                (*acc)[i] = fma(xv, b, (*acc)[i]);
+                if (TN == 128u) {
+                    (*acc)[8u + i] = fma(xv, b2, (*acc)[8u + i]);
+                }
             }
         }
         return;
@@ -71,18 +80,21 @@ fn fma_tile(acc: ptr<function, array<vec4<f32>, 16>>, lid: vec3<u32>) {
         (*acc)[1] = fma(vec4<f32>(a.y), b, (*acc)[1]);
         (*acc)[2] = fma(vec4<f32>(a.z), b, (*acc)[2]);
         (*acc)[3] = fma(vec4<f32>(a.w), b, (*acc)[3]);
+        var a2 = vec4<f32>(0.0);
         if (quads == 2u) {
-            let a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
+            a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
             (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
             (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
             (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
             (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
-            if (TN == 128u) {
-                let b2 = ws[kk * (TN / 4u) + 16u + lid.x];
-                (*acc)[8] = fma(vec4<f32>(a.x), b2, (*acc)[8]);
-                (*acc)[9] = fma(vec4<f32>(a.y), b2, (*acc)[9]);
-                (*acc)[10] = fma(vec4<f32>(a.z), b2, (*acc)[10]);
-                (*acc)[11] = fma(vec4<f32>(a.w), b2, (*acc)[11]);
+        }
+        if (TN == 128u) {
+            let b2 = ws[kk * (TN / 4u) + 16u + lid.x];
+            (*acc)[8] = fma(vec4<f32>(a.x), b2, (*acc)[8]);
+            (*acc)[9] = fma(vec4<f32>(a.y), b2, (*acc)[9]);
+            (*acc)[10] = fma(vec4<f32>(a.z), b2, (*acc)[10]);
+            (*acc)[11] = fma(vec4<f32>(a.w), b2, (*acc)[11]);
+            if (quads == 2u) {
                 (*acc)[12] = fma(vec4<f32>(a2.x), b2, (*acc)[12]);
                 (*acc)[13] = fma(vec4<f32>(a2.y), b2, (*acc)[13]);
                 (*acc)[14] = fma(vec4<f32>(a2.z), b2, (*acc)[14]);
@@ -265,18 +277,19 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
 }
 
 fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>) {
-    for (var q = 0u; q < TM * TN / 1024u; q++) {
-        let i = q % 8u;
-        let r = wg.y * TM + lid.y * (TM / 16u) + i;
-        let v = (*acc)[q];
-        for (var j = 0u; j < 4u; j++) {
-            let c = wg.x * TN + (q / 8u) * 64u + lid.x * 4u + j;
-            if (r < p.m && c < p.n) {
-                let idx = p.y_offset + r * p.y_stride + c;
-                if (ACCUMULATE) {
-                    y[idx] = y[idx] + v[j];
-                } else {
-                    y[idx] = v[j];
+    for (var half = 0u; half < TN / 64u; half++) {
+        for (var i = 0u; i < TM / 16u; i++) {
+            let r = wg.y * TM + lid.y * (TM / 16u) + i;
+            let v = (*acc)[half * 8u + i];
+            for (var j = 0u; j < 4u; j++) {
+                let c = wg.x * TN + half * 64u + lid.x * 4u + j;
+                if (r < p.m && c < p.n) {
+                    let idx = p.y_offset + r * p.y_stride + c;
+                    if (ACCUMULATE) {
+                        y[idx] = y[idx] + v[j];
+                    } else {
+                        y[idx] = v[j];
+                    }
                 }
             }
         }

@@ -832,13 +832,16 @@ pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
 /// The `TM` variants of `matmul.wgsl`: tokens per tile.
 pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
 
-/// The tiles of `matmul.wgsl` as [`matmul_variant`]s: every `TM` with 64 outputs, and 128 × 128
-/// (8 × 8 outputs per invocation) for grids wide enough to fill the device.
-pub const MATMUL_TILES: [u32; 5] = [
+/// The tiles of `matmul.wgsl` as [`matmul_variant`]s: every `TM` with 64 or 128 outputs (4 or 8
+/// per invocation).
+pub const MATMUL_TILES: [u32; 8] = [
     matmul_variant(16, 64),
     matmul_variant(32, 64),
     matmul_variant(64, 64),
     matmul_variant(128, 64),
+    matmul_variant(16, 128),
+    matmul_variant(32, 128),
+    matmul_variant(64, 128),
     matmul_variant(128, 128),
 ];
 

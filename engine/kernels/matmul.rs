@@ -317,7 +317,7 @@ pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
     lanes_for(n, 4, min_groups)
 }
 
-/// Tokens per matmul tile for `m` tokens: 128 (8 × 4 or 8 × 8 outputs per invocation) unless half a
+/// Tokens per matmul tile for `m` tokens: 128 (8 rows per invocation) unless half a
 /// tile would be rows computed only to be dropped; up to 64 tokens, the smallest tile that holds
 /// them all (every weight is read once, and at most half the tile is padding).
 pub fn matmul_rows(m: usize) -> u32 {
@@ -330,11 +330,11 @@ pub fn matmul_rows(m: usize) -> u32 {
 }
 
 /// The matmul tile for `m` tokens and `n` outputs on a device that wants `min_groups`
-/// workgroups: [`matmul_rows`] tokens by 64 outputs, or 128 × 128 (twice the FMAs per staged
-/// value, half the x tiles staged) where a full-height tile's grid still has `min_groups`.
+/// workgroups: [`matmul_rows`] tokens by 128 outputs (twice the FMAs per staged x value, half
+/// the x tiles staged) where a grid of such tiles still has `min_groups`, else by 64.
 pub fn matmul_tile(m: usize, n: usize, min_groups: usize) -> u32 {
     let tm = matmul_rows(m);
-    let wide = tm == 128 && n.div_ceil(128) * m.div_ceil(128) >= min_groups;
+    let wide = n.div_ceil(128) * m.div_ceil(tm as usize) >= min_groups;
     matmul_variant(tm, if wide { 128 } else { 64 })
 }
 
