@@ -9,11 +9,11 @@
 // state once (the session's other buffer, so a discarded step leaves the state it started from).
 // A workgroup owns BV columns of one head's S; its invocations split the Dk rows into slices of
 // RPI rows, invocation (slice r, column j) holding S[r*RPI .. r*RPI + RPI, j]. Per token each
-// invocation sums its rows' S^T k and S^T q (and the slice's q.q, k.k, k.q); one barrier later
-// every invocation of a column adds up the slices' partials (double-buffered by token parity, so
-// one barrier a token suffices) and updates its rows. The output needs no second pass over S:
-//   o_j = sum_i S'_ij qn q_i = qn (decay (S^T q)_j + kn delta_j (k.q))
-// and mem_j = decay kn (S^T k)_j, with qn, kn the l2 scales and S' the updated state.
+// invocation sums its rows' S^T k (and the slice's q.q, k.k); after a barrier every invocation of
+// a column adds up the slices' partials, so mem_j = decay kn (S^T k)_j, and updates its rows;
+// the slices' sums of S'^T q meet after a second barrier (o from the updated state, as the
+// reference computes it). The head's beta and decay are found once per token, WG tokens at a
+// time into workgroup memory.
 
 struct Params {
     t: u32,
@@ -42,8 +42,9 @@ const RPI: u32 = 32u; // state rows per invocation; Dk <= WG * RPI (the host che
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-var<workgroup> part: array<vec2<f32>, 128>; // [2][WG]: (S^T k, S^T q) of (slice, column)
-var<workgroup> dots: array<vec4<f32>, 128>; // [2][WG]: (q.q, k.k, k.q, -) of slice r at r * BV
+var<workgroup> part: array<vec4<f32>, 64>; // [WG]: (S^T k of (slice, column), the slice's q.q, k.k, -)
+var<workgroup> outs: array<f32, 64>;        // [WG]: S'^T q of (slice, column)
+var<workgroup> gates: array<vec2<f32>, 64>; // [WG]: (beta, decay) of the tokens t0 .. t0 + WG
 
 // Number of rows of slice r (0 past Dk).
 fn slice_rows(r: u32) -> u32 {
@@ -76,6 +77,7 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
 
     var s: array<f32, RPI>;
     var kv: array<f32, RPI>;
+    var qv: array<f32, RPI>;
     for (var i = 0u; i < RPI; i++) {
         s[i] = 0.0;
         if (i < rows) {
@@ -83,51 +85,59 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
     }
     for (var t = 0u; t < p.t; t++) {
+        // Every WG tokens, invocation li finds token t + li's beta and decay once for the head.
+        if (t % WG == 0u) {
+            workgroupBarrier();
+            let tg = t + li;
+            if (tg < p.t) {
+                let beta = sigmoid(b[tg * p.hv + h]);
+                gates[li] = vec2<f32>(beta, exp(-a_scale * softplus(a[tg * p.hv + h] + dt_bias)));
+            }
+            workgroupBarrier();
+        }
         let qb = t * p.c + kh * p.dk + i0;
         let kb = qb + kd;
         var sk = 0.0;
-        var sq = 0.0;
-        var d = vec3<f32>(0.0);
+        var qq = 0.0;
+        var kk = 0.0;
         // Rows past the slice read whatever follows (WGSL bounds every access) and count as
         // zero, so every invocation runs the same loops, with no branch inside.
         for (var i = 0u; i < RPI; i++) {
             let qi = select(0.0, y[qb + i], i < rows);
             let ki = select(0.0, y[kb + i], i < rows);
+            qv[i] = qi;
             kv[i] = ki;
             sk = fma(s[i], ki, sk);
-            sq = fma(s[i], qi, sq);
-            d = fma(vec3<f32>(qi, ki, ki), vec3<f32>(qi, ki, qi), d);
+            qq = fma(qi, qi, qq);
+            kk = fma(ki, ki, kk);
         }
-        let buf = (t & 1u) * WG;
-        part[buf + li] = vec2<f32>(sk, sq);
-        if (jl == 0u) {
-            dots[buf + li] = vec4<f32>(d, 0.0);
-        }
+        part[li] = vec4<f32>(sk, qq, kk, 0.0);
         workgroupBarrier();
-        sk = 0.0;
-        sq = 0.0;
-        d = vec3<f32>(0.0);
+        var sums = vec3<f32>(0.0);
         for (var rr = 0u; rr < slices; rr++) {
-            let pr = part[buf + rr * bv + jl];
-            sk += pr.x;
-            sq += pr.y;
-            d += dots[buf + rr * bv].xyz;
+            sums += part[rr * bv + jl].xyz;
         }
-        let qn = inverseSqrt(d.x + 1e-6) * q_scale;
-        let kn = inverseSqrt(d.y + 1e-6);
-        let beta = sigmoid(b[t * p.hv + h]);
-        let decay = exp(-a_scale * softplus(a[t * p.hv + h] + dt_bias));
+        let kn = inverseSqrt(sums.z + 1e-6);
+        let g = gates[t % WG];
         var v = 0.0;
         if (live) {
             v = y[t * p.c + 2u * kd + h * p.dv + j];
         }
-        let delta = beta * (v - decay * kn * sk);
-        if (live && r == 0u) {
-            core[t * vd + h * p.dv + j] = qn * fma(kn * delta, d.z, decay * sq);
-        }
+        let delta = g.x * (v - g.y * kn * sums.x);
         let kd_delta = kn * delta;
+        var o = 0.0;
         for (var i = 0u; i < RPI; i++) {
-            s[i] = fma(kv[i], kd_delta, s[i] * decay);
+            s[i] = fma(kv[i], kd_delta, s[i] * g.y);
+            o = fma(s[i], qv[i], o);
+        }
+        outs[li] = o;
+        workgroupBarrier();
+        if (live && r == 0u) {
+            o = 0.0;
+            for (var rr = 0u; rr < slices; rr++) {
+                o += outs[rr * bv + jl];
+            }
+            core[t * vd + h * p.dv + j] = o * inverseSqrt(sums.y + 1e-6) * q_scale;
         }
     }
     for (var i = 0u; i < RPI; i++) {
