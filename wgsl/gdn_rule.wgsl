@@ -42,15 +42,9 @@ const RPI: u32 = 32u; // state rows per invocation; Dk <= WG * RPI (the host che
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-var<workgroup> part: array<vec4<f32>, 64>; // [WG]: (S^T k of (slice, column), the slice's q.q, k.k, -)
-var<workgroup> outs: array<f32, 64>;        // [WG]: S'^T q of (slice, column)
-var<workgroup> gates: array<vec2<f32>, 64>; // [WG]: (beta, decay) of the tokens t0 .. t0 + WG
-
-// Number of rows of slice r (0 past Dk).
-fn slice_rows(r: u32) -> u32 {
-    let i0 = min(r * RPI, p.dk);
-    return min(RPI, p.dk - i0);
-}
+var<workgroup> part: array<vec4<f32>, WG>; // (S^T k of (slice, column), the slice's q.q, k.k, -)
+var<workgroup> outs: array<f32, WG>;        // S'^T q of (slice, column)
+var<workgroup> gates: array<vec2<f32>, WG>; // (beta, decay) of the tokens t0 .. t0 + WG
 
 // Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
 @compute @workgroup_size(64)
@@ -62,11 +56,8 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let h = wg.y;
     let j = wg.x * bv + jl;
     let live = r < slices && j < p.dv;
-    var rows = 0u;
-    if (live) {
-        rows = slice_rows(r);
-    }
     let i0 = min(r, slices - 1u) * RPI;
+    let rows = select(0u, min(RPI, p.dk - i0), live); // rows of S this invocation holds
     let kh = h / (p.hv / p.hk);
     let kd = p.hk * p.dk;
     let vd = p.hv * p.dv;
@@ -86,14 +77,14 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     }
     for (var t = 0u; t < p.t; t++) {
         // Every WG tokens, invocation li finds token t + li's beta and decay once for the head.
+        // They are read after this token's first barrier, and the previous block's last reads
+        // came before the previous token's second one, so no barrier of their own is needed.
         if (t % WG == 0u) {
-            workgroupBarrier();
             let tg = t + li;
             if (tg < p.t) {
                 let beta = sigmoid(b[tg * p.hv + h]);
                 gates[li] = vec2<f32>(beta, exp(-a_scale * softplus(a[tg * p.hv + h] + dt_bias)));
             }
-            workgroupBarrier();
         }
         let qb = t * p.c + kh * p.dk + i0;
         let kb = qb + kd;

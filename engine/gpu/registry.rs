@@ -829,9 +829,6 @@ impl PipelineKey {
 /// = 8 · 64 / LANES).
 pub const MATVEC_LANES: [u32; 4] = [8, 16, 32, 64];
 
-/// The `TM` variants of `matmul.wgsl`: tokens per tile.
-pub const MATMUL_ROWS: [u32; 4] = [16, 32, 64, 128];
-
 /// The tiles of `matmul.wgsl` as [`matmul_variant`]s: every `TM` with 64 or 128 outputs (4 or 8
 /// per invocation).
 pub const MATMUL_TILES: [u32; 8] = [

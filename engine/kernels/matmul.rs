@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
     matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants,
-    MATMUL_ROWS, MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use crate::gpu::{Kernel, PipelineKey};
 
