@@ -1,5 +1,8 @@
 //! Engine throughput on one checkpoint: model load, batched prefill and cached decode (median of
-//! repeats after a warm-up), and with `--adapter`: the same with a LoRA adapter applied, the
+//! repeats after a warm-up), and with `--adapter`: the same with a LoRA adapter applied and with
+//! it stacked on a second copy (the three runs alternate round by round, and their prefill
+//! ratios are taken per round; their decode ratios come from blocks of a few tokens alternating
+//! within one generation, so that the machine's drift does not enter them), the
 //! adapter's load time against reading its file, and adapter swaps between tokens (latency and
 //! bytes uploaded); then one learning step (forward of an event, backward, AdamW) on a rank-16
 //! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
@@ -337,17 +340,81 @@ fn sampled_decode(ctx: &GpuContext, session: &mut Session, ids: &[u32], args: &A
     }))
 }
 
-fn measure(session: &mut Session, ids: &[u32], args: &Args, label: &str) -> Result<(Series, Series)> {
-    let (mut prefill, mut decode) = (Series::default(), Series::default());
-    for rep in 0..=args.repeats {
-        let (p, d) = run(session, ids, args.decode)?;
-        eprintln!("{label} rep {rep}: prefill {p:.2} tok/s, decode {d:.2} tok/s");
-        if rep > 0 {
-            prefill.0.push(p);
-            decode.0.push(d);
+/// Greedy runs of every adapter set in `sets` (label, set), interleaved: each round runs every
+/// set once, in reverse order on odd rounds (so a drift of the machine over a round costs every
+/// set alike); round 0 is the warm-up. Returns each set's (prefill, decode) tok/s, in round order,
+/// so that entry i of two sets' series comes from the same round.
+fn interleaved(
+    session: &mut Session,
+    ids: &[u32],
+    args: &Args,
+    sets: &[(&str, Vec<ActiveAdapter>)],
+) -> Result<Vec<(Series, Series)>> {
+    let mut out: Vec<(Series, Series)> = sets.iter().map(|_| Default::default()).collect();
+    for round in 0..=args.repeats {
+        let order: Vec<usize> =
+            if round % 2 == 0 { (0..sets.len()).collect() } else { (0..sets.len()).rev().collect() };
+        for i in order {
+            let (label, set) = &sets[i];
+            session.set_adapters(set.clone())?;
+            let (p, d) = run(session, ids, args.decode)?;
+            eprintln!("{label} round {round}: prefill {p:.2} tok/s, decode {d:.2} tok/s");
+            if round > 0 {
+                out[i].0 .0.push(p);
+                out[i].1 .0.push(d);
+            }
         }
     }
-    Ok((prefill, decode))
+    session.set_adapters(Vec::new())?;
+    Ok(out)
+}
+
+/// Greedy decode of every adapter set in `sets`, alternating within one generation: each round
+/// gives every set a block of [`AB_BLOCK`] tokens (in reverse order on odd rounds), switching
+/// sets between tokens (no upload, see `swap_us`), so that sets compared within a round are a
+/// few seconds apart however the machine drifts. A block's first token is not timed (it holds
+/// the switch and, with run-ahead, a discarded step); a block's rate is one over its median token
+/// time (on a shared machine a few tokens of a block take half again as long as the others:
+/// another tenant, not the set). Returns each set's tok/s per round.
+fn decode_ab(model: &Arc<Model>, args: &Args, ids: &[u32], sets: &[(&str, Vec<ActiveAdapter>)]) -> Result<Vec<Series>> {
+    let rounds = 2 * args.repeats.max(1);
+    let schedule: Vec<usize> = (0..rounds)
+        .flat_map(|r| if r % 2 == 0 { (0..sets.len()).collect::<Vec<_>>() } else { (0..sets.len()).rev().collect() })
+        .collect();
+    let prompt = &ids[..ids.len().min(8)];
+    let tokens = schedule.len() * AB_BLOCK;
+    let opts = SessionOptions { max_context: prompt.len() + tokens + 1, max_batch: prompt.len() };
+    let mut session = Session::new(model.clone(), opts)?;
+    if let RunAhead(Some(on)) = args.run_ahead {
+        session.set_run_ahead(on);
+    }
+    session.set_adapters(sets[schedule[0]].1.clone())?;
+    // Token k's time: since the previous token (the first: since the prompt's token).
+    let mut times = Vec::with_capacity(tokens);
+    let mut last = Instant::now();
+    session.generate_with(prompt, &GenerateParams { stop_at_eos: false, ..greedy(tokens - 1) }, |_, s| {
+        let now = Instant::now();
+        times.push(now.duration_since(last).as_secs_f64());
+        last = now;
+        if times.len() % AB_BLOCK == 0 && times.len() < tokens {
+            s.set_adapters(sets[schedule[times.len() / AB_BLOCK]].1.clone())?;
+        }
+        Ok::<_, anyhow::Error>(true)
+    })?;
+    let mut out: Vec<Series> = sets.iter().map(|_| Series::default()).collect();
+    for (b, &set) in schedule.iter().enumerate() {
+        let block = Series(times[b * AB_BLOCK + 1..(b + 1) * AB_BLOCK].to_vec());
+        out[set].0.push(1.0 / block.median());
+    }
+    Ok(out)
+}
+
+/// Tokens per set and round in [`decode_ab`].
+const AB_BLOCK: usize = 8;
+
+/// `a / b` per round of two [`interleaved`] series: median, min, max over the rounds.
+fn paired(a: &Series, b: &Series) -> serde_json::Value {
+    Series(a.0.iter().zip(&b.0).map(|(x, y)| x / y).collect()).json()
 }
 
 fn main() -> Result<()> {
@@ -364,7 +431,36 @@ fn main() -> Result<()> {
     if let RunAhead(Some(on)) = args.run_ahead {
         session.set_run_ahead(on);
     }
-    let (prefill, decode) = measure(&mut session, &ids, &args, "base")?;
+    // The adapter (loaded three times: its load time) and a second copy of it, loaded first so
+    // that the base model, the adapter and the two stacked run interleaved.
+    let loaded = match &args.adapter {
+        Some(path) => {
+            let mut loads = Series::default();
+            let mut adapter = None;
+            for _ in 0..3 {
+                let t = Instant::now();
+                let a = LoraAdapter::load(&model, path)?;
+                ctx.device.poll(wgpu::PollType::wait_indefinitely())?;
+                loads.0.push(t.elapsed().as_secs_f64());
+                adapter = Some(Arc::new(a));
+            }
+            let adapter = adapter.expect("loaded three times");
+            let second = Arc::new(LoraAdapter::load(&model, path)?);
+            Some((path, adapter, second, loads))
+        }
+        None => None,
+    };
+    let mut sets = vec![("base", Vec::new())];
+    if let Some((_, adapter, second, _)) = &loaded {
+        sets.push(("adapter", vec![ActiveAdapter::new(adapter.clone(), 1.0)]));
+        // Two adapters stacked (the adapter and its second copy at half scale each: the same
+        // delta as the adapter at scale 1, twice the rank): one shrink and one fused expand per
+        // group, like one adapter of rank 32.
+        sets.push(("stacked", vec![ActiveAdapter::new(adapter.clone(), 0.5), ActiveAdapter::new(second.clone(), 0.5)]));
+    }
+    let mut runs = interleaved(&mut session, &ids, &args, &sets)?.into_iter();
+    let ab = if sets.len() > 1 { decode_ab(&model, &args, &ids, &sets)? } else { Vec::new() };
+    let (prefill, decode) = runs.next().expect("the base set");
     let counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
     let sampled_json = sampled_decode(&ctx, &mut session, &ids, &args)?;
     let mut summary = serde_json::json!({
@@ -389,26 +485,16 @@ fn main() -> Result<()> {
         "readback_bytes_per_token": counts["readback_bytes_per_token"],
         "sampled": sampled_json,
     });
-    if let Some(path) = &args.adapter {
+    if let Some((path, adapter, second, loads)) = loaded {
         let file = path.join("adapter_model.safetensors");
         let bytes = std::fs::read(&file)?.len();
         let t = Instant::now();
         std::fs::read(&file)?;
         let read_s = t.elapsed().as_secs_f64();
-        let mut loads = Series::default();
-        let mut adapter = None;
-        for _ in 0..3 {
-            let t = Instant::now();
-            let a = LoraAdapter::load(&model, path)?;
-            ctx.device.poll(wgpu::PollType::wait_indefinitely())?;
-            loads.0.push(t.elapsed().as_secs_f64());
-            adapter = Some(Arc::new(a));
-        }
-        let adapter = adapter.expect("loaded three times");
+        let (lp, ld) = runs.next().expect("the adapter's set");
+        let (sp, sd) = runs.next().expect("the stacked set");
         session.set_adapter(Some((adapter.clone(), 1.0)))?;
-        let (lp, ld) = measure(&mut session, &ids, &args, "adapter")?;
         let adapter_counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
-        let second = Arc::new(LoraAdapter::load(&model, path)?);
         let before = ctx.bytes_uploaded();
         let mut swaps = Series::default();
         for i in 0..args.swaps {
@@ -435,12 +521,8 @@ fn main() -> Result<()> {
         };
         let (fixed_tps, fixed_bytes) = count(&mut session, false, &mut logits)?;
         let (swap_tps, swap_step_bytes) = count(&mut session, true, &mut logits)?;
-        // Two adapters stacked (the adapter and its second copy at half scale each: the same
-        // delta as the adapter at scale 1, twice the rank): one shrink and one fused expand per
-        // group, like one adapter of rank 32.
         session
             .set_adapters(vec![ActiveAdapter::new(adapter.clone(), 0.5), ActiveAdapter::new(second.clone(), 0.5)])?;
-        let (sp, sd) = measure(&mut session, &ids, &args, "stacked")?;
         let stacked_counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
         session.set_adapter(Some((adapter.clone(), 1.0)))?;
         let batched_json = batched(&model, [&adapter, &second], &ids, &args)?;
@@ -449,7 +531,8 @@ fn main() -> Result<()> {
         } else {
             serde_json::Value::Null
         };
-        let ratio = |a: &Series, b: &Series| a.median() / b.median();
+        // Ratios of runs of the same round (see [`interleaved`]), median over the rounds.
+        let ratio = |a: &Series, b: &Series| paired(a, b)["median"].clone();
         summary["adapter"] = serde_json::json!({
             "path": path,
             "ranks": adapter.info.ranks,
@@ -464,7 +547,19 @@ fn main() -> Result<()> {
             "dispatches_per_token_fused": adapter_counts["dispatches_per_token_fused"],
             "dispatches_per_token_unfused": adapter_counts["dispatches_per_token_unfused"],
             "prefill_ratio_adapter_over_base": ratio(&lp, &prefill),
-            "decode_ratio_adapter_over_base": ratio(&ld, &decode),
+            "decode_ratio_adapter_over_base": ratio(&ab[1], &ab[0]),
+            "interleaved": "base, adapter and stacked runs alternate round by round (prefill ratios per round); \
+                            decode ratios per round of decode_ab's blocks",
+            "prefill_ratio_adapter_over_base_per_round": paired(&lp, &prefill),
+            "decode_ratio_adapter_over_base_per_round": paired(&ab[1], &ab[0]),
+            "decode_ab": {
+                "block_tokens": AB_BLOCK,
+                "timed_tokens_per_block": AB_BLOCK - 1,
+                "rounds": ab[0].0.len(),
+                "base_tok_s": ab[0].json(),
+                "adapter_tok_s": ab[1].json(),
+                "stacked_tok_s": ab[2].json(),
+            },
             "swap_us": swaps.json(),
             "swap_bytes_uploaded_total": swap_bytes,
             "decode_fixed_adapter_tok_s": fixed_tps,
@@ -478,8 +573,10 @@ fn main() -> Result<()> {
                 "prefill_tok_s": sp.json(),
                 "decode_tok_s": sd.json(),
                 "dispatches_per_token": stacked_counts["dispatches_per_token"],
-                "decode_ratio_stacked_over_one": ratio(&sd, &ld),
+                "decode_ratio_stacked_over_one": ratio(&ab[2], &ab[1]),
                 "prefill_ratio_stacked_over_one": ratio(&sp, &lp),
+                "decode_ratio_stacked_over_one_per_round": paired(&ab[2], &ab[1]),
+                "prefill_ratio_stacked_over_one_per_round": paired(&sp, &lp),
             },
         });
     }
