@@ -11,7 +11,8 @@
 //
 // Tiling: a workgroup of 16 x 16 invocations computes a TM x TN tile of y (TM tokens, TN
 // outputs), stepping K by BK = 16. TM is 128 (8 rows per invocation), or 64, 32 or 16 for short
-// prompts (4, 2 or 1), chosen by the host so few rows are computed only to be thrown away; TN is
+// prompts (4, 2 or 1), chosen by the host so little of a tile is padding (invocations whose rows
+// all lie past the prompt skip their FMAs, and those rows are never loaded); TN is
 // 128 (8 columns per invocation) where the grid of such tiles still fills the device, else 64
 // (4 columns). At 128 x 128 an invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (128 x
 // 64: 3 per 8), with 16 KiB of workgroup memory.
@@ -47,6 +48,14 @@ fn put_x(kk: u32, r: u32, v: f32) {
 
 fn put_w(kk: u32, c: u32, v: f32) {
     ws[kk * (TN / 4u) + (c >> 2u)][c & 3u] = v;
+}
+
+// Whether any of the invocation's tile rows is one of the m rows: the rows of a tile past m
+// (the last tile of a prompt that does not fill it) are staged as zeros and never computed; the
+// condition is the same for the 16 invocations of a tile row, which are consecutive, so whole
+// subgroups skip their FMAs. No barrier sits under it.
+fn live_rows(row0: u32, lid: vec3<u32>) -> bool {
+    return row0 + lid.y * (TM / 16u) < p.m;
 }
 
 // acc += xs^T ws over one staged K step: rows lid.y * TM / 16 .. + TM / 16, columns
@@ -148,8 +157,8 @@ struct Staged {
 fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     var s = Staged(vec4<f32>(0.0), vec4<f32>(0.0), vec4<u32>(0u), vec4<u32>(0u));
     let kx = k0 + (li / TM) * 8u;
-    if (li < 2u * TM && kx < p.k) {
-        let xe = (p.x_offset + min(row0 + li % TM, p.m - 1u) * p.x_stride + kx) >> 2u;
+    if (li < 2u * TM && kx < p.k && row0 + li % TM < p.m) {
+        let xe = (p.x_offset + (row0 + li % TM) * p.x_stride + kx) >> 2u;
         s.xa = x[xe];
         s.xb = x[xe + 1u];
     }
@@ -200,8 +209,8 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         let kk = idx / TM;
         let kg = k0 + kk;
         var xv = 0.0;
-        if (kg < p.k) {
-            xv = x_elem(p.x_offset + min(row0 + r, p.m - 1u) * p.x_stride + kg);
+        if (kg < p.k && row0 + r < p.m) {
+            xv = x_elem(p.x_offset + (row0 + r) * p.x_stride + kg);
         }
         put_x(kk, r, xv);
     }
@@ -228,7 +237,9 @@ fn base_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
             store_step(next, li);
             workgroupBarrier();
             next = load_step(k0 + BK, row0, col0, li);
-            fma_tile(acc, lid);
+            if (live_rows(row0, lid)) {
+                fma_tile(acc, lid);
+            }
         }
         return;
     }
@@ -236,7 +247,9 @@ fn base_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
         workgroupBarrier();
         stage_elements(k0, row0, col0, li);
         workgroupBarrier();
-        fma_tile(acc, lid);
+        if (live_rows(row0, lid)) {
+            fma_tile(acc, lid);
+        }
     }
 }
 
@@ -252,8 +265,8 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
             let r = idx % TM;
             let j = k0 + idx / TM;
             var tv = 0.0;
-            if (j < rank) {
-                let m = min(row0 + r, p.m - 1u);
+            if (j < rank && row0 + r < p.m) {
+                let m = row0 + r;
                 tv = t_elem(m * p.lora_t_stride + p.seg_t.x + j) * p.seg_scale.x;
                 if (p.lora_sc != NO_TABLE) {
                     tv *= t_elem(p.lora_sc + m * p.lora_sc_stride + p.seg_t.x + j);
@@ -272,7 +285,9 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
             put_w(idx / TN, c, bv);
         }
         workgroupBarrier();
-        fma_tile(acc, lid);
+        if (live_rows(row0, lid)) {
+            fma_tile(acc, lid);
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 // after one barrier; the storing invocations add the LoRA expand of their (row, token).
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
-// m <= TOK (token rows past m are clamped, computed and not stored). Parameters, bindings and the
+// m <= TOK (token rows past m are skipped: not loaded, computed or stored). Parameters, bindings and the
 // helpers: linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
@@ -65,7 +65,10 @@ fn partials(s: Slot) -> array<vec4<f32>, MAX_TOK> {
         let w2 = weights8(r2, j);
         let w3 = weights8(r3, j);
         for (var tk = 0u; tk < TOK; tk++) {
-            let x4 = (p.x_offset + min(tk, p.m - 1u) * p.x_stride) >> 2u;
+            if (tk >= p.m) {
+                break;
+            }
+            let x4 = (p.x_offset + tk * p.x_stride) >> 2u;
             let xa = x[x4 + 2u * j];
             let xb = x[x4 + 2u * j + 1u];
             var xe = xa;
