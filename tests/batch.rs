@@ -157,6 +157,43 @@ fn sampled_batched_generation_draws_what_each_session_draws_alone() {
 }
 
 #[test]
+fn sampled_batches_read_back_each_rows_candidates_as_a_session_alone_does() {
+    if gpu().is_none() {
+        return;
+    }
+    // A context of its own: the shared one counts the work of tests running beside this one.
+    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let prompts: Vec<&[u32]> = (0..3).map(|i| &ids[..4 + i]).collect();
+    let settings = [
+        GenerateParams { temperature: 0.7, top_k: 20, top_p: 0.8, seed: 11, ..Default::default() },
+        GenerateParams { temperature: 1.0, top_p: 0.9, repetition_penalty: 1.3, seed: 5, ..Default::default() },
+    ];
+    for base in settings {
+        let params = GenerateParams { max_tokens: 5, stop_at_eos: false, ..base };
+        let before = model.ctx.counters();
+        let mut want = Vec::new();
+        for p in &prompts {
+            let mut s = Session::new(model.clone(), opts()).expect("session");
+            want.push(s.generate(p, &params, |_| true).expect("alone"));
+        }
+        let alone = model.ctx.counters() - before;
+        let mut sessions: Vec<Session> =
+            (0..3).map(|_| Session::new(model.clone(), opts()).expect("session")).collect();
+        let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+        let mut batch = Batch::new(model.clone(), 3).expect("batch");
+        let before = model.ctx.counters();
+        let got = batch.generate(&mut rows, &prompts, &[0; 3], &params).expect("batched");
+        let used = model.ctx.counters() - before;
+        assert_eq!(got, want, "sampled ids with {params:?}");
+        // Alone, a step reads back its candidates (and the whole row only where they cannot
+        // decide); a batch reading every row whole would differ.
+        assert_eq!(used.read_back, alone.read_back, "bytes read back with {params:?}");
+    }
+}
+
+#[test]
 fn bad_batches_are_typed_errors_and_change_nothing() {
     let Some(f) = fixture() else { return };
     let mut batch = Batch::new(f.model.clone(), 2).expect("batch");

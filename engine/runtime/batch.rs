@@ -6,13 +6,14 @@
 //! factors are 0 on the ranks of adapters its set does not hold (the BGMV idea: one shrink and
 //! one fused expand for all rows, each row its own adapters).
 
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32_via, IoBindCache, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
-use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed};
+use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
 use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
@@ -23,7 +24,7 @@ use crate::runtime::forward::{
     LayerLora, Parts, Shrunk, Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::sampler::Sampler;
-use crate::runtime::session::{Logits, Session};
+use crate::runtime::session::{Logits, SampleRead, Session};
 use crate::runtime::GenerateParams;
 
 /// Most sessions one batched step takes.
@@ -58,12 +59,26 @@ pub struct Batch {
     lora: Option<BatchLora>,
 }
 
-/// What a batched step gives `generate`: every row's logits, or every row's greedy choice made
-/// on the GPU.
+/// What a batched step gives `generate`: every row's logits, every row's greedy choice made on
+/// the GPU, or every row's sampling candidates found on the GPU.
 enum StepOut {
     Logits(Logits),
     /// Per row: the chosen id and whether its logits had a NaN or an infinity.
     Chosen(Vec<(u32, bool)>),
+    /// Per row: what its candidate pass left (a row with a NaN or an infinity is an error).
+    Sampled(Vec<SampleRead>),
+}
+
+/// What a batched step ends with after the logits.
+#[derive(Clone, Copy)]
+enum Head<'a> {
+    /// Nothing: the caller reads the logits.
+    Logits,
+    /// Every row's greedy choice and non-finite flag, copied into the chosen staging.
+    Choose,
+    /// Every row's candidate pass (`Session::submit_sample`'s, with `k` candidates, the row's
+    /// distinct history ids `hists[row]` and `mass`) into its session's sample buffers.
+    Sample { k: usize, hists: &'a [Vec<u32>], mass: Option<f32> },
 }
 
 impl Batch {
@@ -157,7 +172,7 @@ impl Batch {
     /// adapter set), in one step; returns every row's logits and commits the token to each
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
-        self.submit(sessions, ids, false)?;
+        self.submit(sessions, ids, Head::Logits)?;
         let (ctx, n, vocab) = (&self.model.ctx, sessions.len(), self.model.config.vocab_size);
         let data = read_f32_via(ctx, &self.logits, 0, n * vocab, &self.staging)?;
         commit(sessions);
@@ -168,19 +183,39 @@ impl Batch {
     /// on the GPU: 8 bytes a row read back): the id and whether the row had a NaN or an
     /// infinity.
     fn step_greedy(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Vec<(u32, bool)>, RunError> {
-        let index = self.submit(sessions, ids, true)?;
+        let index = self.submit(sessions, ids, Head::Choose)?;
         let words = self.chosen_staging.read_words(&self.model.ctx, index, 2 * sessions.len())?;
         commit(sessions);
         Ok(words.chunks_exact(2).map(|p| (p[0], p[1] != 0)).collect())
     }
 
-    /// Record and submit one step of every row (with `choose`, the rows' greedy choices copied
-    /// into the chosen staging); nothing is committed.
+    /// [`Batch::step`] returning only every row's sampling candidates (`Session::read_sample`'s,
+    /// through each session's own sample buffers): the rows' logits stay in the batch's logits
+    /// buffer for [`Batch::read_row`] until the next step.
+    fn step_sample(
+        &mut self,
+        sessions: &mut [&mut Session],
+        ids: &[u32],
+        (k, hists, mass): (usize, &[Vec<u32>], Option<f32>),
+    ) -> Result<Vec<SampleRead>, RunError> {
+        let index = self.submit(sessions, ids, Head::Sample { k, hists, mass })?;
+        commit(sessions);
+        let shape = |r: usize| (k, hists[r].len(), mass.is_some());
+        sessions.iter().enumerate().map(|(r, s)| s.read_sample(index.clone(), shape(r), s.pos - 1)).collect()
+    }
+
+    /// Row `row` of the last step's logits.
+    fn read_row(&self, row: usize) -> Result<Vec<f32>, RunError> {
+        let vocab = self.model.config.vocab_size;
+        Ok(read_f32_via(&self.model.ctx, &self.logits, row * vocab, vocab, &self.staging)?)
+    }
+
+    /// Record and submit one step of every row, ending with `head`; nothing is committed.
     fn submit(
         &mut self,
         sessions: &mut [&mut Session],
         ids: &[u32],
-        choose: bool,
+        head: Head,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
         let n = sessions.len();
         if ids.len() != n {
@@ -193,6 +228,20 @@ impl Batch {
         self.check_rows(sessions)?;
         for (s, id) in sessions.iter().zip(ids) {
             s.check(std::slice::from_ref(id))?;
+        }
+        if let Head::Sample { hists, .. } = head {
+            if hists.len() != n || sessions.iter().zip(hists).any(|(s, h)| h.len() > s.sample_history_capacity()) {
+                return Err(RunError::BadParam {
+                    name: "hists",
+                    value: format!("{} histories for {n} sessions", hists.len()),
+                    expected: "one history per session, each within its session's history buffer",
+                });
+            }
+            for (s, h) in sessions.iter().zip(hists) {
+                if !h.is_empty() {
+                    s.ctx().write(&s.sample.hist_ids, 0, bytemuck::cast_slice(h));
+                }
+            }
         }
         self.bind_lora(sessions)?;
         let model = self.model.clone();
@@ -214,9 +263,23 @@ impl Batch {
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
-        if choose {
-            argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
-            rec.copy(&self.chosen, 0, self.chosen_staging.buffer(), 0, (8 * n) as u64);
+        match head {
+            Head::Logits => {}
+            Head::Choose => {
+                argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
+                rec.copy(&self.chosen, 0, self.chosen_staging.buffer(), 0, (8 * n) as u64);
+            }
+            Head::Sample { k, hists, mass } => {
+                // The rows' non-finite flags before the masks; then each row's candidate pass on
+                // a copy of its logits in its session's logits buffer (the mask overwrites it).
+                argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
+                let row = (c.vocab_size * 4) as u64;
+                for (r, s) in sessions.iter().enumerate() {
+                    rec.copy(&self.logits, r as u64 * row, &s.logits, 0, row);
+                    let flag = (&self.chosen, (8 * r + 4) as u64);
+                    s.sample.record(&mut rec, &s.logits, flag, c.vocab_size, (k, hists[r].len(), mass))?;
+                }
+            }
         }
         Ok(rec.submit()?)
     }
@@ -226,9 +289,11 @@ impl Batch {
     /// its last token, then every step decodes one token of every session not yet finished (EOS
     /// with `stop_at_eos`, or `max_tokens`; a session whose context fills stops there too, with
     /// what it has, where [`Session::generate`] would return `ContextFull`: the other sessions
-    /// go on). Each session samples with its own [`Sampler`] from its row (the whole row is
-    /// read back), except plain greedy decoding, whose choice is made on the GPU with
-    /// `sampler::argmax`'s rule (ties, NaN) and read back as 8 bytes a row.
+    /// go on). Plain greedy decoding chooses on the GPU with `sampler::argmax`'s rule (ties,
+    /// NaN) and reads back 8 bytes a row; sampling reads back what [`Session::generate`] does
+    /// alone: each row's candidates from a top-k pass on the GPU (in its session's sample
+    /// buffers), and the whole row only where they cannot decide or the settings need every
+    /// logit. Each session draws with its own [`Sampler`].
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
     /// without one).
     pub fn generate(
@@ -273,8 +338,18 @@ impl Batch {
             next.push(rest[rest.len() - 1]);
         }
         let eos = self.model.eos_token_ids.clone();
-        // Plain greedy rows (the same params for every row) are chosen on the GPU.
+        let vocab = self.model.config.vocab_size;
+        // Plain greedy rows (the same params for every row) are chosen on the GPU; sampled rows
+        // draw from candidates found on the GPU where the settings allow (`generate`'s rule).
         let greedy = samplers.first().is_some_and(Sampler::is_plain_greedy);
+        let candidates = samplers.first().and_then(|s| s.gpu_candidates(vocab, topk_max(vocab)));
+        let mass = samplers.first().and_then(Sampler::needs_mass);
+        // Per row, the distinct ids a repetition penalty sees (empty without one).
+        let mut distinct: Vec<BTreeSet<u32>> = prompts
+            .iter()
+            .zip(&samplers)
+            .map(|(p, s)| if s.penalizes() { p.iter().copied().collect() } else { BTreeSet::new() })
+            .collect();
         let mut live: Vec<usize> = (0..n).collect();
         while !live.is_empty() {
             let step = {
@@ -287,6 +362,9 @@ impl Batch {
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
                 if greedy {
                     StepOut::Chosen(self.step_greedy(&mut rows, &ids)?)
+                } else if let Some(k) = candidates {
+                    let hists: Vec<Vec<u32>> = live.iter().map(|&i| distinct[i].iter().copied().collect()).collect();
+                    StepOut::Sampled(self.step_sample(&mut rows, &ids, (k, &hists, mass))?)
                 } else {
                     StepOut::Logits(self.step(&mut rows, &ids)?)
                 }
@@ -300,7 +378,21 @@ impl Batch {
                         let finite = row.iter().all(|l| l.is_finite());
                         (if finite { samplers[i].sample_after(row, &history[i]) } else { 0 }, finite)
                     }
+                    StepOut::Sampled(reads) => {
+                        let read = &reads[r];
+                        let hist: Vec<(u32, f32)> =
+                            distinct[i].iter().copied().zip(read.hist.iter().copied()).collect();
+                        let id = match samplers[i].sample_candidates(&read.cands, &hist, vocab, &read.masses) {
+                            Some(id) => id,
+                            // The candidates cannot decide: the whole row (unmasked in the batch's buffer).
+                            None => samplers[i].sample_after(&self.read_row(r)?, &history[i]),
+                        };
+                        (id, true)
+                    }
                 };
+                if samplers[i].penalizes() {
+                    distinct[i].insert(id);
+                }
                 if !finite {
                     return Err(RunError::NonFiniteLogits { position: sessions[i].pos - 1 });
                 }

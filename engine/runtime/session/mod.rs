@@ -4,8 +4,10 @@
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
-use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Staging};
-use crate::kernels::misc::{argmax_scratch_bytes, topk_blocks, topk_max, topk_scratch_bytes, topk_value};
+use crate::gpu::{read_f32, read_f32_via, GpuContext, IoBindCache, Profile, Recorder, Staging};
+use crate::kernels::misc::{
+    argmax_scratch_bytes, topk, topk_blocks, topk_mass_offset, topk_max, topk_scratch_bytes, topk_value, TopkIo,
+};
 use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::adapters::{ActiveAdapter, LoraState};
@@ -101,6 +103,38 @@ impl SampleBuffers {
             flag: ctx.storage_buffer("non-finite flag", 8, true)?,
             staging: Staging::new(ctx, "candidates readback", pairs + hist + 4 + (topk_blocks(vocab) * 8) as u64),
         })
+    }
+}
+
+impl SampleBuffers {
+    /// Record the candidate pass over the row of logits at the start of `logits` (its history
+    /// entries are overwritten by the mask) with `(k, hist, mass)` as in [`Session::submit_sample`],
+    /// and the copies into the staging [`Session::read_sample`] reads: the pairs, the history's
+    /// logits, the row's non-finite flag (the word at `flag`, which an argmax pass computed
+    /// before the mask), then with `mass` the blocks' softmax masses.
+    pub(crate) fn record(
+        &self,
+        rec: &mut Recorder,
+        logits: &wgpu::Buffer,
+        flag: (&wgpu::Buffer, u64),
+        vocab: usize,
+        (k, hist, mass): (usize, usize, Option<f32>),
+    ) -> Result<(), GpuError> {
+        let flag_at = (k * 8 + hist * 4) as u64;
+        rec.copy(flag.0, flag.1, self.staging.buffer(), flag_at, 4);
+        let io =
+            TopkIo { logits, parts: &self.parts, out: &self.out, hist_ids: &self.hist_ids, hist_out: &self.hist_out };
+        topk(rec, &io, vocab, k, hist, mass.unwrap_or(0.0))?;
+        let pairs = (k * 8) as u64;
+        rec.copy(&self.out, 0, self.staging.buffer(), 0, pairs);
+        if hist > 0 {
+            rec.copy(&self.hist_out, 0, self.staging.buffer(), pairs, (hist * 4) as u64);
+        }
+        if mass.is_some() {
+            let bytes = (topk_blocks(vocab) * 8) as u64;
+            rec.copy(&self.parts, topk_mass_offset(vocab, k), self.staging.buffer(), flag_at + 4, bytes);
+        }
+        Ok(())
     }
 }
 
@@ -554,6 +588,11 @@ impl Session {
             self.ctx().write(&self.sample.hist_ids, 0, bytemuck::cast_slice(history));
         }
         Ok(self.step(input, Rows::Sample { k, hist: history.len(), mass }, Capture::None)?.index)
+    }
+
+    /// The most distinct history ids a sample step takes (its history buffer's words).
+    pub(crate) fn sample_history_capacity(&self) -> usize {
+        (self.sample.hist_ids.size() / 4) as usize
     }
 
     /// What a sample step left, once submission `index` has completed: the candidates (id,

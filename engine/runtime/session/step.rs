@@ -4,7 +4,7 @@
 
 use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, Recorder};
-use crate::kernels::misc::{argmax, embed, topk, topk_blocks, topk_mass_offset, TopkIo};
+use crate::kernels::misc::{argmax, embed};
 use crate::kernels::norm::rms_norm;
 use crate::lora::InputGroup;
 use crate::model::Mixer;
@@ -215,25 +215,7 @@ impl Session {
                 // The row's non-finite flag, before the mask overwrites the history's logits (with
                 // the lowest key, a NaN pattern); the argmax's id is not used.
                 argmax(&mut rec, &self.logits, &self.parts, &b.flag, c.vocab_size)?;
-                let flag_at = (k * 8 + hist * 4) as u64;
-                rec.copy(&b.flag, 4, b.staging.buffer(), flag_at, 4);
-                let io = TopkIo {
-                    logits: &self.logits,
-                    parts: &b.parts,
-                    out: &b.out,
-                    hist_ids: &b.hist_ids,
-                    hist_out: &b.hist_out,
-                };
-                topk(&mut rec, &io, c.vocab_size, k, hist, mass.unwrap_or(0.0))?;
-                let pairs = (k * 8) as u64;
-                rec.copy(&b.out, 0, b.staging.buffer(), 0, pairs);
-                if hist > 0 {
-                    rec.copy(&b.hist_out, 0, b.staging.buffer(), pairs, (hist * 4) as u64);
-                }
-                if mass.is_some() {
-                    let bytes = (topk_blocks(c.vocab_size) * 8) as u64;
-                    rec.copy(&b.parts, topk_mass_offset(c.vocab_size, k), b.staging.buffer(), flag_at + 4, bytes);
-                }
+                b.record(&mut rec, &self.logits, (&b.flag, 4), c.vocab_size, (k, hist, mass))?;
             }
             let index = rec.submit()?;
             if let Rows::Choose { .. } | Rows::Sample { .. } = rows {
