@@ -621,7 +621,8 @@ fn main() -> Result<()> {
 }
 
 /// Decode throughput of `args.batch_sessions` sessions stepped together (an 8-token prompt each,
-/// then `args.decode` batched steps, at most 16; greedy on the host from each row; at most 3
+/// prefilled untimed but its last token, then `args.decode` batched greedy steps, at most 16,
+/// through `Batch::generate`: choices on the GPU, `--run-ahead` as for one session; at most 3
 /// timed repeats), every session with its own set: session k applies `adapters[0]`,
 /// `adapters[1]` or none, by k mod 3.
 fn batched(
@@ -642,29 +643,33 @@ fn batched(
             sessions.push(s);
         }
         let mut batch = Batch::new(model.clone(), n)?;
+        if let RunAhead(Some(on)) = args.run_ahead {
+            batch.set_run_ahead(on);
+        }
+        let prompts = vec![prompt; n];
+        let fed = vec![prompt.len() - 1; n];
+        let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
         let mut tps = Series::default();
         for rep in 0..=args.repeats.min(3) {
-            let mut next = Vec::with_capacity(n);
             for s in &mut sessions {
                 s.reset();
                 if prompt.len() > 1 {
                     s.prefill(&prompt[..prompt.len() - 1])?;
                 }
-                next.push(prompt[prompt.len() - 1]);
             }
             let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
             let t = Instant::now();
-            for _ in 0..steps {
-                let logits = batch.step(&mut refs, &next)?;
-                next = (0..n).map(|r| argmax(logits.row(r))).collect();
-            }
-            let rate = (n * steps) as f64 / t.elapsed().as_secs_f64();
+            let out = batch.generate(&mut refs, &prompts, &fed, &params)?;
+            let rate = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
             eprintln!("batched {n} rep {rep}: {rate:.2} tok/s in all");
             if rep > 0 {
                 tps.0.push(rate);
             }
         }
-        rows.push(serde_json::json!({ "sessions": n, "steps": steps, "decode_tok_s": tps.json() }));
+        let run_ahead = batch.run_ahead();
+        rows.push(
+            serde_json::json!({ "sessions": n, "steps": steps, "run_ahead": run_ahead, "decode_tok_s": tps.json() }),
+        );
     }
     Ok(serde_json::Value::Array(rows))
 }

@@ -22,13 +22,21 @@ struct Fixture {
 }
 
 fn fixture() -> Option<Fixture> {
-    let ctx = gpu()?;
-    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    Some(fixture_with_eos(gpu()?, None))
+}
+
+/// The fixture, with `eos` (when given) as the model's EOS ids.
+fn fixture_with_eos(ctx: Arc<qwen35_wgpu::GpuContext>, eos: Option<Vec<u32>>) -> Fixture {
+    let mut model = Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model");
+    if let Some(eos) = eos {
+        model.eos_token_ids = eos;
+    }
+    let model = Arc::new(model);
     let adapters = ["all12_r8", "gdn_mlp_r4_rslora", "patterns_r16"]
         .iter()
         .map(|n| Arc::new(LoraAdapter::load(&model, &root().join("tests/fixtures/adapters").join(n)).expect("adapter")))
         .collect();
-    Some(Fixture { model, adapters, ids: Reference::load("adapter_sets").ids("ids") })
+    Fixture { model, adapters, ids: Reference::load("adapter_sets").ids("ids") }
 }
 
 /// Four sets: one adapter, a stacked pair, none, and an adapter with layer factors.
@@ -112,6 +120,52 @@ fn batched_generation_equals_each_session_generating_alone() {
     let mut expect = want.clone();
     expect[1].truncate(3);
     assert_eq!(got, expect, "one row stops early, the others as alone");
+}
+
+/// Greedy batches with run-ahead off and on (CPU adapters default to off): rows that finish at
+/// different steps (one at an EOS, one at its full context, the others at `max_tokens`) get the
+/// ids each session gets alone, and every session holds exactly its prompt and the tokens
+/// returned but the last (a run-ahead step past a row's end is not committed): continuing it
+/// gives what continuing alone gives.
+#[test]
+fn greedy_batches_run_ahead_and_leave_each_session_holding_its_tokens() {
+    let Some(ctx) = gpu() else { return };
+    let plain = fixture_with_eos(ctx.clone(), None);
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| plain.ids[..4 + i].to_vec()).collect();
+    let free = GenerateParams { max_tokens: 6, stop_at_eos: false, ..Default::default() };
+    let unstopped = alone(&plain, &sets(&plain), &prompts, &free);
+    // Row 0's third token becomes an EOS id.
+    let f = fixture_with_eos(ctx, Some(vec![unstopped[0][2]]));
+    let sets = sets(&f);
+    let params = GenerateParams { stop_at_eos: true, ..free };
+    let mut want = alone(&f, &sets, &prompts, &params);
+    assert!(want[0].len() <= 3, "row 0 stops at its EOS: {want:?}");
+    // Row 1's context holds 2 tokens past its prompt: it stops after 3 (alone: ContextFull).
+    want[1].truncate(3);
+    assert!(want.iter().any(|w| w.len() == 6), "a row goes on to max_tokens: {want:?}");
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let more = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    for run_ahead in [false, true] {
+        let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+        let short = SessionOptions { max_context: prompts[1].len() + 2, max_batch: 16 };
+        sessions[1] = Session::new(f.model.clone(), short).expect("session");
+        sessions[1].set_adapters(sets[1].clone()).expect("set");
+        let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+        let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+        batch.set_run_ahead(run_ahead);
+        let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
+        assert_eq!(got, want, "batched greedy ids, run-ahead {run_ahead}");
+        for (i, s) in sessions.iter_mut().enumerate() {
+            let held: Vec<u32> = prompts[i].iter().chain(&got[i]).copied().collect();
+            assert_eq!(s.position(), held.len() - 1, "row {i} holds its prompt and tokens but the last");
+            if i == 1 {
+                continue;
+            }
+            let went_on = s.generate_from_with(&held, held.len() - 1, &more, |_, _| Ok::<_, RunError>(true));
+            let expect = session(&f, &sets[i]).generate(&held, &more, |_| true).expect("alone");
+            assert_eq!(went_on.expect("continued"), expect, "row {i} continued, run-ahead {run_ahead}");
+        }
+    }
 }
 
 #[test]

@@ -50,21 +50,31 @@ pub struct Batch {
     ids: wgpu::Buffer,
     logits: wgpu::Buffer,
     staging: Staging,
-    /// Greedy steps: the rows' block candidates, their (id, non-finite flag) pairs and the
-    /// staging those come back through (8 bytes a row).
+    /// Greedy steps: the rows' block candidates, their (id, non-finite flag) pairs and the two
+    /// stagings those come back through (8 bytes a row; one per step in flight).
     argmax_parts: wgpu::Buffer,
     chosen: wgpu::Buffer,
-    chosen_staging: Staging,
+    chosen_staging: [Staging; 2],
     io: IoBindCache,
     lora: Option<BatchLora>,
+    /// Greedy steps submit the next step before reading the current one's ids.
+    run_ahead: bool,
 }
 
-/// What a batched step gives `generate`: every row's logits, every row's greedy choice made on
-/// the GPU, or every row's sampling candidates found on the GPU.
+/// Where a batched step's token ids come from.
+#[derive(Clone, Copy)]
+enum StepIds<'a> {
+    /// From the host, one per row.
+    Host(&'a [u32]),
+    /// Row `r`'s id is the one the previous greedy step chose in its row `rows[r]` (still on
+    /// the GPU).
+    Chosen(&'a [usize]),
+}
+
+/// What a sampled batched step gives `generate`: every row's logits, or every row's sampling
+/// candidates found on the GPU.
 enum StepOut {
     Logits(Logits),
-    /// Per row: the chosen id and whether its logits had a NaN or an infinity.
-    Chosen(Vec<(u32, bool)>),
     /// Per row: what its candidate pass left (a row with a NaN or an infinity is an error).
     Sampled(Vec<SampleRead>),
 }
@@ -74,8 +84,8 @@ enum StepOut {
 enum Head<'a> {
     /// Nothing: the caller reads the logits.
     Logits,
-    /// Every row's greedy choice and non-finite flag, copied into the chosen staging.
-    Choose,
+    /// Every row's greedy choice and non-finite flag, copied into chosen staging `slot`.
+    Choose { slot: usize },
     /// Every row's candidate pass (`Session::submit_sample`'s, with `k` candidates, the row's
     /// distinct history ids `hists[row]` and `mass`) into its session's sample buffers.
     Sample { k: usize, hists: &'a [Vec<u32>], mass: Option<f32> },
@@ -100,7 +110,7 @@ impl Batch {
         let argmax_parts =
             ctx.storage_buffer("batch argmax parts", rows as u64 * argmax_scratch_bytes(c.vocab_size), true)?;
         let chosen = ctx.storage_buffer("batch chosen ids", (rows * 8) as u64, true)?;
-        let chosen_staging = Staging::new(&ctx, "batch chosen readback", (rows * 8) as u64);
+        let chosen_staging = [0, 1].map(|_| Staging::new(&ctx, "batch chosen readback", (rows * 8) as u64));
         let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
             label: Some("batch uniform arena"),
             size: 512 * 256,
@@ -119,7 +129,22 @@ impl Batch {
             chosen_staging,
             io: IoBindCache::new(params),
             lora: None,
+            run_ahead: !ctx.is_cpu(),
         })
+    }
+
+    /// Greedy batches submit step t + 1 (its ids are step t's choices, still on the GPU) before
+    /// reading step t's ids, so the device does not wait for the host; a row that turns out
+    /// finished (EOS, its last token, its context full) does not commit it, so every session
+    /// holds exactly the tokens returned. On by default on GPUs, off on CPU adapters (where the
+    /// host and the "device" share the cores), as [`Session::set_run_ahead`].
+    pub fn set_run_ahead(&mut self, on: bool) {
+        self.run_ahead = on;
+    }
+
+    /// See [`Batch::set_run_ahead`].
+    pub fn run_ahead(&self) -> bool {
+        self.run_ahead
     }
 
     /// Forget the stack of the last rows (its adapters changed: a learning step, a removal).
@@ -172,20 +197,23 @@ impl Batch {
     /// adapter set), in one step; returns every row's logits and commits the token to each
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
-        self.submit(sessions, ids, Head::Logits)?;
+        self.submit(sessions, StepIds::Host(ids), Head::Logits)?;
         let (ctx, n, vocab) = (&self.model.ctx, sessions.len(), self.model.config.vocab_size);
         let data = read_f32_via(ctx, &self.logits, 0, n * vocab, &self.staging)?;
         commit(sessions);
         Ok(Logits { rows: n, vocab, data })
     }
 
-    /// [`Batch::step`] returning only every row's greedy choice (`sampler::argmax`'s rule, made
-    /// on the GPU: 8 bytes a row read back): the id and whether the row had a NaN or an
-    /// infinity.
-    fn step_greedy(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Vec<(u32, bool)>, RunError> {
-        let index = self.submit(sessions, ids, Head::Choose)?;
-        let words = self.chosen_staging.read_words(&self.model.ctx, index, 2 * sessions.len())?;
-        commit(sessions);
+    /// What greedy step `index` chose into staging `slot` for its `rows` rows, once it has
+    /// completed: per row the id and whether the row had a NaN or an infinity
+    /// (`sampler::argmax`'s rule, made on the GPU: 8 bytes a row read back).
+    fn read_chosen(
+        &self,
+        index: wgpu::SubmissionIndex,
+        slot: usize,
+        rows: usize,
+    ) -> Result<Vec<(u32, bool)>, RunError> {
+        let words = self.chosen_staging[slot].read_words(&self.model.ctx, index, 2 * rows)?;
         Ok(words.chunks_exact(2).map(|p| (p[0], p[1] != 0)).collect())
     }
 
@@ -198,7 +226,7 @@ impl Batch {
         ids: &[u32],
         (k, hists, mass): (usize, &[Vec<u32>], Option<f32>),
     ) -> Result<Vec<SampleRead>, RunError> {
-        let index = self.submit(sessions, ids, Head::Sample { k, hists, mass })?;
+        let index = self.submit(sessions, StepIds::Host(ids), Head::Sample { k, hists, mass })?;
         commit(sessions);
         let shape = |r: usize| (k, hists[r].len(), mass.is_some());
         sessions.iter().enumerate().map(|(r, s)| s.read_sample(index.clone(), shape(r), s.pos - 1)).collect()
@@ -214,20 +242,41 @@ impl Batch {
     fn submit(
         &mut self,
         sessions: &mut [&mut Session],
-        ids: &[u32],
+        ids: StepIds,
         head: Head,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
         let n = sessions.len();
-        if ids.len() != n {
+        let given = match ids {
+            StepIds::Host(ids) => ids.len(),
+            StepIds::Chosen(rows) => rows.len(),
+        };
+        if given != n {
             return Err(RunError::BadParam {
                 name: "ids",
-                value: format!("{n} sessions, {} ids", ids.len()),
+                value: format!("{n} sessions, {given} ids"),
                 expected: "one id per session",
             });
         }
         self.check_rows(sessions)?;
-        for (s, id) in sessions.iter().zip(ids) {
-            s.check(std::slice::from_ref(id))?;
+        match ids {
+            StepIds::Host(ids) => {
+                for (s, id) in sessions.iter().zip(ids) {
+                    s.check(std::slice::from_ref(id))?;
+                }
+            }
+            // The argmax's ids are in the vocabulary; only the context is checked.
+            StepIds::Chosen(rows) => {
+                for s in sessions.iter() {
+                    s.check(&[0])?;
+                }
+                if rows.iter().any(|&r| r >= self.rows) {
+                    return Err(RunError::BadParam {
+                        name: "ids",
+                        value: format!("rows {rows:?}"),
+                        expected: "rows of the previous step",
+                    });
+                }
+            }
         }
         if let Head::Sample { hists, .. } = head {
             if hists.len() != n || sessions.iter().zip(hists).any(|(s, h)| h.len() > s.sample_history_capacity()) {
@@ -247,9 +296,16 @@ impl Batch {
         let model = self.model.clone();
         let ctx = &model.ctx;
         let c = &model.config;
-        ctx.write(&self.ids, 0, bytemuck::cast_slice(ids));
         let sc = &self.scratch;
         let mut rec = Recorder::new(ctx, &mut self.io);
+        match ids {
+            StepIds::Host(ids) => ctx.write(&self.ids, 0, bytemuck::cast_slice(ids)),
+            StepIds::Chosen(rows) => {
+                for (r, &from) in rows.iter().enumerate() {
+                    rec.copy(&self.chosen, (8 * from) as u64, &self.ids, (4 * r) as u64, 4);
+                }
+            }
+        }
         embed(&mut rec, &model.embed, &self.ids, n, &sc.hidden)?;
         for (i, layer) in model.layers.iter().enumerate() {
             let lora = self.lora.as_ref().map(|l| LayerLora { bound: &l.bound, t: &l.t, layer: i });
@@ -265,9 +321,9 @@ impl Batch {
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
         match head {
             Head::Logits => {}
-            Head::Choose => {
+            Head::Choose { slot } => {
                 argmax_rows(&mut rec, &self.logits, &self.argmax_parts, &self.chosen, (c.vocab_size, n))?;
-                rec.copy(&self.chosen, 0, self.chosen_staging.buffer(), 0, (8 * n) as u64);
+                rec.copy(&self.chosen, 0, self.chosen_staging[slot].buffer(), 0, (8 * n) as u64);
             }
             Head::Sample { k, hists, mass } => {
                 // The rows' non-finite flags before the masks; then each row's candidate pass on
@@ -337,11 +393,13 @@ impl Batch {
             }
             next.push(rest[rest.len() - 1]);
         }
-        let eos = self.model.eos_token_ids.clone();
-        let vocab = self.model.config.vocab_size;
         // Plain greedy rows (the same params for every row) are chosen on the GPU; sampled rows
         // draw from candidates found on the GPU where the settings allow (`generate`'s rule).
-        let greedy = samplers.first().is_some_and(Sampler::is_plain_greedy);
+        if samplers.first().is_some_and(Sampler::is_plain_greedy) {
+            return self.generate_greedy(sessions, &next, params);
+        }
+        let eos = self.model.eos_token_ids.clone();
+        let vocab = self.model.config.vocab_size;
         let candidates = samplers.first().and_then(|s| s.gpu_candidates(vocab, topk_max(vocab)));
         let mass = samplers.first().and_then(Sampler::needs_mass);
         // Per row, the distinct ids a repetition penalty sees (empty without one).
@@ -353,16 +411,9 @@ impl Batch {
         let mut live: Vec<usize> = (0..n).collect();
         while !live.is_empty() {
             let step = {
-                let mut rows: Vec<&mut Session> = Vec::with_capacity(live.len());
-                for (i, s) in sessions.iter_mut().enumerate() {
-                    if live.contains(&i) {
-                        rows.push(&mut **s);
-                    }
-                }
+                let mut rows = pick(sessions, &live);
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
-                if greedy {
-                    StepOut::Chosen(self.step_greedy(&mut rows, &ids)?)
-                } else if let Some(k) = candidates {
+                if let Some(k) = candidates {
                     let hists: Vec<Vec<u32>> = live.iter().map(|&i| distinct[i].iter().copied().collect()).collect();
                     StepOut::Sampled(self.step_sample(&mut rows, &ids, (k, &hists, mass))?)
                 } else {
@@ -372,7 +423,6 @@ impl Batch {
             let mut still = Vec::with_capacity(live.len());
             for (r, &i) in live.iter().enumerate() {
                 let (id, finite) = match &step {
-                    StepOut::Chosen(c) => (c[r].0, !c[r].1),
                     StepOut::Logits(logits) => {
                         let row = logits.row(r);
                         let finite = row.iter().all(|l| l.is_finite());
@@ -407,6 +457,77 @@ impl Batch {
             live = still;
         }
         Ok(out)
+    }
+
+    /// [`Batch::generate`]'s plain greedy decoding from the rows' last prompt tokens `first`:
+    /// every step's choices made on the GPU, and with run-ahead step t + 1 (its ids taken from
+    /// step t's choices on the GPU) submitted before step t's ids are read. Every step is
+    /// committed to a row only once the row's previous token is known not to end it.
+    fn generate_greedy(
+        &mut self,
+        sessions: &mut [&mut Session],
+        first: &[u32],
+        params: &GenerateParams,
+    ) -> Result<Vec<Vec<u32>>, RunError> {
+        let eos = self.model.eos_token_ids.clone();
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); sessions.len()];
+        // The step in flight: its submission, staging slot and rows (session indices in row
+        // order, ascending), of which `live` (the rows whose token counts) are committed.
+        let mut live: Vec<usize> = (0..sessions.len()).collect();
+        let mut slot = 0;
+        let mut staged = live.clone();
+        let mut index = self.submit(&mut pick(sessions, &live), StepIds::Host(first), Head::Choose { slot })?;
+        commit_rows(sessions, &live);
+        loop {
+            // Rows whose token of this step is not their last run ahead on it.
+            let (from, ahead_rows): (Vec<usize>, Vec<usize>) = staged
+                .iter()
+                .copied()
+                .enumerate()
+                .filter(|&(_, i)| live.contains(&i))
+                .filter(|&(_, i)| {
+                    out[i].len() + 1 < params.max_tokens && sessions[i].pos < sessions[i].opts.max_context
+                })
+                .unzip();
+            let ahead = if self.run_ahead && !ahead_rows.is_empty() {
+                let mut rows = pick(sessions, &ahead_rows);
+                Some(self.submit(&mut rows, StepIds::Chosen(&from), Head::Choose { slot: 1 - slot })?)
+            } else {
+                None
+            };
+            let chosen = self.read_chosen(index, slot, staged.len())?;
+            let mut still = Vec::with_capacity(live.len());
+            let mut next = Vec::with_capacity(live.len());
+            for (r, &i) in staged.iter().enumerate().filter(|(_, i)| live.contains(i)) {
+                let (id, non_finite) = chosen[r];
+                if non_finite {
+                    return Err(RunError::NonFiniteLogits { position: sessions[i].pos - 1 });
+                }
+                out[i].push(id);
+                let done = (params.stop_at_eos && eos.contains(&id)) || out[i].len() >= params.max_tokens;
+                if !done && sessions[i].pos < sessions[i].opts.max_context {
+                    still.push(i);
+                    next.push(id);
+                }
+            }
+            if still.is_empty() {
+                return Ok(out);
+            }
+            slot = 1 - slot;
+            match ahead {
+                // Every row that goes on ran ahead (a row that did not had its last token).
+                Some(ahead_index) if still.iter().all(|i| ahead_rows.contains(i)) => {
+                    index = ahead_index;
+                    staged = ahead_rows;
+                }
+                _ => {
+                    index = self.submit(&mut pick(sessions, &still), StepIds::Host(&next), Head::Choose { slot })?;
+                    staged = still.clone();
+                }
+            }
+            commit_rows(sessions, &still);
+            live = still;
+        }
     }
 
     /// The stack and scale tables for the sets of `sessions` (row `r` = session `r`), reused
@@ -586,6 +707,18 @@ fn commit(sessions: &mut [&mut Session]) {
     for s in sessions.iter_mut() {
         s.commit(1);
     }
+}
+
+/// Commit one token to the sessions at `rows`.
+fn commit_rows(sessions: &mut [&mut Session], rows: &[usize]) {
+    for &i in rows {
+        sessions[i].commit(1);
+    }
+}
+
+/// The sessions at `rows` (ascending), in that order.
+fn pick<'s>(sessions: &'s mut [&mut Session], rows: &[usize]) -> Vec<&'s mut Session> {
+    sessions.iter_mut().enumerate().filter(|(i, _)| rows.contains(i)).map(|(_, s)| &mut **s).collect()
 }
 
 fn mismatch(layer: usize) -> GpuError {
