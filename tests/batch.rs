@@ -56,6 +56,14 @@ fn session(f: &Fixture, set: &[ActiveAdapter]) -> Session {
     s
 }
 
+/// The fixture model on a context of its own, for tests that count the engine's work (the
+/// shared context counts the work of tests running beside them).
+fn model_on_own_context() -> Option<Arc<Model>> {
+    gpu()?;
+    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    Some(Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model")))
+}
+
 /// What each set's session generates from its prompt on its own.
 fn alone(f: &Fixture, sets: &[Vec<ActiveAdapter>], prompts: &[Vec<u32>], params: &GenerateParams) -> Vec<Vec<u32>> {
     sets.iter().zip(prompts).map(|(set, p)| session(f, set).generate(p, params, |_| true).expect("alone")).collect()
@@ -170,12 +178,7 @@ fn greedy_batches_run_ahead_and_leave_each_session_holding_its_tokens() {
 
 #[test]
 fn greedy_batches_choose_on_the_gpu_and_read_back_eight_bytes_a_row() {
-    if gpu().is_none() {
-        return;
-    }
-    // A context of its own: the shared one counts the work of tests running beside this one.
-    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
-    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let Some(model) = model_on_own_context() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
     let params = GenerateParams { max_tokens: 5, stop_at_eos: false, ..Default::default() };
     let prompts: Vec<&[u32]> = (0..3).map(|i| &ids[..4 + i]).collect();
@@ -212,12 +215,7 @@ fn sampled_batched_generation_draws_what_each_session_draws_alone() {
 
 #[test]
 fn sampled_batches_read_back_each_rows_candidates_as_a_session_alone_does() {
-    if gpu().is_none() {
-        return;
-    }
-    // A context of its own: the shared one counts the work of tests running beside this one.
-    let ctx = Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
-    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let Some(model) = model_on_own_context() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
     let prompts: Vec<&[u32]> = (0..3).map(|i| &ids[..4 + i]).collect();
     let settings = [

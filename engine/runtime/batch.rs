@@ -287,9 +287,7 @@ impl Batch {
                 });
             }
             for (s, h) in sessions.iter().zip(hists) {
-                if !h.is_empty() {
-                    s.ctx().write(&s.sample.hist_ids, 0, bytemuck::cast_slice(h));
-                }
+                s.sample.write_history(s.ctx(), h);
             }
         }
         self.bind_lora(sessions)?;

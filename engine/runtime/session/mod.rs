@@ -104,9 +104,14 @@ impl SampleBuffers {
             staging: Staging::new(ctx, "candidates readback", pairs + hist + 4 + (topk_blocks(vocab) * 8) as u64),
         })
     }
-}
 
-impl SampleBuffers {
+    /// Upload the distinct history ids a sample step masks (nothing for none).
+    pub(crate) fn write_history(&self, ctx: &GpuContext, history: &[u32]) {
+        if !history.is_empty() {
+            ctx.write(&self.hist_ids, 0, bytemuck::cast_slice(history));
+        }
+    }
+
     /// Record the candidate pass over the row of logits at the start of `logits` (its history
     /// entries are overwritten by the mask) with `(k, hist, mass)` as in [`Session::submit_sample`],
     /// and the copies into the staging [`Session::read_sample`] reads: the pairs, the history's
@@ -584,9 +589,7 @@ impl Session {
         history: &[u32],
         mass: Option<f32>,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
-        if !history.is_empty() {
-            self.ctx().write(&self.sample.hist_ids, 0, bytemuck::cast_slice(history));
-        }
+        self.sample.write_history(self.ctx(), history);
         Ok(self.step(input, Rows::Sample { k, hist: history.len(), mass }, Capture::None)?.index)
     }
 
