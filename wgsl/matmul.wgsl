@@ -9,25 +9,32 @@
 //
 // Parameters, bindings and the weight decoder: linear.wgsl.
 //
-// Tiling: a workgroup of 16 x 16 invocations computes a TM x TN tile of y (TM tokens, TN
-// outputs), stepping K by BK = 16. TM is 128 (8 rows per invocation), or 64, 32 or 16 for short
-// prompts (4, 2 or 1), chosen by the host so little of a tile is padding (invocations whose rows
-// all lie past the prompt skip their FMAs, and those rows are never loaded); TN is
-// 128 (8 columns per invocation) where the grid of such tiles still fills the device, else 64
-// (4 columns). At 128 x 128 an invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (128 x
-// 64: 3 per 8), with 16 KiB of workgroup memory.
-// Each step's x and w tiles are staged k-major in workgroup memory: an invocation loads 8
-// consecutive k of one tile row (two vec4<f32> of x for the first 2 TM invocations; one
-// vec4<u32> = 8 16-bit weights, or two of f32, for the first 2 TN) and widens them once;
-// neighbouring invocations take neighbouring rows, so the transposed stores hit consecutive words
-// (no bank conflicts) and the compute loop reads whole vec4. An invocation's columns are
-// lid.x * 4 .. + 4 and, with TN = 128, 64 + lid.x * 4 .. + 4, so the 16 lanes of a row read
-// consecutive vec4. The loads for step s + 1 are issued into registers before step s is
-// computed. When K is not a multiple of 8 or x is not 16-byte aligned, tiles are staged element
-// by element.
+// Tiling: a workgroup of 16 x TM / RM invocations computes a TM x TN tile of y (TM tokens, TN
+// outputs), stepping K by BK = 16; every invocation owns RM consecutive tile rows (RM = 8, 4 for
+// TM = 16) by 4 or 8 columns. TM is 128, or 64, 32 or 16 for short prompts, chosen by the host so
+// little of a tile is padding (invocations whose rows all lie past the prompt skip their FMAs, and
+// those rows are never loaded); a short prompt's tile keeps the 8-row register tile and takes a
+// smaller workgroup (128 or 64 invocations) rather than fewer rows per invocation, so every tile
+// issues as many FMAs per workgroup-memory load as the long prompt's. TN is 128 (8 columns per
+// invocation) where the grid of such tiles still fills the device, else 64 (4 columns). With RM
+// = 8 and TN = 128 an invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (TN = 64: 3 per
+// 8), with 16 KiB of workgroup memory.
+// Each step's x and w tiles are staged k-major in workgroup memory: a staging chunk is 8
+// consecutive k of one tile row (two vec4<f32> of x; one vec4<u32> = 8 16-bit weights, or two of
+// f32, for w), widened once; invocation li takes x chunk li (the first 2 TM invocations) and w
+// chunks li, li + WG, ... (all 2 TN of them), so neighbouring invocations take neighbouring rows,
+// the transposed stores hit consecutive words (no bank conflicts) and the compute loop reads
+// whole vec4. An invocation's columns are lid.x * 4 .. + 4 and, with TN = 128, 64 + lid.x * 4 ..
+// + 4, so the 16 lanes of a row read consecutive vec4. The loads for step s + 1 are issued into
+// registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte
+// aligned, tiles are staged element by element.
 
 override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
 override TN: u32 = 64u;  // tile columns (outputs): 64 or 128
+override RM: u32 = select(8u, 4u, TM == 16u); // tile rows per invocation
+override WG: u32 = 16u * TM / RM;              // invocations per workgroup: 256, 128 or 64
+override W_CHUNKS: u32 = (2u * TN + WG - 1u) / WG; // w staging chunks per invocation: 1, 2 or 4
+const MAX_W_CHUNKS: u32 = 4u;
 const BK: u32 = 16u;
 
 var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
@@ -55,33 +62,13 @@ fn put_w(kk: u32, c: u32, v: f32) {
 // condition is the same for the 16 invocations of a tile row, which are consecutive, so whole
 // subgroups skip their FMAs. No barrier sits under it.
 fn live_rows(row0: u32, lid: vec3<u32>) -> bool {
-    return row0 + lid.y * (TM / 16u) < p.m;
+    return row0 + lid.y * RM < p.m;
 }
 
-// acc += xs^T ws over one staged K step: rows lid.y * TM / 16 .. + TM / 16, columns
-// lid.x * 4 .. + 4 (acc[0..8]) and, with TN = 128, 64 + lid.x * 4 .. + 4 (acc[8..16]).
+// acc += xs^T ws over one staged K step: rows lid.y * RM .. + RM, columns lid.x * 4 .. + 4
+// (acc[0..8]) and, with TN = 128, 64 + lid.x * 4 .. + 4 (acc[8..16]).
 fn fma_tile(acc: ptr<function, array<vec4<f32>, 16>>, lid: vec3<u32>) {
-    if (TM < 64u) {
-        // One or two tile rows per invocation, read as single values.
-        let per = TM / 16u;
-        for (var kk = 0u; kk < BK; kk++) {
-            let b = ws[kk * (TN / 4u) + lid.x];
-            var b2 = vec4<f32>(0.0);
-            if (TN == 128u) {
-                b2 = ws[kk * (TN / 4u) + 16u + lid.x];
-            }
-            for (var i = 0u; i < per; i++) {
-                let r = lid.y * per + i;
-                let xv = vec4<f32>(xs[kk * (TM / 4u) + (r >> 2u)][r & 3u]);
-                (*acc)[i] = fma(xv, b, (*acc)[i]);
-                if (TN == 128u) {
-                    (*acc)[8u + i] = fma(xv, b2, (*acc)[8u + i]);
-                }
-            }
-        }
-        return;
-    }
-    let quads = TM / 64u; // vec4 of tile rows per invocation: 2 or 1
+    let quads = RM / 4u; // vec4 of tile rows per invocation: 2 or 1
     for (var kk = 0u; kk < BK; kk++) {
         let a = xs[kk * (TM / 4u) + quads * lid.y];
         let b = ws[kk * (TN / 4u) + lid.x];
@@ -144,41 +131,46 @@ fn eight(v: vec4<u32>, v2: vec4<u32>) -> array<f32, 8> {
     return array<f32, 8>(a.x, a.y, b.x, b.y, c.x, c.y, d.x, d.y);
 }
 
-// What one invocation stages per K step on the vector path: 8 k of x row `r` and of w row `r`.
+// What one invocation stages per K step on the vector path: one x chunk and W_CHUNKS w chunks
+// (wb: the second half of an f32 chunk).
 struct Staged {
     xa: vec4<f32>,
     xb: vec4<f32>,
-    wa: vec4<u32>,
-    wb: vec4<u32>,
+    wa: array<vec4<u32>, MAX_W_CHUNKS>,
+    wb: array<vec4<u32>, MAX_W_CHUNKS>,
 }
 
-// Issue the loads of K step k0: the first 2 TM invocations load x row li % TM, k chunk li / TM
-// (of 8); the first 2 TN load w row li % TN, k chunk li / TN.
+// Issue the loads of K step k0: x chunk li (< 2 TM) is row li % TM, k chunk li / TM (of 8);
+// w chunk c = li + j * WG (< 2 TN) is row c % TN, k chunk c / TN.
 fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
-    var s = Staged(vec4<f32>(0.0), vec4<f32>(0.0), vec4<u32>(0u), vec4<u32>(0u));
+    var s: Staged;
     let kx = k0 + (li / TM) * 8u;
     if (li < 2u * TM && kx < p.k && row0 + li % TM < p.m) {
         let xe = (p.x_offset + (row0 + li % TM) * p.x_stride + kx) >> 2u;
         s.xa = x[xe];
         s.xb = x[xe + 1u];
     }
-    let kw = k0 + (li / TN) * 8u;
-    if (li < 2u * TN && kw < p.k) {
-        let wr = p.w_row0 + min(col0 + li % TN, p.n - 1u);
+    for (var j = 0u; j < W_CHUNKS; j++) {
+        let c = li + j * WG;
+        let kw = k0 + (c / TN) * 8u;
+        if (c >= 2u * TN || kw >= p.k) {
+            continue;
+        }
+        let wr = p.w_row0 + min(col0 + c % TN, p.n - 1u);
         if (W_DTYPE == 3u) {
             // Affine: the 8 codes in one word (4-bit) or two (8-bit), and their group's word.
             let e = wr * p.k + kw;
             let wi = e * Q_BITS / 32u;
-            s.wa = vec4<u32>(w_word(wi), 0u, w_word(p.q_sb + e / Q_GROUP), 0u);
+            s.wa[j] = vec4<u32>(w_word(wi), 0u, w_word(p.q_sb + e / Q_GROUP), 0u);
             if (Q_BITS == 8u) {
-                s.wa.y = w_word(wi + 1u);
+                s.wa[j].y = w_word(wi + 1u);
             }
         } else if (W_DTYPE == 0u) {
             let we = (wr * p.k + kw) >> 2u;
-            s.wa = w[we];
-            s.wb = w[we + 1u];
+            s.wa[j] = w[we];
+            s.wb[j] = w[we + 1u];
         } else {
-            s.wa = w[(wr * p.k + kw) >> 3u];
+            s.wa[j] = w[(wr * p.k + kw) >> 3u];
         }
     }
     return s;
@@ -192,19 +184,22 @@ fn store_step(s: Staged, li: u32) {
             put_x(xk + i, li % TM, xv[i]);
         }
     }
-    if (li < 2u * TN) {
-        let wk = (li / TN) * 8u;
-        let wv = eight(s.wa, s.wb);
+    for (var j = 0u; j < W_CHUNKS; j++) {
+        let c = li + j * WG;
+        if (c >= 2u * TN) {
+            continue;
+        }
+        let wk = (c / TN) * 8u;
+        let wv = eight(s.wa[j], s.wb[j]);
         for (var i = 0u; i < 8u; i++) {
-            put_w(wk + i, li % TN, wv[i]);
+            put_w(wk + i, c % TN, wv[i]);
         }
     }
 }
 
 // Element-wise staging of K step k0 (any K, any x offset).
 fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
-    for (var e = 0u; e < TM / 16u; e++) {
-        let idx = li + e * 256u;
+    for (var idx = li; idx < BK * TM; idx += WG) {
         let r = idx % TM;
         let kk = idx / TM;
         let kg = k0 + kk;
@@ -214,8 +209,7 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         }
         put_x(kk, r, xv);
     }
-    for (var e = 0u; e < TN / 16u; e++) {
-        let idx = li + e * 256u;
+    for (var idx = li; idx < BK * TN; idx += WG) {
         let c = idx % TN;
         let kk = idx / TN;
         let kg = k0 + kk;
@@ -260,8 +254,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
     let rank = p.seg_rank.x;
     for (var k0 = 0u; k0 < rank; k0 += BK) {
         workgroupBarrier();
-        for (var e = 0u; e < TM / 16u; e++) {
-            let idx = li + e * 256u;
+        for (var idx = li; idx < BK * TM; idx += WG) {
             let r = idx % TM;
             let j = k0 + idx / TM;
             var tv = 0.0;
@@ -274,8 +267,7 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
             }
             put_x(idx / TM, r, tv);
         }
-        for (var e = 0u; e < TN / 16u; e++) {
-            let idx = li + e * 256u;
+        for (var idx = li; idx < BK * TN; idx += WG) {
             let c = idx % TN;
             let j = k0 + idx / TN;
             var bv = 0.0;
@@ -293,8 +285,8 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
 
 fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>) {
     for (var half = 0u; half < TN / 64u; half++) {
-        for (var i = 0u; i < TM / 16u; i++) {
-            let r = wg.y * TM + lid.y * (TM / 16u) + i;
+        for (var i = 0u; i < RM; i++) {
+            let r = wg.y * TM + lid.y * RM + i;
             let v = (*acc)[half * 8u + i];
             for (var j = 0u; j < 4u; j++) {
                 let c = wg.x * TN + half * 64u + lid.x * 4u + j;
@@ -311,7 +303,7 @@ fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3
     }
 }
 
-@compute @workgroup_size(16, 16)
+@compute @workgroup_size(16, TM / RM)
 fn matmul(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
@@ -322,7 +314,7 @@ fn matmul(
     store_tile(&acc, wg, lid);
 }
 
-@compute @workgroup_size(16, 16)
+@compute @workgroup_size(16, TM / RM)
 fn matmul_lora(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(local_invocation_id) lid: vec3<u32>,
