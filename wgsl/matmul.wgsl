@@ -9,16 +9,16 @@
 //
 // Parameters, bindings and the weight decoder: linear.wgsl.
 //
-// Tiling: a workgroup of 16 x TM / RM invocations computes a TM x TN tile of y (TM tokens, TN
-// outputs), stepping K by BK = 16; every invocation owns RM consecutive tile rows (RM = 8, 4 for
-// TM = 16) by 4 or 8 columns. TM is 128, or 64, 32 or 16 for short prompts, chosen by the host so
-// little of a tile is padding (invocations whose rows all lie past the prompt skip their FMAs, and
-// those rows are never loaded); a short prompt's tile keeps the 8-row register tile and takes a
-// smaller workgroup (128 or 64 invocations) rather than fewer rows per invocation, so every tile
-// issues as many FMAs per workgroup-memory load as the long prompt's. TN is 128 (8 columns per
-// invocation) where the grid of such tiles still fills the device, else 64 (4 columns). With RM
-// = 8 and TN = 128 an invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (TN = 64: 3 per
-// 8), with 16 KiB of workgroup memory.
+// Tiling: a workgroup of 16 x TM / 8 invocations computes a TM x TN tile of y (TM tokens, TN
+// outputs), stepping K by BK = 16; every invocation owns RM = 8 consecutive tile rows by 4 or 8
+// columns. TM is 128, or 64, 32 or 16 for short prompts, chosen by the host so little of a tile
+// is padding (invocations whose rows all lie past the prompt skip their FMAs, and those rows are
+// never loaded). A short prompt's tile keeps the 8-row register tile in a smaller workgroup
+// (128, 64 or 32 invocations) rather than fewer rows per invocation, so every tile issues as
+// many FMAs per workgroup-memory load as the long prompt's. TN is 128 (8 columns per invocation)
+// where the grid of such tiles still fills the device, else 64 (4 columns). With TN = 128 an
+// invocation issues 4 vec4 workgroup loads per 16 vec4 FMAs (TN = 64: 3 per 8), with 16 KiB of
+// workgroup memory.
 // Each step's x and w tiles are staged k-major in workgroup memory: a staging chunk is 8
 // consecutive k of one tile row (two vec4<f32> of x; one vec4<u32> = 8 16-bit weights, or two of
 // f32, for w), widened once; invocation li takes x chunk li (the first 2 TM invocations) and w
@@ -31,10 +31,10 @@
 
 override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
 override TN: u32 = 64u;  // tile columns (outputs): 64 or 128
-override RM: u32 = select(8u, 4u, TM == 16u); // tile rows per invocation
-override WG: u32 = 16u * TM / RM;              // invocations per workgroup: 256, 128 or 64
-override W_CHUNKS: u32 = (2u * TN + WG - 1u) / WG; // w staging chunks per invocation: 1, 2 or 4
-const MAX_W_CHUNKS: u32 = 4u;
+const RM: u32 = 8u;                                 // tile rows per invocation
+override WG: u32 = 16u * TM / RM;                   // invocations per workgroup: 256 to 32
+override W_CHUNKS: u32 = (2u * TN + WG - 1u) / WG; // w staging chunks per invocation: 1 to 8
+const MAX_W_CHUNKS: u32 = 8u;
 const BK: u32 = 16u;
 
 var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
@@ -68,34 +68,28 @@ fn live_rows(row0: u32, lid: vec3<u32>) -> bool {
 // acc += xs^T ws over one staged K step: rows lid.y * RM .. + RM, columns lid.x * 4 .. + 4
 // (acc[0..8]) and, with TN = 128, 64 + lid.x * 4 .. + 4 (acc[8..16]).
 fn fma_tile(acc: ptr<function, array<vec4<f32>, 16>>, lid: vec3<u32>) {
-    let quads = RM / 4u; // vec4 of tile rows per invocation: 2 or 1
     for (var kk = 0u; kk < BK; kk++) {
-        let a = xs[kk * (TM / 4u) + quads * lid.y];
+        let a = xs[kk * (TM / 4u) + 2u * lid.y];
+        let a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
         let b = ws[kk * (TN / 4u) + lid.x];
         (*acc)[0] = fma(vec4<f32>(a.x), b, (*acc)[0]);
         (*acc)[1] = fma(vec4<f32>(a.y), b, (*acc)[1]);
         (*acc)[2] = fma(vec4<f32>(a.z), b, (*acc)[2]);
         (*acc)[3] = fma(vec4<f32>(a.w), b, (*acc)[3]);
-        var a2 = vec4<f32>(0.0);
-        if (quads == 2u) {
-            a2 = xs[kk * (TM / 4u) + 2u * lid.y + 1u];
-            (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
-            (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
-            (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
-            (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
-        }
+        (*acc)[4] = fma(vec4<f32>(a2.x), b, (*acc)[4]);
+        (*acc)[5] = fma(vec4<f32>(a2.y), b, (*acc)[5]);
+        (*acc)[6] = fma(vec4<f32>(a2.z), b, (*acc)[6]);
+        (*acc)[7] = fma(vec4<f32>(a2.w), b, (*acc)[7]);
         if (TN == 128u) {
             let b2 = ws[kk * (TN / 4u) + 16u + lid.x];
             (*acc)[8] = fma(vec4<f32>(a.x), b2, (*acc)[8]);
             (*acc)[9] = fma(vec4<f32>(a.y), b2, (*acc)[9]);
             (*acc)[10] = fma(vec4<f32>(a.z), b2, (*acc)[10]);
             (*acc)[11] = fma(vec4<f32>(a.w), b2, (*acc)[11]);
-            if (quads == 2u) {
-                (*acc)[12] = fma(vec4<f32>(a2.x), b2, (*acc)[12]);
-                (*acc)[13] = fma(vec4<f32>(a2.y), b2, (*acc)[13]);
-                (*acc)[14] = fma(vec4<f32>(a2.z), b2, (*acc)[14]);
-                (*acc)[15] = fma(vec4<f32>(a2.w), b2, (*acc)[15]);
-            }
+            (*acc)[12] = fma(vec4<f32>(a2.x), b2, (*acc)[12]);
+            (*acc)[13] = fma(vec4<f32>(a2.y), b2, (*acc)[13]);
+            (*acc)[14] = fma(vec4<f32>(a2.z), b2, (*acc)[14]);
+            (*acc)[15] = fma(vec4<f32>(a2.w), b2, (*acc)[15]);
         }
     }
 }

@@ -319,8 +319,8 @@ pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
 
 /// Tokens per matmul tile for `m` tokens: 128 unless half a tile would be padding; up to 64
 /// tokens, the smallest tile that holds them all (every weight is read once, and at most half the
-/// tile is padding). Every tile gives an invocation 8 rows (4 at 16 tokens) and the workgroup
-/// `16 · TM / 8` invocations. Invocations whose rows are all padding skip their FMAs, but they
+/// tile is padding). Every tile gives an invocation 8 rows and the workgroup `16 · TM / 8`
+/// invocations. Invocations whose rows are all padding skip their FMAs, but they
 /// still take a share of the workgroup and its staging.
 pub fn matmul_rows(m: usize) -> u32 {
     match m {
