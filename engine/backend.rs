@@ -228,8 +228,9 @@ pub trait LlmBackend {
     }
 
     /// Generate from raw `prompt` text (no chat template), streaming text deltas to `on_text`
-    /// (return `false` to stop). Deltas never split a UTF-8 character; generation stops at EOS,
-    /// `max_tokens` or the first of `params.stop`, which is not included.
+    /// (return `false` to stop: it is not called again). Deltas never split a UTF-8 character;
+    /// generation stops at EOS, `max_tokens` or the first of `params.stop`, which is not
+    /// included.
     fn generate_stream(
         &mut self,
         prompt: &str,
@@ -253,11 +254,13 @@ pub trait LlmBackend {
         let mut stream = tok.stream();
         let mut filter = StopFilter::new(&params.stop);
         let mut failure = None;
+        // Once `on_text` returned false it is not called again (not even for the held-back tail).
+        let mut caller_stopped = false;
         self.generate_tokens(ids, params, &mut |id| match stream.step(id) {
             Ok(Some(delta)) => {
                 let safe = filter.push(&delta);
-                let go_on = safe.is_empty() || on_text(safe);
-                go_on && !filter.stopped
+                caller_stopped = !safe.is_empty() && !on_text(safe);
+                !caller_stopped && !filter.stopped
             }
             Ok(None) => true,
             Err(e) => {
@@ -269,7 +272,7 @@ pub trait LlmBackend {
             return Err(e.into());
         }
         let tail = filter.finish().to_string();
-        if !tail.is_empty() {
+        if !tail.is_empty() && !caller_stopped {
             on_text(&tail);
         }
         Ok(filter.text)
@@ -420,7 +423,80 @@ pub trait LlmBackend {
 
 #[cfg(test)]
 mod tests {
-    use super::StopFilter;
+    use std::path::Path;
+    use std::sync::Arc;
+
+    use super::{BackendError, GenerateParams, LlmBackend, ModelInfo, StopFilter, TextTokenizer};
+
+    /// A backend that "generates" fixed token ids, with the demo model's tokenizer.
+    struct Scripted {
+        tok: Arc<TextTokenizer>,
+        ids: Vec<u32>,
+    }
+
+    impl LlmBackend for Scripted {
+        fn backend_name(&self) -> &str {
+            "scripted"
+        }
+        fn load_model(&mut self, _: &Path) -> Result<(), BackendError> {
+            Ok(())
+        }
+        fn unload_model(&mut self) {}
+        fn is_model_loaded(&self) -> bool {
+            true
+        }
+        fn model_info(&self) -> Option<ModelInfo> {
+            None
+        }
+        fn tokenizer(&self) -> Option<Arc<TextTokenizer>> {
+            Some(self.tok.clone())
+        }
+        fn generate_tokens(
+            &mut self,
+            _: &[u32],
+            _: &GenerateParams,
+            on_token: &mut dyn FnMut(u32) -> bool,
+        ) -> Result<Vec<u32>, BackendError> {
+            let mut out = Vec::new();
+            for &id in &self.ids {
+                out.push(id);
+                if !on_token(id) {
+                    break;
+                }
+            }
+            Ok(out)
+        }
+        fn embeddings_ids(&mut self, _: &[u32]) -> Result<Vec<f32>, BackendError> {
+            Ok(Vec::new())
+        }
+    }
+
+    #[test]
+    fn a_stream_the_caller_stopped_gets_no_more_text() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/assets/demo");
+        let tok = Arc::new(TextTokenizer::from_dir(&dir).expect("the demo tokenizer"));
+        let ids = tok.encode("The sky is blue today.").expect("encode");
+        let mut b = Scripted { tok, ids };
+        let params = GenerateParams { stop: vec!["###".into()], ..Default::default() };
+        // Stop strings hold back their length - 1 bytes: a tail is pending when the caller stops.
+        let mut calls = Vec::new();
+        let text = b
+            .generate_stream_ids(&[1], &params, &mut |d| {
+                calls.push(d.to_string());
+                false
+            })
+            .expect("generate");
+        assert_eq!(calls.len(), 1, "called again after returning false: {calls:?}");
+        assert!(text.starts_with(&calls[0]) && text.len() > calls[0].len(), "{text:?} vs {calls:?}");
+        // Without a stop the whole text streams.
+        let mut all = String::new();
+        let text = b.generate_stream_ids(&[1], &GenerateParams::default(), &mut |d| {
+            all.push_str(d);
+            true
+        });
+        assert_eq!(text.expect("generate"), all);
+        assert_eq!(all, "The sky is blue today.");
+    }
 
     fn run(stop: &[&str], deltas: &[&str]) -> (String, String, bool) {
         let stop: Vec<String> = stop.iter().map(|s| s.to_string()).collect();

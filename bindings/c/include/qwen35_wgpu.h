@@ -23,57 +23,62 @@
 #include <stdlib.h>
 
 // The ABI version: bumped whenever a function's signature or meaning changes.
-#define QE_ABI_VERSION 1
+#define QE_ABI_VERSION 2
 
-// What a call did.
-enum qe_status
-#if defined(__cplusplus) || __STDC_VERSION__ >= 202311L
-  : int32_t
-#endif // defined(__cplusplus) || __STDC_VERSION__ >= 202311L
- {
-  // Success.
-  QE_OK = 0,
-  // A null pointer, invalid UTF-8, malformed JSON, an unknown field or an out-of-range value.
-  QE_INVALID_ARGUMENT = 1,
-  // An engine or session handle that is not open (never made, or freed).
-  QE_INVALID_HANDLE = 2,
-  // The model could not be loaded (missing or invalid files), or none is loaded.
-  QE_MODEL = 3,
-  // An adapter could not be loaded, found or applied.
-  QE_ADAPTER = 4,
-  // Generation failed (context full, non-finite logits, a bad parameter).
-  QE_RUN = 5,
-  // A learning step, the trainable adapter or its export failed.
-  QE_LEARN = 6,
-  // The GPU failed (no adapter, out of memory, a device error).
-  QE_GPU = 7,
-  // Tokenizer or chat template failure.
-  QE_TEXT = 8,
-  // Stopped by qe_cancel (what was generated until then is returned).
-  QE_CANCELLED = 9,
-  // A panic inside the library (a bug): caught at the boundary.
-  QE_PANIC = 10,
-};
-#ifndef __cplusplus
-#if __STDC_VERSION__ >= 202311L
-typedef enum qe_status qe_status;
-#else
+// What a call did: one of the `QE_*` codes (plain `int32_t` constants, so C, C++ and Swift
+// compare them with `==` alike).
 typedef int32_t qe_status;
-#endif // __STDC_VERSION__ >= 202311L
-#endif // __cplusplus
 
 // An engine: one loaded model on the GPU, its resident adapters and its sessions. 0 is never a
 // valid handle.
 typedef uint64_t qe_engine;
 
 // A session (one conversation: KV cache, GDN states, prompt cache, active adapter set) of an
-// engine. 0 is never a valid handle.
+// engine, valid with that engine only. 0 is never a valid handle.
 typedef uint64_t qe_session;
 
 // Streaming callback: `len` bytes of UTF-8 text at `text` (not NUL-terminated, valid only
 // during the call) and the caller's `user` pointer. Return nonzero to go on, 0 to stop the
-// generation (the call then returns QE_OK with the text so far).
+// generation (the call then returns QE_OK with the text so far; the callback is not called
+// again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
+// engines may be made: a call on the same engine returns QE_INVALID_ARGUMENT (it would wait
+// for the very call that runs the callback).
 typedef int32_t (*qe_delta_fn)(const char *text, size_t len, void *user);
+
+// Success.
+#define QE_OK 0
+
+// A null pointer, invalid UTF-8, malformed JSON, an unknown field or an out-of-range value,
+// or a call on an engine from inside that engine's streaming callback.
+#define QE_INVALID_ARGUMENT 1
+
+// An engine or session handle that is not open (never made, freed, or a session of another
+// engine).
+#define QE_INVALID_HANDLE 2
+
+// The model could not be loaded (missing or invalid files), or none is loaded.
+#define QE_MODEL 3
+
+// An adapter could not be loaded, found or applied.
+#define QE_ADAPTER 4
+
+// Generation failed (context full, non-finite logits, a bad parameter).
+#define QE_RUN 5
+
+// A learning step, the trainable adapter or its export failed.
+#define QE_LEARN 6
+
+// The GPU failed (no adapter, out of memory, a device error).
+#define QE_GPU 7
+
+// Tokenizer or chat template failure.
+#define QE_TEXT 8
+
+// Stopped by qe_cancel or qe_engine_free (what was generated until then is returned).
+#define QE_CANCELLED 9
+
+// A panic inside the library (a bug): caught at the boundary.
+#define QE_PANIC 10
 
 #ifdef __cplusplus
 extern "C" {
@@ -105,12 +110,14 @@ void qe_string_free(char *s);
 // for a write.
 qe_status qe_engine_load(const char *model_dir, const char *options_json, qe_engine *out);
 
-// Close an engine: its sessions, adapters and model are freed once no call on it is running.
-// The handle is invalid afterwards.
+// Close an engine: a generation running on it stops (QE_CANCELLED), and its sessions, adapters
+// and model are freed once no call on it is running. The handle and its sessions' handles are
+// invalid afterwards.
 qe_status qe_engine_free(qe_engine engine);
 
-// Stop the generation running on `engine` (if any) after its current token; that call returns
-// QE_CANCELLED with the text so far. Safe from any thread; never waits for the engine.
+// Stop the generations called on `engine` before this call (the one running, and any still
+// waiting for the engine) after their current token; they return QE_CANCELLED with the text so
+// far. Later calls are not affected. Safe from any thread; never waits for the engine.
 qe_status qe_cancel(qe_engine engine);
 
 // Bound the GPU bytes the prompt-cache snapshots of all of `engine`'s sessions hold together
@@ -196,7 +203,8 @@ qe_status qe_session_adapters(qe_engine engine, qe_session session, char **json_
 // (may be null): `{"max_tokens", "temperature", "top_k", "top_p", "seed",
 // "repetition_penalty", "stop": [...], "stop_at_eos"}`. `on_delta` (may be null) gets the text
 // as it is generated; returning 0 stops. Writes the whole text to `text_out` (free with
-// qe_string_free), also after QE_CANCELLED.
+// qe_string_free; a NUL character the model generates comes back as U+FFFD there), also after
+// QE_CANCELLED.
 //
 // # Safety
 // `prompt` and `params_json` are null or NUL-terminated strings; `text_out` is null or valid

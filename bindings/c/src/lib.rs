@@ -4,91 +4,119 @@
 //! - Every function returns a [`qe_status`]; after a failure [`qe_last_error`] gives the typed
 //!   error's text on the calling thread.
 //! - Nothing unwinds into the caller: every call runs inside `catch_unwind`, and a panic becomes
-//!   [`qe_status::QE_PANIC`]. An engine whose lock a panic poisoned refuses further calls
+//!   [`QE_PANIC`]. An engine whose lock a panic poisoned refuses further calls
 //!   (`QE_PANIC`); free it.
 //! - Handles are numbers in a table, never reused, so a freed or unknown handle is an error
-//!   ([`qe_status::QE_INVALID_HANDLE`]), never a dangling pointer. The table is the one piece of
+//!   ([`QE_INVALID_HANDLE`]), never a dangling pointer. The table is the one piece of
 //!   global state, and it lives here, at the boundary: the engine library has none.
-//! - Null pointers, invalid UTF-8 and malformed JSON are [`qe_status::QE_INVALID_ARGUMENT`]
+//! - Null pointers, invalid UTF-8 and malformed JSON are [`QE_INVALID_ARGUMENT`]
 //!   errors naming the argument.
-//! - Calls on one engine take its lock in turn; [`qe_cancel`] never takes it.
+//! - Calls on one engine take its lock in turn; [`qe_cancel`] never takes it. A call on an engine
+//!   from inside that engine's streaming callback is refused instead of waiting forever.
 
 #![allow(non_camel_case_types)]
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use qwen35_wgpu::learn::LEARNABLE;
 use qwen35_wgpu::{
     AdapterError, AdapterWeight, BackendError, ChatMessage, ChatRequest, FeedbackEvent, GenerateParams, LayerScales,
-    LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionOptions, Signal, TrainSpec, WgpuBackend,
+    LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionId, SessionOptions, Signal, TrainSpec,
+    WgpuBackend,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-/// What a call did.
-#[repr(i32)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum qe_status {
-    /// Success.
-    QE_OK = 0,
-    /// A null pointer, invalid UTF-8, malformed JSON, an unknown field or an out-of-range value.
-    QE_INVALID_ARGUMENT = 1,
-    /// An engine or session handle that is not open (never made, or freed).
-    QE_INVALID_HANDLE = 2,
-    /// The model could not be loaded (missing or invalid files), or none is loaded.
-    QE_MODEL = 3,
-    /// An adapter could not be loaded, found or applied.
-    QE_ADAPTER = 4,
-    /// Generation failed (context full, non-finite logits, a bad parameter).
-    QE_RUN = 5,
-    /// A learning step, the trainable adapter or its export failed.
-    QE_LEARN = 6,
-    /// The GPU failed (no adapter, out of memory, a device error).
-    QE_GPU = 7,
-    /// Tokenizer or chat template failure.
-    QE_TEXT = 8,
-    /// Stopped by qe_cancel (what was generated until then is returned).
-    QE_CANCELLED = 9,
-    /// A panic inside the library (a bug): caught at the boundary.
-    QE_PANIC = 10,
-}
+/// What a call did: one of the `QE_*` codes (plain `int32_t` constants, so C, C++ and Swift
+/// compare them with `==` alike).
+pub type qe_status = i32;
+
+/// Success.
+pub const QE_OK: qe_status = 0;
+/// A null pointer, invalid UTF-8, malformed JSON, an unknown field or an out-of-range value,
+/// or a call on an engine from inside that engine's streaming callback.
+pub const QE_INVALID_ARGUMENT: qe_status = 1;
+/// An engine or session handle that is not open (never made, freed, or a session of another
+/// engine).
+pub const QE_INVALID_HANDLE: qe_status = 2;
+/// The model could not be loaded (missing or invalid files), or none is loaded.
+pub const QE_MODEL: qe_status = 3;
+/// An adapter could not be loaded, found or applied.
+pub const QE_ADAPTER: qe_status = 4;
+/// Generation failed (context full, non-finite logits, a bad parameter).
+pub const QE_RUN: qe_status = 5;
+/// A learning step, the trainable adapter or its export failed.
+pub const QE_LEARN: qe_status = 6;
+/// The GPU failed (no adapter, out of memory, a device error).
+pub const QE_GPU: qe_status = 7;
+/// Tokenizer or chat template failure.
+pub const QE_TEXT: qe_status = 8;
+/// Stopped by qe_cancel or qe_engine_free (what was generated until then is returned).
+pub const QE_CANCELLED: qe_status = 9;
+/// A panic inside the library (a bug): caught at the boundary.
+pub const QE_PANIC: qe_status = 10;
 
 /// An engine: one loaded model on the GPU, its resident adapters and its sessions. 0 is never a
 /// valid handle.
 pub type qe_engine = u64;
 
 /// A session (one conversation: KV cache, GDN states, prompt cache, active adapter set) of an
-/// engine. 0 is never a valid handle.
+/// engine, valid with that engine only. 0 is never a valid handle.
 pub type qe_session = u64;
 
 /// Streaming callback: `len` bytes of UTF-8 text at `text` (not NUL-terminated, valid only
 /// during the call) and the caller's `user` pointer. Return nonzero to go on, 0 to stop the
-/// generation (the call then returns QE_OK with the text so far).
+/// generation (the call then returns QE_OK with the text so far; the callback is not called
+/// again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
+/// engines may be made: a call on the same engine returns QE_INVALID_ARGUMENT (it would wait
+/// for the very call that runs the callback).
 pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
 /// The ABI version: bumped whenever a function's signature or meaning changes.
-pub const QE_ABI_VERSION: u32 = 1;
+pub const QE_ABI_VERSION: u32 = 2;
 
 struct Engine {
-    backend: Mutex<WgpuBackend>,
-    cancel: AtomicBool,
+    id: qe_engine,
+    state: Mutex<State>,
+    /// Bumped by qe_cancel (and qe_engine_free): a generation stops when it differs from the
+    /// value it read when it was called, so a cancel reaches a call that is still waiting for
+    /// the lock, and never one made after it.
+    cancels: AtomicU64,
 }
 
-fn engines() -> &'static Mutex<BTreeMap<u64, Arc<Engine>>> {
+/// An engine's backend and the sessions the caller opened on it.
+struct State {
+    backend: WgpuBackend,
+    /// Open session handles (their low 32 bits) → the backend's session.
+    sessions: BTreeMap<u64, SessionId>,
+    /// The serial of the next session handle.
+    next_serial: u64,
+    /// A backend session no handle holds (the one a loaded backend always keeps): the next
+    /// qe_session_create hands it out instead of allocating another.
+    spare: Option<SessionId>,
+}
+
+/// Session handles: the engine in the high 32 bits, a serial (from 1, never reused) in the low.
+const SESSION_BITS: u32 = 32;
+
+fn engines() -> MutexGuard<'static, BTreeMap<u64, Arc<Engine>>> {
     static ENGINES: OnceLock<Mutex<BTreeMap<u64, Arc<Engine>>>> = OnceLock::new();
-    ENGINES.get_or_init(|| Mutex::new(BTreeMap::new()))
+    // The table is a map of handles, consistent after any panic: a poisoned lock is taken as is.
+    ENGINES.get_or_init(|| Mutex::new(BTreeMap::new())).lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The engine whose streaming callback this thread is running (0: none).
+    static IN_CALLBACK: Cell<qe_engine> = const { Cell::new(0) };
 }
 
 /// A failed call: its status and message.
@@ -99,21 +127,21 @@ struct Fail {
 
 impl Fail {
     fn arg(message: impl Into<String>) -> Self {
-        Self { status: qe_status::QE_INVALID_ARGUMENT, message: message.into() }
+        Self { status: QE_INVALID_ARGUMENT, message: message.into() }
     }
 }
 
 impl From<BackendError> for Fail {
     fn from(e: BackendError) -> Self {
         let status = match &e {
-            BackendError::NoModel | BackendError::Model(_) => qe_status::QE_MODEL,
-            BackendError::UnknownSession { .. } => qe_status::QE_INVALID_HANDLE,
-            BackendError::Sessions { .. } => qe_status::QE_INVALID_ARGUMENT,
-            BackendError::Adapter(AdapterError::Gpu(_)) | BackendError::Gpu(_) => qe_status::QE_GPU,
-            BackendError::Adapter(_) | BackendError::AdapterNotSupported { .. } => qe_status::QE_ADAPTER,
-            BackendError::Run(_) => qe_status::QE_RUN,
-            BackendError::Learn(_) | BackendError::LearningNotSupported { .. } => qe_status::QE_LEARN,
-            BackendError::Text(_) | BackendError::NoTokenizer { .. } => qe_status::QE_TEXT,
+            BackendError::NoModel | BackendError::Model(_) => QE_MODEL,
+            BackendError::UnknownSession { .. } => QE_INVALID_HANDLE,
+            BackendError::Sessions { .. } => QE_INVALID_ARGUMENT,
+            BackendError::Adapter(AdapterError::Gpu(_)) | BackendError::Gpu(_) => QE_GPU,
+            BackendError::Adapter(_) | BackendError::AdapterNotSupported { .. } => QE_ADAPTER,
+            BackendError::Run(_) => QE_RUN,
+            BackendError::Learn(_) | BackendError::LearningNotSupported { .. } => QE_LEARN,
+            BackendError::Text(_) | BackendError::NoTokenizer { .. } => QE_TEXT,
         };
         Self { status, message: e.to_string() }
     }
@@ -123,13 +151,14 @@ type Res<T> = Result<T, Fail>;
 
 fn set_error(message: &str) {
     let c = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|e| *e.borrow_mut() = c);
+    // try_with: a call from a thread-local destructor loses its message instead of aborting.
+    let _ = LAST_ERROR.try_with(|e| *e.borrow_mut() = c);
 }
 
 /// Run `f` at the boundary: its error or panic becomes a status and the thread's last error.
 fn guard(f: impl FnOnce() -> Res<()>) -> qe_status {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => qe_status::QE_OK,
+        Ok(Ok(())) => QE_OK,
         Ok(Err(fail)) => {
             set_error(&fail.message);
             fail.status
@@ -141,37 +170,65 @@ fn guard(f: impl FnOnce() -> Res<()>) -> qe_status {
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".into());
             set_error(&format!("panic inside qwen35-wgpu (a bug; please report it): {what}"));
-            qe_status::QE_PANIC
+            QE_PANIC
         }
     }
 }
 
+fn not_open(handle: qe_engine) -> Fail {
+    Fail { status: QE_INVALID_HANDLE, message: format!("engine handle {handle} is not open (never made, or freed)") }
+}
+
 fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
-    let table =
-        engines().lock().map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?;
-    table.get(&handle).cloned().ok_or_else(|| Fail {
-        status: qe_status::QE_INVALID_HANDLE,
-        message: format!("engine handle {handle} is not open (never made, or freed)"),
+    engines().get(&handle).cloned().ok_or_else(|| not_open(handle))
+}
+
+/// The engine's state, refused from inside its own streaming callback (the lock is held by the
+/// call running it: waiting would never end).
+fn lock(e: &Engine) -> Res<MutexGuard<'_, State>> {
+    if IN_CALLBACK.with(Cell::get) == e.id {
+        return Err(Fail::arg(format!(
+            "engine {} is running this thread's streaming callback: only qe_cancel, qe_last_error, \
+             qe_string_free and other engines may be called from it",
+            e.id
+        )));
+    }
+    e.state.lock().map_err(|_| Fail {
+        status: QE_PANIC,
+        message: "this engine is unusable after an earlier panic; free it and load the model again".into(),
     })
 }
 
-fn lock(e: &Engine) -> Res<MutexGuard<'_, WgpuBackend>> {
-    e.backend.lock().map_err(|_| Fail {
-        status: qe_status::QE_PANIC,
-        message: "this engine is unusable after an earlier panic; free it and load the model again".into(),
-    })
+fn bad_session(engine: qe_engine, session: qe_session) -> Fail {
+    Fail {
+        status: QE_INVALID_HANDLE,
+        message: format!(
+            "session handle {session} is not open on engine {engine} (never made, freed, or another engine's)"
+        ),
+    }
 }
 
 /// The backend of `handle` with session `session` current.
 fn with_session<T>(
     handle: qe_engine,
     session: qe_session,
-    f: impl FnOnce(&mut WgpuBackend, &Engine) -> Res<T>,
+    f: impl FnOnce(&mut WgpuBackend, Entry) -> Res<T>,
 ) -> Res<T> {
     let e = engine(handle)?;
-    let mut b = lock(&e)?;
-    b.select_session(session)?;
-    f(&mut b, &e)
+    let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
+    let mut st = lock(&e)?;
+    if session >> SESSION_BITS != handle {
+        return Err(bad_session(handle, session));
+    }
+    let id = *st.sessions.get(&(session & u64::from(u32::MAX))).ok_or_else(|| bad_session(handle, session))?;
+    st.backend.select_session(id)?;
+    f(&mut st.backend, entry)
+}
+
+/// The engine a call runs on and its cancel count when the call was made (before its lock).
+struct Entry<'a> {
+    engine: &'a Engine,
+    cancels: u64,
 }
 
 /// The NUL-terminated UTF-8 string at `p`, named `name` in errors.
@@ -230,8 +287,9 @@ unsafe fn put<T>(out: *mut T, value: T, name: &str) -> Res<()> {
 /// # Safety
 /// As [`put`].
 unsafe fn put_string(out: *mut *mut c_char, s: String, name: &str) -> Res<()> {
-    let c =
-        CString::new(s).map_err(|e| Fail::arg(format!("{name}: the text holds a NUL byte at {}", e.nul_position())))?;
+    // A NUL (which a byte-level tokenizer can generate) would end the C string early.
+    let c = CString::new(s.replace('\0', "\u{FFFD}"))
+        .map_err(|e| Fail::arg(format!("{name}: the text holds a NUL byte at {}", e.nul_position())))?;
     // SAFETY: as the caller's contract.
     unsafe { put(out, c.into_raw(), name) }
 }
@@ -248,7 +306,7 @@ fn need<T>(out: *mut T, name: &str) -> Res<()> {
 /// next call on this thread; owned by the library (do not free).
 #[no_mangle]
 pub extern "C" fn qe_last_error() -> *const c_char {
-    LAST_ERROR.with(|e| e.borrow().as_ptr())
+    LAST_ERROR.try_with(|e| e.borrow().as_ptr()).unwrap_or(c"".as_ptr())
 }
 
 /// The library's version, e.g. "0.1.0" (static; do not free).
@@ -318,37 +376,39 @@ pub unsafe extern "C" fn qe_engine_load(
         let mut backend = WgpuBackend::new(opts)?;
         backend.load_model_with(Path::new(dir), &LoadOptions { quantize, ..Default::default() })?;
         let id = NEXT_ENGINE.fetch_add(1, Ordering::Relaxed);
-        let e = Arc::new(Engine { backend: Mutex::new(backend), cancel: AtomicBool::new(false) });
-        engines()
-            .lock()
-            .map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?
-            .insert(id, e);
+        if id >> SESSION_BITS != 0 {
+            return Err(Fail::arg(format!("{id} engines made: session handles hold engine numbers below 2^32")));
+        }
+        let spare = backend.current_session();
+        let state = State { backend, sessions: BTreeMap::new(), next_serial: 1, spare };
+        let e = Arc::new(Engine { id, state: Mutex::new(state), cancels: AtomicU64::new(0) });
+        engines().insert(id, e);
         // SAFETY: checked non-null by `need`; the caller's contract.
         unsafe { put(out, id, "out") }
     })
 }
 
-/// Close an engine: its sessions, adapters and model are freed once no call on it is running.
-/// The handle is invalid afterwards.
+/// Close an engine: a generation running on it stops (QE_CANCELLED), and its sessions, adapters
+/// and model are freed once no call on it is running. The handle and its sessions' handles are
+/// invalid afterwards.
 #[no_mangle]
 pub extern "C" fn qe_engine_free(engine: qe_engine) -> qe_status {
     guard(|| {
-        let mut table = engines()
-            .lock()
-            .map_err(|_| Fail { status: qe_status::QE_PANIC, message: "handle table poisoned".into() })?;
-        table.remove(&engine).map(|_| ()).ok_or_else(|| Fail {
-            status: qe_status::QE_INVALID_HANDLE,
-            message: format!("engine handle {engine} is not open (never made, or freed)"),
-        })
+        // Out of the table first: the teardown runs after the table's lock is released.
+        let e = engines().remove(&engine).ok_or_else(|| not_open(engine))?;
+        e.cancels.fetch_add(1, Ordering::SeqCst);
+        drop(e);
+        Ok(())
     })
 }
 
-/// Stop the generation running on `engine` (if any) after its current token; that call returns
-/// QE_CANCELLED with the text so far. Safe from any thread; never waits for the engine.
+/// Stop the generations called on `engine` before this call (the one running, and any still
+/// waiting for the engine) after their current token; they return QE_CANCELLED with the text so
+/// far. Later calls are not affected. Safe from any thread; never waits for the engine.
 #[no_mangle]
 pub extern "C" fn qe_cancel(engine: qe_engine) -> qe_status {
     guard(|| {
-        self::engine(engine)?.cancel.store(true, Ordering::SeqCst);
+        self::engine(engine)?.cancels.fetch_add(1, Ordering::SeqCst);
         Ok(())
     })
 }
@@ -364,7 +424,8 @@ pub extern "C" fn qe_cancel(engine: qe_engine) -> qe_status {
 pub unsafe extern "C" fn qe_set_snapshot_budget(engine: qe_engine, bytes: u64, bytes_out: *mut u64) -> qe_status {
     guard(|| {
         let e = self::engine(engine)?;
-        let mut b = lock(&e)?;
+        let mut st = lock(&e)?;
+        let b = &mut st.backend;
         b.set_snapshot_budget(bytes);
         let held = b.snapshot_bytes();
         if bytes_out.is_null() {
@@ -385,9 +446,19 @@ pub unsafe extern "C" fn qe_session_create(engine: qe_engine, out: *mut qe_sessi
     guard(|| {
         need(out, "out")?;
         let e = self::engine(engine)?;
-        let id = lock(&e)?.create_session()?;
+        let mut st = lock(&e)?;
+        let serial = st.next_serial;
+        if serial > u64::from(u32::MAX) {
+            return Err(Fail::arg(format!("{serial} sessions made on engine {engine}: at most 2^32 - 1")));
+        }
+        let id = match st.spare.take() {
+            Some(id) => id,
+            None => st.backend.create_session()?,
+        };
+        st.next_serial += 1;
+        st.sessions.insert(serial, id);
         // SAFETY: checked non-null; the caller's contract.
-        unsafe { put(out, id, "out") }
+        unsafe { put(out, engine << SESSION_BITS | serial, "out") }
     })
 }
 
@@ -396,8 +467,22 @@ pub unsafe extern "C" fn qe_session_create(engine: qe_engine, out: *mut qe_sessi
 pub extern "C" fn qe_session_free(engine: qe_engine, session: qe_session) -> qe_status {
     guard(|| {
         let e = self::engine(engine)?;
-        let mut b = lock(&e)?;
-        b.close_session(session)?;
+        let mut st = lock(&e)?;
+        let serial = session & u64::from(u32::MAX);
+        let id = match st.sessions.get(&serial) {
+            Some(&id) if session >> SESSION_BITS == engine => id,
+            _ => return Err(bad_session(engine, session)),
+        };
+        if st.backend.sessions().len() > 1 {
+            st.backend.close_session(id)?;
+        } else {
+            // A loaded backend keeps one session: it stays, emptied, for the next create.
+            st.backend.select_session(id)?;
+            st.backend.session()?.reset();
+            st.backend.set_adapters(&[])?;
+            st.spare = Some(id);
+        }
+        st.sessions.remove(&serial);
         Ok(())
     })
 }
@@ -434,7 +519,7 @@ pub unsafe extern "C" fn qe_adapter_load(
         let id = unsafe { opt_text(id, "id") }?;
         need(id_out, "id_out")?;
         let e = self::engine(engine)?;
-        let got = lock(&e)?.preload_adapter(Path::new(path), id)?;
+        let got = lock(&e)?.backend.preload_adapter(Path::new(path), id)?;
         // SAFETY: checked non-null; the caller's contract.
         unsafe { put_string(id_out, got, "id_out") }
     })
@@ -450,8 +535,7 @@ pub unsafe extern "C" fn qe_adapter_remove(engine: qe_engine, id: *const c_char)
         // SAFETY: the caller's contract.
         let id = unsafe { text(id, "id") }?;
         let e = self::engine(engine)?;
-        let mut b = lock(&e)?;
-        b.remove_adapter(id)?;
+        lock(&e)?.backend.remove_adapter(id)?;
         Ok(())
     })
 }
@@ -466,7 +550,7 @@ pub unsafe extern "C" fn qe_adapters_list(engine: qe_engine, json_out: *mut *mut
     guard(|| {
         need(json_out, "json_out")?;
         let e = self::engine(engine)?;
-        let list = lock(&e)?.list_adapters()?;
+        let list = lock(&e)?.backend.list_adapters()?;
         let v: Vec<Value> = list
             .iter()
             .map(|(id, a)| {
@@ -496,7 +580,7 @@ pub unsafe extern "C" fn qe_adapter_info(
         let id = unsafe { text(id, "id") }?;
         need(json_out, "json_out")?;
         let e = self::engine(engine)?;
-        let list = lock(&e)?.list_adapters()?;
+        let list = lock(&e)?.backend.list_adapters()?;
         let (id, a) = list.iter().find(|(i, _)| i == id).ok_or_else(|| {
             Fail::from(BackendError::Adapter(AdapterError::UnknownId {
                 id: id.to_string(),
@@ -673,33 +757,41 @@ impl From<Params> for GenerateParams {
     }
 }
 
-/// A streaming sink over the C callback and the engine's cancel flag; `cancelled` tells whether
-/// the flag stopped it.
+/// A streaming sink over the C callback and the engine's cancel count; `cancelled` tells whether
+/// a cancel stopped it, `stopped` whether the callback did (it is not called again).
 struct Sink<'a> {
     cb: qe_delta_fn,
     user: *mut c_void,
-    cancel: &'a AtomicBool,
+    entry: Entry<'a>,
     cancelled: bool,
+    stopped: bool,
 }
 
-impl Sink<'_> {
-    /// Whether to go on (false once qe_cancel was called).
+impl<'a> Sink<'a> {
+    fn new(cb: qe_delta_fn, user: *mut c_void, entry: Entry<'a>) -> Self {
+        Self { cb, user, entry, cancelled: false, stopped: false }
+    }
+
+    /// Whether to go on (false once the engine was cancelled after the call was made, or the
+    /// callback asked to stop).
     fn tick(&mut self) -> bool {
-        if self.cancel.swap(false, Ordering::SeqCst) {
+        if self.entry.engine.cancels.load(Ordering::SeqCst) != self.entry.cancels {
             self.cancelled = true;
         }
-        !self.cancelled
+        !self.cancelled && !self.stopped
     }
 
     fn push(&mut self, delta: &str) -> bool {
         if !self.tick() {
             return false;
         }
-        match self.cb {
-            // SAFETY: the caller's callback, given valid text for the duration of the call.
-            Some(f) => unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) != 0 },
-            None => true,
-        }
+        let Some(f) = self.cb else { return true };
+        let outer = IN_CALLBACK.with(|c| c.replace(self.entry.engine.id));
+        // SAFETY: the caller's callback, given valid text for the duration of the call.
+        let go_on = unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) } != 0;
+        IN_CALLBACK.with(|c| c.set(outer));
+        self.stopped = !go_on;
+        go_on
     }
 }
 
@@ -707,7 +799,7 @@ fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<(
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
     if sink.cancelled {
-        return Err(Fail { status: qe_status::QE_CANCELLED, message: "cancelled by qe_cancel".into() });
+        return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
     }
     Ok(())
 }
@@ -716,7 +808,8 @@ fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<(
 /// (may be null): `{"max_tokens", "temperature", "top_k", "top_p", "seed",
 /// "repetition_penalty", "stop": [...], "stop_at_eos"}`. `on_delta` (may be null) gets the text
 /// as it is generated; returning 0 stops. Writes the whole text to `text_out` (free with
-/// qe_string_free), also after QE_CANCELLED.
+/// qe_string_free; a NUL character the model generates comes back as U+FFFD there), also after
+/// QE_CANCELLED.
 ///
 /// # Safety
 /// `prompt` and `params_json` are null or NUL-terminated strings; `text_out` is null or valid
@@ -738,9 +831,8 @@ pub unsafe extern "C" fn qe_generate(
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         need(text_out, "text_out")?;
-        with_session(engine, session, |b, e| {
-            e.cancel.store(false, Ordering::SeqCst);
-            let mut sink = Sink { cb: on_delta, user, cancel: &e.cancel, cancelled: false };
+        with_session(engine, session, |b, entry| {
+            let mut sink = Sink::new(on_delta, user, entry);
             let text = b.generate_stream(prompt, &params.into(), &mut |d| sink.push(d))?;
             finish(&sink, text_out, text, "text_out")
         })
@@ -791,9 +883,8 @@ pub unsafe extern "C" fn qe_chat(
         if let Some(on) = chat.enable_thinking {
             request = request.thinking(on);
         }
-        with_session(engine, session, |b, e| {
-            e.cancel.store(false, Ordering::SeqCst);
-            let mut sink = Sink { cb: on_delta, user, cancel: &e.cancel, cancelled: false };
+        with_session(engine, session, |b, entry| {
+            let mut sink = Sink::new(on_delta, user, entry);
             let reply = b.chat(&request, &params.into(), &mut |d| match d {
                 qwen35_wgpu::ChatDelta::Content(c) => sink.push(c),
                 _ => sink.tick(),
@@ -871,6 +962,9 @@ pub unsafe extern "C" fn qe_trainable_create(
         // SAFETY: the caller's contract.
         let s: Spec = unsafe { parse(spec_json, "spec_json", true) }?;
         need(id_out, "id_out")?;
+        if let Some(at) = s.id.as_deref().and_then(|id| id.find('\0')) {
+            return Err(Fail::arg(format!("spec_json id: expected no NUL character, found one at byte {at}")));
+        }
         let d = TrainSpec::default();
         let targets = match s.targets {
             Some(t) => projections(&t)?,
@@ -916,7 +1010,7 @@ pub unsafe extern "C" fn qe_trainable_import(
 struct Event {
     prompt: String,
     response: String,
-    /// `"preferred"` (default) or a score in [0, 1].
+    /// A score in [0, 1]; absent: the response is the preferred one.
     #[serde(default)]
     score: Option<f32>,
 }
@@ -1008,8 +1102,7 @@ pub unsafe extern "C" fn qe_trainable_export(engine: qe_engine, dir: *const c_ch
         // SAFETY: the caller's contract.
         let dir = unsafe { text(dir, "dir") }?;
         let e = self::engine(engine)?;
-        let mut b = lock(&e)?;
-        b.export_trainable_adapter(Path::new(dir))?;
+        lock(&e)?.backend.export_trainable_adapter(Path::new(dir))?;
         Ok(())
     })
 }

@@ -112,6 +112,55 @@ static void *cancel_loop(void *arg) {
     return NULL;
 }
 
+/* A callback that calls back into engines: the one it runs on (refused, not a deadlock) and
+   another (allowed). */
+typedef struct {
+    qe_engine engine;
+    qe_session session;
+    qe_engine other;
+    qe_status same;
+    qe_status other_status;
+    int calls;
+} reentrant;
+
+static int32_t call_back_in(const char *text, size_t len, void *user) {
+    reentrant *r = (reentrant *)user;
+    (void)text;
+    (void)len;
+    char *json = NULL;
+    r->same = qe_session_adapters(r->engine, r->session, &json);
+    qe_string_free(json);
+    json = NULL;
+    r->other_status = qe_adapters_list(r->other, &json);
+    qe_string_free(json);
+    r->calls++;
+    return 0;
+}
+
+/* A generation on a second thread that an engine free must stop. */
+typedef struct {
+    qe_engine engine;
+    qe_session session;
+    volatile int started;
+    qe_status status;
+} runner;
+
+static int32_t mark_started(const char *text, size_t len, void *user) {
+    (void)text;
+    (void)len;
+    ((runner *)user)->started = 1;
+    return 1;
+}
+
+static void *long_generation(void *arg) {
+    runner *r = (runner *)arg;
+    char *out = NULL;
+    r->status = qe_generate(r->engine, r->session, "Once upon a time", "{\"max_tokens\": 400, \"stop_at_eos\": false}",
+                            mark_started, r, &out);
+    qe_string_free(out);
+    return NULL;
+}
+
 static void write_file(const char *path, const char *data, size_t len) {
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(data, 1, len, f) != len) {
@@ -341,6 +390,65 @@ int main(int argc, char **argv) {
     qe_string_free(list);
     MUST(qe_adapter_remove(e, "exported"));
     CHECK(qe_adapter_remove(e, "exported") == QE_ADAPTER, "removed twice");
+
+    /* A second engine: sessions are valid with their own engine only; the session a loaded
+       model keeps is handed out by the first create, and after a free comes back empty under
+       a new handle. */
+    qe_engine e2 = 0;
+    MUST(qe_engine_load(demo, "{\"max_context\": 512}", &e2));
+    CHECK(qe_chat(e2, 1, QUESTION, PARAMS, NULL, NULL, &reply) == QE_INVALID_HANDLE, "a session never created");
+    CHECK(qe_chat(e2, e2, QUESTION, PARAMS, NULL, NULL, &reply) == QE_INVALID_HANDLE, "an engine handle as session");
+    qe_session t1 = 0;
+    MUST(qe_session_create(e2, &t1));
+    CHECK(qe_chat(e, t1, QUESTION, PARAMS, NULL, NULL, &reply) == QE_INVALID_HANDLE, "another engine's session");
+    CHECK(qe_session_free(e, t1) == QE_INVALID_HANDLE, "another engine's session freed");
+    snprintf(path, sizeof path, "%s/adapters/shout", demo);
+    MUST(qe_adapter_load(e2, path, "shout", &id));
+    qe_string_free(id);
+    MUST(qe_session_activate(e2, t1, "shout", 1.0f));
+    char *shout2 = ask_ok(e2, t1);
+    CHECK(strcmp(shout2, shout) == 0, "the second engine shouts: %s", shout2);
+    free(shout2);
+    MUST(qe_session_free(e2, t1));
+    qe_session t2 = 0;
+    MUST(qe_session_create(e2, &t2));
+    CHECK(t2 != t1 && qe_session_reset(e2, t1) == QE_INVALID_HANDLE, "a new handle, the old one closed");
+    MUST(qe_session_adapters(e2, t2, &set));
+    CHECK(strcmp(set, "[]") == 0, "a new session has no adapter: %s", set);
+    qe_string_free(set);
+    char *base2 = ask_ok(e2, t2);
+    CHECK(strcmp(base2, base) == 0, "a new session answers as the base model: %s", base2);
+    free(base2);
+
+    /* The callback may not call its own engine (refused, not a deadlock), may call another, and
+       is not called again after returning 0, even with text held back for stop strings. */
+    reentrant r = {e2, t2, e, QE_OK, QE_PANIC, 0};
+    reply = NULL;
+    st = qe_generate(e2, t2, "Hello", "{\"max_tokens\": 16, \"stop\": [\"###\"], \"stop_at_eos\": false}",
+                     call_back_in, &r, &reply);
+    CHECK(st == QE_OK && reply != NULL, "generation with a re-entrant callback: %d", (int)st);
+    qe_string_free(reply);
+    CHECK(r.calls == 1, "the callback returned 0 once and was called %d times", r.calls);
+    CHECK(r.same == QE_INVALID_ARGUMENT, "its own engine from the callback: %d", (int)r.same);
+    CHECK(r.other_status == QE_OK, "another engine from the callback: %d", (int)r.other_status);
+
+    /* A NUL in a trainable adapter's id is refused before anything changes. */
+    char *nul_id = NULL;
+    CHECK(qe_trainable_create(e2, t2, "{\"id\": \"a\\u0000b\"}", &nul_id) == QE_INVALID_ARGUMENT && nul_id == NULL,
+          "a NUL in the id");
+    MUST(qe_adapters_list(e2, &list));
+    CHECK(strstr(list, "u0000") == NULL, "no adapter made: %s", list);
+    qe_string_free(list);
+
+    /* Freeing an engine stops the generation running on it. */
+    runner run = {e2, t2, 0, QE_OK};
+    pthread_t gen;
+    pthread_create(&gen, NULL, long_generation, &run);
+    while (!run.started) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    MUST(qe_engine_free(e2));
+    pthread_join(gen, NULL);
+    CHECK(run.status == QE_CANCELLED, "a generation on a freed engine: status %d", (int)run.status);
+    CHECK(qe_session_reset(e2, t2) == QE_INVALID_HANDLE, "a session of a freed engine");
 
     free(base);
     free(shout);
