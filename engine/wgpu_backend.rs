@@ -5,7 +5,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo};
-use crate::error::{AdapterError, LearnError};
+use crate::error::{AdapterError, LearnError, RunError};
 use crate::gpu::GpuContext;
 use crate::learn::{
     export_peft, init_adapter, FeedbackEvent, LearnOptions, LearnReport, ModuleGrad, TokenEvent, TrainSpec, Trainer,
@@ -251,13 +251,21 @@ impl WgpuBackend {
     /// with the prompt `requests[i].1` (token ids) under that session's adapter set, and the
     /// sessions decode together, one batched step per token (every weight read once for all of
     /// them; see [`Batch`]). Each session's prompt cache applies as in
-    /// [`LlmBackend::generate_tokens`]; stop strings do not (token ids only). Returns each
-    /// request's new tokens, in order.
+    /// [`LlmBackend::generate_tokens`]. Token ids only: `params.stop` must be empty (stop strings
+    /// need the text, a typed error otherwise). Returns each request's new tokens, in order.
     pub fn generate_batch(
         &mut self,
         requests: &[(SessionId, &[u32])],
         params: &GenerateParams,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
+        if !params.stop.is_empty() {
+            return Err(RunError::BadParam {
+                name: "stop",
+                value: format!("{:?}", params.stop),
+                expected: "no stop strings in a batch of token ids",
+            }
+            .into());
+        }
         let budget = self.snapshot_budget;
         let loaded = self.loaded()?;
         for (i, (id, _)) in requests.iter().enumerate() {
@@ -275,6 +283,9 @@ impl WgpuBackend {
         }
         let turn_start = loaded.turn_start;
         let using = requests.iter().map(|(id, _)| loaded.index(*id)).collect::<Result<Vec<_>, _>>()?;
+        for (&s, (_, prompt)) in using.iter().zip(requests) {
+            loaded.sessions[s].session.check_request(prompt, params)?;
+        }
         loaded.touch(&using);
         let mut fed = Vec::with_capacity(n);
         for (&s, (_, prompt)) in using.iter().zip(requests) {
@@ -360,6 +371,8 @@ impl WgpuBackend {
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
         let turn_start = loaded.turn_start;
         let current = loaded.current;
+        // Bad input is refused before the prompt cache prepares (and so keeps) anything.
+        loaded.cur_ref().session.check_request(prompt, params)?;
         loaded.touch(&[current]);
         let conv = loaded.cur();
         let fed = match conv.cache.prepare(&mut conv.session, prompt, turn_start) {
@@ -464,30 +477,41 @@ impl WgpuBackend {
 
     /// One learning step on token-level events (see [`crate::learn`] for the loss).
     pub fn learn_tokens(&mut self, events: &[TokenEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
-        let (session, trainer, scale) = self.training()?;
-        let report = trainer.learn(session, events, opts, scale)?;
-        self.restack_trainable()?;
-        Ok(report)
+        let steps = self.learn_steps();
+        let report = {
+            let (session, trainer, scale) = self.training()?;
+            trainer.learn(session, events, opts, scale)
+        };
+        // A step that was taken (even when reading its report failed) reaches every session.
+        if self.learn_steps() != steps {
+            self.restack_trainable()?;
+        }
+        Ok(report?)
     }
 
     /// After a step: every session forgets a stack that holds the trainable adapter (its weights
     /// are from before the step), and a session whose active set is such a stack rebuilds it. An
-    /// error here (the GPU out of memory for a stack) comes after the step was taken.
+    /// error here (the GPU out of memory for a stack) comes after the step was taken: every
+    /// session is still visited, and the first error is returned.
     fn restack_trainable(&mut self) -> Result<(), BackendError> {
         let (Some((id, _)), Some(loaded)) = (&self.trainer, self.loaded.as_mut()) else { return Ok(()) };
         let trainable = find_in(&self.resident, id)?.clone();
         if let Some(batch) = loaded.batch.as_mut().filter(|b| b.holds(&trainable)) {
             batch.forget_stack();
         }
+        let mut first = None;
         for c in &mut loaded.sessions {
             if c.session.stack_holds(&trainable) {
                 c.session.forget_stack();
                 if c.active.len() > 1 && c.active.iter().any(|a| a.id == *id) {
-                    c.session.set_adapters(resolve(&self.resident, &c.active)?)?;
+                    let rebuilt = resolve(&self.resident, &c.active).and_then(|set| c.session.set_adapters(set));
+                    if let Err(e) = rebuilt {
+                        first.get_or_insert(e);
+                    }
                 }
             }
         }
-        Ok(())
+        first.map_or(Ok(()), |e| Err(e.into()))
     }
 
     /// The gradients of the loss of `events` with respect to every adapted A and B, without

@@ -246,6 +246,27 @@ fn sampled_batches_read_back_each_rows_candidates_as_a_session_alone_does() {
 }
 
 #[test]
+fn batches_with_and_without_adapters_in_turn_build_nothing_new() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    let mut batch = Batch::new(f.model.clone(), 2).expect("batch");
+    let mut with = session(&f, &sets[0]);
+    let mut without = session(&f, &sets[2]);
+    let mut kept = Vec::new();
+    for round in 0..5 {
+        let mut rows = vec![&mut with, &mut without];
+        batch.step(&mut rows, &f.ids[round..round + 2]).expect("rows with an adapter");
+        let mut rows = vec![&mut without];
+        batch.step(&mut rows, &f.ids[round..round + 1]).expect("rows without");
+        kept.push(batch.cached_bind_groups());
+    }
+    // The first rounds built every bind group the two kinds of steps use (the uniform arena may
+    // grow once, rebuilding them); later rounds reuse them (a LoRA buffer made anew per switch
+    // would add bind groups, each keeping its buffer alive).
+    assert!(kept[2..].iter().all(|&k| k == kept[1]), "bind groups kept after each round: {kept:?}");
+}
+
+#[test]
 fn bad_batches_are_typed_errors_and_change_nothing() {
     let Some(f) = fixture() else { return };
     let mut batch = Batch::new(f.model.clone(), 2).expect("batch");
@@ -324,6 +345,29 @@ fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
     let twice = [(sids[0], firsts[0]), (sids[0], firsts[0])];
     assert!(matches!(b.generate_batch(&twice, &params), Err(BackendError::Sessions { .. })));
     assert!(matches!(b.generate_batch(&[(999, firsts[0])], &params), Err(BackendError::UnknownSession { .. })));
+    // Stop strings need text: refused, not ignored.
+    let stop = GenerateParams { stop: vec!["x".into()], ..params.clone() };
+    let refused = b.generate_batch(&[(sids[0], firsts[0])], &stop);
+    assert!(matches!(refused, Err(BackendError::Run(RunError::BadParam { name: "stop", .. }))), "{refused:?}");
+    // A refused request (a token outside the vocabulary) leaves the session's cache: the next
+    // request goes on from it.
+    b.select_session(sids[0]).expect("select");
+    let mut next = seconds[0].clone();
+    next.extend(&r2[0]);
+    let mut bad = next.clone();
+    bad.push(u32::MAX);
+    let refused = b.generate_ids(&bad, &params);
+    assert!(matches!(refused, Err(BackendError::Run(RunError::TokenOutOfRange { .. }))), "{refused:?}");
+    let before = b.prompt_cache().expect("cache").stats();
+    next.extend(&ids[..2]);
+    b.generate_ids(&next, &params).expect("after a refused request");
+    let after = b.prompt_cache().expect("cache").stats();
+    assert!(
+        after.reused_tokens - before.reused_tokens >= seconds[0].len() as u64,
+        "reused {} of {} tokens",
+        after.reused_tokens - before.reused_tokens,
+        next.len()
+    );
 }
 
 #[test]

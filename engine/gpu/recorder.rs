@@ -52,6 +52,16 @@ impl IoBindCache {
         &self.params
     }
 
+    /// Drop the cached bind groups (a buffer they bind was replaced: they would keep it alive).
+    pub fn forget_groups(&mut self) {
+        self.groups.clear();
+    }
+
+    /// How many bind groups are cached.
+    pub fn cached_groups(&self) -> usize {
+        self.groups.len()
+    }
+
     /// Make the arena hold at least `bytes` (doubling; the cached bind groups point at the old
     /// arena, so they are dropped and rebuilt on use).
     fn reserve(&mut self, ctx: &GpuContext, bytes: u64) {

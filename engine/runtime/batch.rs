@@ -38,7 +38,6 @@ struct BatchLora {
     key: Vec<RowKey>,
     sources: Vec<Arc<LoraAdapter>>,
     bound: BoundSet,
-    t: wgpu::Buffer,
 }
 
 /// What batched steps reuse: scratch for `rows` tokens, the ids and logits buffers, the bind
@@ -57,6 +56,9 @@ pub struct Batch {
     chosen_staging: [Staging; 2],
     io: IoBindCache,
     lora: Option<BatchLora>,
+    /// The LoRA t buffer (shrinks and scale tables), kept across stacks and steps without
+    /// adapters, grown when a stack's tables need more (the cached bind groups are then dropped).
+    lora_t: Option<wgpu::Buffer>,
     /// Greedy steps submit the next step before reading the current one's ids.
     run_ahead: bool,
 }
@@ -129,6 +131,7 @@ impl Batch {
             chosen_staging,
             io: IoBindCache::new(params),
             lora: None,
+            lora_t: None,
             run_ahead: !ctx.is_cpu(),
         })
     }
@@ -145,6 +148,11 @@ impl Batch {
     /// See [`Batch::set_run_ahead`].
     pub fn run_ahead(&self) -> bool {
         self.run_ahead
+    }
+
+    /// How many bind groups the batch keeps (they are built once per kernel and buffer set).
+    pub fn cached_bind_groups(&self) -> usize {
+        self.io.cached_groups()
     }
 
     /// Forget the stack of the last rows (its adapters changed: a learning step, a removal).
@@ -306,7 +314,8 @@ impl Batch {
         }
         embed(&mut rec, &model.embed, &self.ids, n, &sc.hidden)?;
         for (i, layer) in model.layers.iter().enumerate() {
-            let lora = self.lora.as_ref().map(|l| LayerLora { bound: &l.bound, t: &l.t, layer: i });
+            let lora =
+                self.lora.as_ref().zip(self.lora_t.as_ref()).map(|(l, t)| LayerLora { bound: &l.bound, t, layer: i });
             let mixer_in = block_input(&mut rec, c, sc, &layer.input_norm, false, lora, InputGroup::MixerIn, n)?;
             match &layer.mixer {
                 Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
@@ -575,13 +584,19 @@ impl Batch {
         let (table, tables) = stack_tables(&stack, &sources, &row_refs, base, layers);
         let ctx = &self.model.ctx;
         let bytes = ((base + table.len()) * 4) as u64;
-        let t = match self.lora.as_ref().filter(|l| l.t.size() >= bytes) {
-            Some(l) => l.t.clone(),
-            None => ctx.storage_buffer("batch lora t", bytes, true)?,
+        let t = match self.lora_t.as_ref().filter(|t| t.size() >= bytes) {
+            Some(t) => t.clone(),
+            None => {
+                let t = ctx.storage_buffer("batch lora t", bytes, true)?;
+                // The cached bind groups hold the old buffer alive: rebuild them on use.
+                self.io.forget_groups();
+                self.lora_t = Some(t.clone());
+                t
+            }
         };
         ctx.write(&t, (base * 4) as u64, bytemuck::cast_slice(&table));
         let bound = BoundSet { lora: stack, seg_scale: vec![[1.0; 12]; layers], tables };
-        self.lora = Some(BatchLora { key, sources, bound, t });
+        self.lora = Some(BatchLora { key, sources, bound });
         Ok(())
     }
 }

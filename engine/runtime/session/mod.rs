@@ -12,7 +12,8 @@ use crate::lora::LoraAdapter;
 use crate::model::Model;
 use crate::runtime::adapters::{ActiveAdapter, LoraState};
 use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerState, Scratch};
-use crate::runtime::sampler::Candidates;
+use crate::runtime::sampler::{Candidates, Sampler};
+use crate::runtime::GenerateParams;
 
 mod step;
 
@@ -518,6 +519,23 @@ impl Session {
             self.prefill(&prompt[..head])?;
         }
         Ok(&prompt[head..])
+    }
+
+    /// What generating from `prompt` (a whole conversation, from position 0) with `params`
+    /// would refuse, checked before anything runs or is reused: an empty prompt, a token
+    /// outside the vocabulary, a prompt the context cannot hold, bad sampling parameters.
+    pub(crate) fn check_request(&self, prompt: &[u32], params: &GenerateParams) -> Result<(), RunError> {
+        if prompt.is_empty() {
+            return Err(RunError::EmptyInput);
+        }
+        let vocab = self.model.config.vocab_size;
+        if let Some((index, &id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
+            return Err(RunError::TokenOutOfRange { id, index, vocab });
+        }
+        if prompt.len() > self.opts.max_context {
+            return Err(RunError::ContextFull { needed: prompt.len(), capacity: self.opts.max_context });
+        }
+        Sampler::from_params(params).map(|_| ())
     }
 
     pub(crate) fn check(&self, ids: &[u32]) -> Result<(), RunError> {
