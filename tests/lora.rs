@@ -9,7 +9,7 @@ use common::tolerance::{ADAPTER_EFFECT_REL, PATHS_REL};
 use common::{check_logits, fixture_model, gpu, rel_and_max, root, scratch_copy, Reference};
 use qwen35_wgpu::{
     AdapterError, BackendError, GenerateParams, LearnError, LearnOptions, LlmBackend, LoraAdapter, Model, ModelInfo,
-    Proj, Session, SessionOptions, TrainSpec, WgpuBackend,
+    Proj, Session, SessionOptions, TextTokenizer, TrainSpec, WgpuBackend,
 };
 
 /// (adapter, base model, scales with a reference).
@@ -141,8 +141,12 @@ fn prefill_with_adapter_equals_token_by_token_decode() {
     }
 }
 
-/// A backend that keeps the trait's adapter defaults.
-struct NoAdapters;
+/// A backend that keeps the trait's adapter defaults and "generates" fixed token ids (with the
+/// demo model's tokenizer when it has one).
+struct NoAdapters {
+    tok: Option<Arc<TextTokenizer>>,
+    ids: Vec<u32>,
+}
 
 impl LlmBackend for NoAdapters {
     fn backend_name(&self) -> &str {
@@ -158,13 +162,23 @@ impl LlmBackend for NoAdapters {
     fn model_info(&self) -> Option<ModelInfo> {
         None
     }
+    fn tokenizer(&self) -> Option<Arc<TextTokenizer>> {
+        self.tok.clone()
+    }
     fn generate_tokens(
         &mut self,
-        prompt: &[u32],
+        _: &[u32],
         _: &GenerateParams,
-        _: &mut dyn FnMut(u32) -> bool,
+        on_token: &mut dyn FnMut(u32) -> bool,
     ) -> Result<Vec<u32>, BackendError> {
-        Ok(prompt.to_vec())
+        let mut out = Vec::new();
+        for &id in &self.ids {
+            out.push(id);
+            if !on_token(id) {
+                break;
+            }
+        }
+        Ok(out)
     }
     fn embeddings_ids(&mut self, _: &[u32]) -> Result<Vec<f32>, BackendError> {
         Ok(Vec::new())
@@ -172,8 +186,34 @@ impl LlmBackend for NoAdapters {
 }
 
 #[test]
+fn a_stream_the_caller_stopped_gets_no_more_text() {
+    let tok = Arc::new(TextTokenizer::from_dir(&root().join("examples/assets/demo")).expect("the demo tokenizer"));
+    let ids = tok.encode("The sky is blue today.").expect("encode");
+    let mut b = NoAdapters { tok: Some(tok), ids };
+    let params = GenerateParams { stop: vec!["###".into()], ..Default::default() };
+    // Stop strings hold back their length - 1 bytes: a tail is pending when the caller stops.
+    let mut calls = Vec::new();
+    let text = b
+        .generate_stream_ids(&[1], &params, &mut |d| {
+            calls.push(d.to_string());
+            false
+        })
+        .expect("generate");
+    assert_eq!(calls.len(), 1, "called again after returning false: {calls:?}");
+    assert!(text.starts_with(&calls[0]) && text.len() > calls[0].len(), "{text:?} vs {calls:?}");
+    // Without a stop the whole text streams.
+    let mut all = String::new();
+    let text = b.generate_stream_ids(&[1], &GenerateParams::default(), &mut |d| {
+        all.push_str(d);
+        true
+    });
+    assert_eq!(text.expect("generate"), all);
+    assert_eq!(all, "The sky is blue today.");
+}
+
+#[test]
 fn default_adapter_methods_say_not_supported() {
-    let mut b = NoAdapters;
+    let mut b = NoAdapters { tok: None, ids: Vec::new() };
     let not_supported = |r: Result<(), BackendError>| {
         assert!(
             matches!(r, Err(BackendError::AdapterNotSupported { ref backend }) if backend == "no-adapters"),
