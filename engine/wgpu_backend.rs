@@ -458,10 +458,16 @@ impl WgpuBackend {
     }
 
     /// The session, the trainer and the scale the trainable adapter runs at (its active scale,
-    /// or 1 when another adapter is active).
-    fn training(&mut self) -> Result<(&mut Session, &mut Trainer, f32), BackendError> {
+    /// or 1 when another adapter is active), once `events` and `opts` passed the trainer's
+    /// checks (a refused step clears no prompt cache).
+    fn training(
+        &mut self,
+        events: &[TokenEvent],
+        opts: Option<&LearnOptions>,
+    ) -> Result<(&mut Session, &mut Trainer, f32), BackendError> {
         let (id, trainer) = self.trainer.as_mut().ok_or(LearnError::NoTrainableAdapter)?;
         let loaded = self.loaded.as_mut().ok_or(BackendError::NoModel)?;
+        trainer.check(&loaded.cur_ref().session, events, opts)?;
         let current = loaded.cur_ref().id;
         for c in &mut loaded.sessions {
             // A step changes the adapter's weights and runs its passes in the current session:
@@ -479,7 +485,7 @@ impl WgpuBackend {
     pub fn learn_tokens(&mut self, events: &[TokenEvent], opts: &LearnOptions) -> Result<LearnReport, BackendError> {
         let steps = self.learn_steps();
         let report = {
-            let (session, trainer, scale) = self.training()?;
+            let (session, trainer, scale) = self.training(events, Some(opts))?;
             trainer.learn(session, events, opts, scale)
         };
         // A step that was taken (even when reading its report failed) reaches every session.
@@ -517,7 +523,7 @@ impl WgpuBackend {
     /// The gradients of the loss of `events` with respect to every adapted A and B, without
     /// stepping (the adapter is unchanged): for checks against an autograd oracle.
     pub fn learn_gradients(&mut self, events: &[TokenEvent]) -> Result<Vec<ModuleGrad>, BackendError> {
-        let (session, trainer, scale) = self.training()?;
+        let (session, trainer, scale) = self.training(events, None)?;
         Ok(trainer.gradients(session, events, scale)?)
     }
 

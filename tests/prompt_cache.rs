@@ -132,6 +132,14 @@ fn another_adapter_scale_or_a_learning_step_starts_over() {
         response: "The sky is green.".into(),
         signal: qwen35_wgpu::Signal::Preferred,
     }];
+    // A refused step (a learning rate that is not a number) changes nothing: the cache stays.
+    let bad = qwen35_wgpu::LearnOptions { lr: f32::NAN, ..Default::default() };
+    assert!(b.learn(&events, &bad).is_err(), "a NaN learning rate");
+    let before = stats(&mut b);
+    b.chat(&ChatRequest::new(m.clone()), &params(), &mut |_| true).expect("after a refused step");
+    let after = stats(&mut b);
+    assert!(after.reused_tokens > before.reused_tokens, "a refused step keeps the cache");
+    let m = turn2(&mut b);
     b.learn(&events, &Default::default()).expect("step");
     let before = stats(&mut b);
     b.chat(&ChatRequest::new(m.clone()), &params(), &mut |_| true).expect("after learning");
@@ -194,6 +202,39 @@ fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
     let want = full.feed(&second).expect("full prefill");
     let (rel, _) = common::rel_and_max(got.last(), want.last());
     assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
+}
+
+#[test]
+fn a_snapshot_restores_only_into_the_session_that_still_holds_its_tokens() {
+    let Some(ctx) = gpu() else { return };
+    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
+    let opts = SessionOptions { max_context: 64, max_batch: 8 };
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let ids = tok.encode_prompt("What color is the sky? The sky is blue, and the cat is on the mat.").expect("ids");
+    let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
+    let mut other = qwen35_wgpu::Session::new(model, opts).expect("session");
+    s.prefill(&ids[..4]).expect("prefill");
+    let early = s.snapshot(None).expect("snapshot");
+    s.prefill(&ids[4..8]).expect("prefill");
+    let late = s.snapshot(None).expect("snapshot");
+    s.prefill(&ids[8..10]).expect("prefill");
+    // Back to each, as often as wanted, while the tokens below them are the ones they saw.
+    s.restore(&late).expect("late");
+    s.restore(&late).expect("late again");
+    s.restore(&early).expect("early");
+    // Another session's snapshot, one past the position, one whose tokens were rewritten (back
+    // to 4, then other tokens to 8), one after a reset: refused, the position unchanged.
+    other.prefill(&ids[..8]).expect("prefill");
+    assert!(other.restore(&early).is_err(), "another session's snapshot");
+    assert!(s.restore(&late).is_err(), "a snapshot past the position");
+    s.prefill(&ids[20..24]).expect("other tokens");
+    assert!(s.restore(&late).is_err(), "a snapshot whose tokens were rewritten");
+    assert_eq!(s.position(), 8);
+    s.restore(&early).expect("early still holds");
+    s.reset();
+    s.prefill(&ids[20..26]).expect("after a reset");
+    assert!(s.restore(&early).is_err(), "a snapshot from before a reset");
+    assert_eq!(s.position(), 6);
 }
 
 /// The snapshots of all sessions stay within the backend's budget, freed from the least recently

@@ -454,6 +454,21 @@ impl Trainer {
         Ok(loss.iter().sum::<f32>() / r as f32)
     }
 
+    /// What [`Trainer::learn`] (with `opts`) or [`Trainer::gradients`] (without) would refuse
+    /// about its input, checked before anything runs.
+    pub(crate) fn check(
+        &self,
+        session: &Session,
+        events: &[TokenEvent],
+        opts: Option<&LearnOptions>,
+    ) -> Result<(), LearnError> {
+        if let Some(o) = opts {
+            o.validate()?;
+        }
+        let vocab = self.model.config.vocab_size;
+        validate_events(events, vocab, self.max_tokens.min(session.opts.max_context), self.max_rows)
+    }
+
     /// Sum `events`' gradients and return them per module, without stepping.
     pub(crate) fn gradients(
         &mut self,

@@ -148,6 +148,9 @@ impl SampleBuffers {
 pub struct StateSnapshot {
     pos: usize,
     buffers: Vec<wgpu::Buffer>,
+    /// The session it was taken from, and that session's count of moves back at the time.
+    session: u64,
+    rewinds: u64,
 }
 
 impl StateSnapshot {
@@ -161,6 +164,9 @@ impl StateSnapshot {
         self.buffers.iter().map(wgpu::Buffer::size).sum()
     }
 }
+
+/// Numbers of sessions, for their snapshots.
+static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// One sequence's state on a model.
 pub struct Session {
@@ -180,6 +186,14 @@ pub struct Session {
     /// Bumped by every change of what the next step computes (a committed step, a reset, an
     /// adapter change), so a run-ahead step can tell whether it is still the right one.
     pub(crate) epoch: u64,
+    /// This session among all (snapshots name the session they were taken from).
+    uid: u64,
+    /// Moves back (resets, restores) so far, and the lowest position reached since each: the
+    /// KV cache below a snapshot's position holds its tokens as long as no later move back went
+    /// below it. Kept as a stack of (count, position) with positions rising, so it never holds
+    /// more entries than positions.
+    rewinds: u64,
+    lows: Vec<(u64, usize)>,
     /// Candidates of the greedy choice's first pass.
     pub(crate) parts: wgpu::Buffer,
     /// Where greedy steps copy their chosen id (two slots: the step being read and the one
@@ -265,6 +279,9 @@ impl Session {
             lora: LoraState::default(),
             parity: 0,
             epoch: 0,
+            uid: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            rewinds: 0,
+            lows: Vec::new(),
             parts,
             chosen,
             logits_staging,
@@ -349,6 +366,22 @@ impl Session {
         ctx.submit(enc.finish(), 0);
         self.pos = 0;
         self.epoch += 1;
+        self.moved_back();
+    }
+
+    /// Note that the position just went back (to `self.pos`).
+    fn moved_back(&mut self) {
+        self.rewinds += 1;
+        while self.lows.last().is_some_and(|&(_, low)| low >= self.pos) {
+            self.lows.pop();
+        }
+        self.lows.push((self.rewinds, self.pos));
+    }
+
+    /// Whether the KV cache still holds the tokens of a snapshot taken at `pos` after `rewinds`
+    /// moves back: no later move went below `pos`.
+    fn holds_since(&self, rewinds: u64, pos: usize) -> bool {
+        self.lows.iter().find(|&&(count, _)| count > rewinds).is_none_or(|&(_, low)| low >= pos)
     }
 
     /// Run `ids` through the model at the current position without reading anything back (a
@@ -389,18 +422,24 @@ impl Session {
         }
         buffers.truncate(i);
         ctx.submit(enc.finish(), 0);
-        Ok(StateSnapshot { pos: self.pos, buffers })
+        Ok(StateSnapshot { pos: self.pos, buffers, session: self.uid, rewinds: self.rewinds })
     }
 
-    /// Go back to `snap` (taken from this session, and no later position than this one): the
-    /// next step runs at its position with its GDN states.
+    /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
+    /// (nothing changes) unless it was taken from this session, at or before its position, and
+    /// the session has not been below that position since (a reset, or a restore of an earlier
+    /// snapshot, followed by other tokens, rewrote the KV cache it relies on).
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
         let gdn = self.states.iter().filter(|s| matches!(s, LayerState::Gdn { .. })).count();
-        if snap.pos > self.pos || snap.buffers.len() != 2 * gdn {
+        if snap.session != self.uid
+            || snap.pos > self.pos
+            || snap.buffers.len() != 2 * gdn
+            || !self.holds_since(snap.rewinds, snap.pos)
+        {
             return Err(RunError::BadParam {
                 name: "snapshot",
-                value: format!("position {} with {} buffers", snap.pos, snap.buffers.len()),
-                expected: "a snapshot of this session at or before its position",
+                value: format!("position {} of session {} (this is session {})", snap.pos, snap.session, self.uid),
+                expected: "a snapshot of this session at or before its position, not below which it has been since",
             });
         }
         let ctx = self.ctx();
@@ -418,6 +457,7 @@ impl Session {
         ctx.submit(enc.finish(), 0);
         self.pos = snap.pos;
         self.epoch += 1;
+        self.moved_back();
         Ok(())
     }
 
