@@ -235,6 +235,38 @@ fn a_snapshot_restores_only_into_the_session_that_still_holds_its_tokens() {
     s.prefill(&ids[20..26]).expect("after a reset");
     assert!(s.restore(&early).is_err(), "a snapshot from before a reset");
     assert_eq!(s.position(), 6);
+    // Snapshots hold the states of the adapters bound when they were taken.
+    let now = s.snapshot(None).expect("snapshot");
+    s.set_adapters(Vec::new()).expect("the same (empty) set again");
+    assert!(s.restore(&now).is_err(), "a snapshot from before an adapter change");
+}
+
+#[test]
+fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
+    let Some(ctx) = gpu() else { return };
+    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
+    let opts = SessionOptions { max_context: 64, max_batch: 8 };
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let ids = |text: &str| tok.encode_prompt(text).expect("encode");
+    let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
+    let mut cache = qwen35_wgpu::runtime::PromptCache::default();
+    let first = ids("What color is the sky?");
+    let fed = cache.prepare(&mut s, &first, None).expect("prepare");
+    s.feed(&first[fed..]).expect("last token");
+    cache.finish(&s, &first, &[]);
+    // Other tokens run on the session between the two requests: the cache cannot trust the
+    // tokens it recorded, and goes back to its snapshot instead.
+    s.feed(&ids(" Hello there")).expect("something else");
+    let mut second = first.clone();
+    second.extend(ids(" The sky is"));
+    let before = cache.stats().reused_tokens;
+    let fed = cache.prepare(&mut s, &second, None).expect("prepare");
+    let reused = cache.stats().reused_tokens - before;
+    assert!(reused < first.len() as u64, "reused {reused} of the {} recorded tokens", first.len());
+    let got = s.feed(&second[fed..]).expect("rest");
+    let want = qwen35_wgpu::Session::new(model, opts).expect("session").feed(&second).expect("full prefill");
+    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    assert!(rel <= common::tolerance::PATHS_REL, "vs a full prefill: rel {rel:.3e}");
 }
 
 /// The snapshots of all sessions stay within the backend's budget, freed from the least recently

@@ -34,8 +34,9 @@ pub struct PromptCacheStats {
 /// The tokens a session holds and snapshots of its states (see the module docs).
 pub struct PromptCache {
     enabled: bool,
-    /// The tokens the session's state holds, when known.
-    tokens: Option<Vec<u32>>,
+    /// The tokens the session's state holds, when known, and the session's stamp then: they
+    /// are used only while the stamp is unchanged (nothing else ran on the session since).
+    tokens: Option<(Vec<u32>, (u64, u64))>,
     /// (the tokens before it, the snapshot), oldest first.
     snapshots: Vec<(Vec<u32>, StateSnapshot)>,
     stats: PromptCacheStats,
@@ -106,7 +107,9 @@ impl PromptCache {
         let limit = prompt.len().saturating_sub(1);
         let mut fed = 0;
         match (&self.tokens, self.enabled) {
-            (Some(held), true) if held.len() <= limit && common_prefix(held, prompt) == held.len() => {
+            (Some((held, stamp)), true)
+                if *stamp == session.stamp() && held.len() <= limit && common_prefix(held, prompt) == held.len() =>
+            {
                 fed = held.len();
             }
             (_, true) => {
@@ -155,6 +158,6 @@ impl PromptCache {
             return;
         }
         let held: Vec<u32> = prompt.iter().chain(out).copied().take(session.position()).collect();
-        self.tokens = (held.len() == session.position()).then_some(held);
+        self.tokens = (held.len() == session.position()).then(|| (held, session.stamp()));
     }
 }

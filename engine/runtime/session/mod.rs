@@ -148,9 +148,11 @@ impl SampleBuffers {
 pub struct StateSnapshot {
     pos: usize,
     buffers: Vec<wgpu::Buffer>,
-    /// The session it was taken from, and that session's count of moves back at the time.
+    /// The session it was taken from, and that session's count of moves back and adapter
+    /// version at the time.
     session: u64,
     rewinds: u64,
+    adapters: u64,
 }
 
 impl StateSnapshot {
@@ -194,6 +196,9 @@ pub struct Session {
     /// more entries than positions.
     rewinds: u64,
     lows: Vec<(u64, usize)>,
+    /// Bumped by every adapter change (a new set, a stack forgotten after a learning step):
+    /// states computed before it are not those of the adapters now.
+    adapters_version: u64,
     /// Candidates of the greedy choice's first pass.
     pub(crate) parts: wgpu::Buffer,
     /// Where greedy steps copy their chosen id (two slots: the step being read and the one
@@ -282,6 +287,7 @@ impl Session {
             uid: NEXT_SESSION.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             rewinds: 0,
             lows: Vec::new(),
+            adapters_version: 0,
             parts,
             chosen,
             logits_staging,
@@ -338,6 +344,7 @@ impl Session {
     pub fn set_adapters(&mut self, set: Vec<ActiveAdapter>) -> Result<(), AdapterError> {
         self.lora.bind(&self.model, self.opts.max_batch, set)?;
         self.epoch += 1;
+        self.adapters_version += 1;
         Ok(())
     }
 
@@ -345,6 +352,7 @@ impl Session {
     /// rebuilds it from its members' current weights (after a learning step).
     pub fn forget_stack(&mut self) {
         self.lora.forget_stack();
+        self.adapters_version += 1;
     }
 
     /// Whether the stack this session keeps (bound or not) holds `adapter`.
@@ -367,6 +375,12 @@ impl Session {
         self.pos = 0;
         self.epoch += 1;
         self.moved_back();
+    }
+
+    /// What identifies the session's state: the session and its step epoch (every step, reset
+    /// and adapter change moves it). Equal stamps: nothing ran or changed in between.
+    pub(crate) fn stamp(&self) -> (u64, u64) {
+        (self.uid, self.epoch)
     }
 
     /// Note that the position just went back (to `self.pos`).
@@ -422,16 +436,24 @@ impl Session {
         }
         buffers.truncate(i);
         ctx.submit(enc.finish(), 0);
-        Ok(StateSnapshot { pos: self.pos, buffers, session: self.uid, rewinds: self.rewinds })
+        Ok(StateSnapshot {
+            pos: self.pos,
+            buffers,
+            session: self.uid,
+            rewinds: self.rewinds,
+            adapters: self.adapters_version,
+        })
     }
 
     /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
-    /// (nothing changes) unless it was taken from this session, at or before its position, and
-    /// the session has not been below that position since (a reset, or a restore of an earlier
-    /// snapshot, followed by other tokens, rewrote the KV cache it relies on).
+    /// (nothing changes) unless it was taken from this session, at or before its position,
+    /// under the adapters bound now (no set bound since), and the session has not been below
+    /// that position since (a reset, or a restore of an earlier snapshot, followed by other
+    /// tokens, rewrote the KV cache it relies on).
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
         let gdn = self.states.iter().filter(|s| matches!(s, LayerState::Gdn { .. })).count();
         if snap.session != self.uid
+            || snap.adapters != self.adapters_version
             || snap.pos > self.pos
             || snap.buffers.len() != 2 * gdn
             || !self.holds_since(snap.rewinds, snap.pos)
@@ -439,7 +461,7 @@ impl Session {
             return Err(RunError::BadParam {
                 name: "snapshot",
                 value: format!("position {} of session {} (this is session {})", snap.pos, snap.session, self.uid),
-                expected: "a snapshot of this session at or before its position, not below which it has been since",
+                expected: "a snapshot of this session at or before its position, under its adapters, not below which it has been since",
             });
         }
         let ctx = self.ctx();
