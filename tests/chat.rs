@@ -107,6 +107,31 @@ fn bad_requests_are_typed_errors() {
             .expect("compiles");
     let e = spin.render_request(&ChatRequest::new(user()), &special).expect_err("out of fuel").to_string();
     assert!(e.to_lowercase().contains("fuel"), "{e}");
+    // Templates that ask for more text than any prompt has: errors, not the memory or the time.
+    for (what, source, want) in [
+        ("a lazy list of 10^12 as JSON", "{{ ([0] * 1000000000000)|tojson }}", "bytes"),
+        ("a lazy list of 10^12 printed", "{{ [0] * 1000000000000 }}", "bytes"),
+        (
+            "a list doubled 64 times",
+            "{% set ns = namespace(v=[0]) %}{% for _ in range(64) %}{% set ns.v = [ns.v, ns.v] %}{% endfor %}{{ ns.v }}",
+            "bytes",
+        ),
+        (
+            "the same as JSON",
+            "{% set ns = namespace(v=[0]) %}{% for _ in range(64) %}{% set ns.v = [ns.v, ns.v] %}{% endfor %}{{ ns.v|tojson }}",
+            "bytes",
+        ),
+        ("a JSON indent of 10^8 spaces", "{{ [[1]]|tojson(indent=' ' * 100000000) }}", "bytes"),
+        ("an indent of 10^13", "{{ 'a\nb'|indent(10000000000000) }}", "width"),
+    ] {
+        let t = ChatTemplate::new(source.into()).expect("compiles");
+        let e = t.render_request(&ChatRequest::new(user()), &special).expect_err(what).to_string();
+        assert!(e.contains(want), "{what}: {e}");
+    }
+    // The bounded indent filter indents as before.
+    let t = ChatTemplate::new("{{ 'a\n\nb\n'|indent(2) }}|{{ 'a\nb'|indent(width=1, first=true) }}".into())
+        .expect("compiles");
+    assert_eq!(t.render_request(&ChatRequest::new(user()), &special).expect("renders"), "a\n\n  b| a\n b");
 }
 
 fn parse(prompt: &str, text: &str, tools: Option<&[Value]>) -> ChatReply {
@@ -177,6 +202,48 @@ fn tokenizer_directories_are_read_with_bounds() {
     big.set_len(qwen35_wgpu::text::MAX_TEMPLATE_BYTES as u64 + 1).expect("sparse");
     let e = TextTokenizer::from_dir(&dir).err().expect("an oversized template is refused").to_string();
     assert!(e.contains("bound"), "{e}");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
+#[test]
+fn tokenizer_settings_that_would_panic_or_cut_prompts_are_refused_or_ignored() {
+    let dir = std::env::temp_dir().join(format!("qwen35-test-tokenizer-settings-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    let base: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("examples/assets/demo/tokenizer.json")).expect("tokenizer.json"),
+    )
+    .expect("json");
+    let load = |edit: &dyn Fn(&mut Value)| {
+        let mut t = base.clone();
+        edit(&mut t);
+        std::fs::write(dir.join("tokenizer.json"), t.to_string()).expect("write");
+        TextTokenizer::from_dir(&dir)
+    };
+    let text = "What color is the sky? The sky is blue.";
+    let want = load(&|_| {}).expect("the demo tokenizer").encode(text).expect("encode");
+    assert!(want.len() > 2, "{want:?}");
+    // Truncation (a stride tokenizers asserts against, a 1-token cut) and a huge fixed padding
+    // are not applied: prompts are encoded whole.
+    let truncating = load(&|t| {
+        t["truncation"] = json!({"max_length": 1, "stride": 1, "strategy": "LongestFirst", "direction": "Right"})
+    })
+    .expect("loads");
+    assert_eq!(truncating.encode(text).expect("no panic, no cut"), want);
+    let padding = load(&|t| {
+        t["padding"] = json!({"strategy": {"Fixed": 1_000_000_000_000u64}, "direction": "Right", "pad_to_multiple_of": null,
+            "pad_id": 0, "pad_type_id": 0, "pad_token": "<pad>"})
+    })
+    .expect("loads");
+    assert_eq!(padding.encode(text).expect("no padding"), want);
+    // A Strip decoder that strips at the end panics in tokenizers on some tokens: refused.
+    let e = load(&|t| t["decoder"] = json!({"type": "Strip", "content": "a", "start": 1, "stop": 1}))
+        .err()
+        .expect("refused")
+        .to_string();
+    assert!(e.contains("Strip") && e.contains("stop"), "{e}");
+    let nested = json!({"type": "Sequence", "decoders": [{"type": "Strip", "content": " ", "start": 0, "stop": 2}]});
+    assert!(load(&|t| t["decoder"] = nested.clone()).is_err(), "inside a sequence too");
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 

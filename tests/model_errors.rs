@@ -87,7 +87,8 @@ fn absurd_config_sizes_are_refused_before_anything_is_allocated() {
 #[test]
 fn rope_theta_eps_and_rotary_factor_must_be_positive_and_finite() {
     let rope = |key: &'static str, v: serde_json::Value| move |c: &mut serde_json::Value| c["rope_parameters"][key] = v;
-    for v in [0.0, -10000.0, 1e300] {
+    // 1e-300 is positive as f64 and 0 as an f32 (a NaN RoPE table); 1e-40 is subnormal.
+    for v in [0.0, -10000.0, 1e300, 1e-300, 1e-40] {
         let e = config_error(rope("rope_theta", v.into()));
         assert_eq!(bad_config(&e).0, "rope_theta", "{v}: {e}");
     }

@@ -200,6 +200,13 @@ fn huge_pattern_maps_are_refused_fast() {
         assert!(bad_config(&e), "{field}: {e}");
         assert!(took < HOSTILE_INPUT_SECONDS, "{field}: {took:.2} s");
     }
+    // A map within the key bound whose keys are all regular expressions is refused before any
+    // is compiled (each may take up to 256 KiB): counted from the JSON. The keys do not even
+    // compile, so an error about the count shows that none was tried.
+    let map: serde_json::Map<String, Value> =
+        (0..MAX_PATTERN_KEYS).map(|i| (format!(r"l{i}(\w{{30}}q_proj"), json!(8))).collect();
+    let e = PeftConfig::from_json(&json!({"r": 8, "rank_pattern": map})).expect_err("4096 regular expressions");
+    assert!(bad_config(&e) && e.to_string().contains("at most 256 regular expressions"), "{e}");
     // The largest map accepted still parses quickly (plain keys need no regex engine).
     let map: serde_json::Map<String, Value> =
         (0..MAX_PATTERN_KEYS).map(|i| (format!("layers.{}.mlp.x{i}_proj", i % 8), json!(2))).collect();

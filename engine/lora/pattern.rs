@@ -151,6 +151,11 @@ pub(crate) enum Atom {
 }
 
 /// The atoms of a key made only of `[A-Za-z0-9_]`, `.` and `\.`, or `None`.
+/// Whether `key` is a module name (matched without a regular expression).
+pub(crate) fn is_plain(key: &str) -> bool {
+    plain_atoms(key).is_some()
+}
+
 fn plain_atoms(key: &str) -> Option<Vec<Atom>> {
     let mut atoms = Vec::with_capacity(key.len());
     let mut chars = key.chars();

@@ -31,7 +31,7 @@ use std::path::{Path, PathBuf};
 use regex::Regex;
 
 use crate::error::{AdapterError, ModelError};
-use crate::lora::pattern::{PatternKey, PyRegex};
+use crate::lora::pattern::{is_plain, PatternKey, PyRegex};
 use crate::lora::{Proj, MAX_COMPILED_PATTERNS, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
 use crate::model::{Checkpoint, Dtype, TextConfig};
 
@@ -192,6 +192,14 @@ fn pattern_map<T>(
     map.iter().map(|(k, val)| Ok((PatternKey::new(field, k)?, value(field, val)?))).collect()
 }
 
+fn too_many_regexes(found: usize) -> AdapterError {
+    AdapterError::BadConfig {
+        field: "target_modules / exclude_modules / rank_pattern / alpha_pattern / layers_pattern".into(),
+        expected: format!("at most {MAX_COMPILED_PATTERNS} regular expressions (keys that are module names need none)"),
+        found: format!("{found}"),
+    }
+}
+
 impl PeftConfig {
     /// Parse `adapter_config.json`'s JSON. Fields that do not change the math are ignored.
     pub fn from_json(v: &serde_json::Value) -> Result<Self, AdapterError> {
@@ -237,6 +245,22 @@ impl PeftConfig {
             x => Some(alpha_value("lora_alpha", x)?),
         };
         let use_rslora = get("use_rslora").as_bool().unwrap_or(false);
+        // Counted from the JSON before any is compiled (each may take up to 256 KiB).
+        let keys = |f: &str| get(f).as_object().map_or(0, |m| m.keys().filter(|k| !is_plain(k)).count());
+        let string = |f: &str| usize::from(get(f).as_str().is_some_and(|t| t != "all-linear"));
+        let layer_patterns = match get("layers_pattern") {
+            serde_json::Value::String(_) => 1,
+            serde_json::Value::Array(a) => a.len(),
+            _ => 0,
+        };
+        let planned = keys("rank_pattern")
+            + keys("alpha_pattern")
+            + string("target_modules")
+            + string("exclude_modules")
+            + layer_patterns;
+        if planned > MAX_COMPILED_PATTERNS {
+            return Err(too_many_regexes(planned));
+        }
         let rank_pattern = pattern_map("rank_pattern", get("rank_pattern"), rank_value)?;
         let alpha_pattern = pattern_map("alpha_pattern", get("alpha_pattern"), alpha_value)?;
         let targets = Targets::from_json("target_modules", get("target_modules"), true)?;
@@ -263,13 +287,7 @@ impl PeftConfig {
         };
         let compiled = config.regexes().count();
         if compiled > MAX_COMPILED_PATTERNS {
-            return Err(AdapterError::BadConfig {
-                field: "target_modules / exclude_modules / rank_pattern / alpha_pattern / layers_pattern".into(),
-                expected: format!(
-                    "at most {MAX_COMPILED_PATTERNS} regular expressions (keys that are module names need none)"
-                ),
-                found: format!("{compiled}"),
-            });
+            return Err(too_many_regexes(compiled));
         }
         let backtracking = config.regexes().filter(|r| r.backtracks()).count();
         if backtracking > MAX_BACKTRACKING_PATTERNS {

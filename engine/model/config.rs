@@ -240,8 +240,9 @@ impl TextConfig {
             .and_then(|r| r.rope_theta)
             .or(raw.rope_theta)
             .ok_or_else(|| bad("rope_parameters.rope_theta", "a number", "nothing".into()))?;
-        if !(rope_theta.is_finite() && rope_theta > 0.0 && (rope_theta as f32).is_finite()) {
-            return Err(bad("rope_theta", "a finite number > 0", rope_theta.to_string()));
+        // As an f32 it must be a normal number: 1e-300 becomes 0 and makes the RoPE table NaN.
+        if !(rope_theta.is_finite() && rope_theta > 0.0 && (rope_theta as f32).is_normal()) {
+            return Err(bad("rope_theta", "a finite number > 0 that is a normal f32", rope_theta.to_string()));
         }
         let factor = rope.and_then(|r| r.partial_rotary_factor).or(raw.partial_rotary_factor).unwrap_or(0.25);
         // 0 is no rotary dims at all (the kernels run that); NaN fails both comparisons.

@@ -10,7 +10,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
-use super::python::{py_str, strftime, tojson};
+use super::python::{indent, py_str, strftime, tojson};
 use super::TextError;
 
 /// One chat message, as transformers takes it (a dict): `None` fields are left out.
@@ -275,10 +275,16 @@ impl ChatTemplate {
         env.set_fuel(Some(TEMPLATE_FUEL));
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(|out, _state, value| {
-            out.write_str(&py_str(value)).map_err(|_| Error::new(ErrorKind::WriteFailure, "writing the output"))
+            out.write_str(&py_str(value)?).map_err(|_| Error::new(ErrorKind::WriteFailure, "writing the output"))
         });
         env.add_filter("tojson", |value: Value, args: Rest<Value>, kwargs: Kwargs| tojson(&value, &args, kwargs));
         env.add_filter("string", |value: Value| py_str(&value));
+        env.add_filter(
+            "indent",
+            |value: Value, width: Option<usize>, first: Option<bool>, blank: Option<bool>, kwargs: Kwargs| {
+                indent(&value, width, first, blank, kwargs)
+            },
+        );
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });

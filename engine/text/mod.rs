@@ -88,8 +88,18 @@ impl TextTokenizer {
         let path = dir.join("tokenizer.json");
         let json = read("tokenizer.json", MAX_TOKENIZER_BYTES)?
             .ok_or_else(|| TextError::Io { path: path.clone(), message: "no such file".into() })?;
-        let inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
+        let mut inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
             .map_err(|e| TextError::Tokenizer { during: "loading tokenizer.json", message: e.to_string() })?;
+        // Prompts are encoded whole, as transformers' chat path does. A file's truncation or
+        // padding would cut them silently, and tokenizers panics or allocates what they say
+        // (a stride not below max_length, a fixed padding of 10^12).
+        inner
+            .with_truncation(None)
+            .map_err(|e| TextError::Tokenizer { during: "loading tokenizer.json", message: e.to_string() })?;
+        inner.with_padding(None);
+        if let Some(d) = inner.get_decoder() {
+            check_decoder(d)?;
+        }
         let config_path = dir.join("tokenizer_config.json");
         let config: serde_json::Value = match read("tokenizer_config.json", crate::io::MAX_JSON_BYTES)? {
             Some(text) => serde_json::from_str(&text)
@@ -237,5 +247,21 @@ impl TextStream<'_> {
             &mut self.prefix_index,
         )
         .map_err(|e| TextError::Tokenizer { during: "stream decoding", message: e.to_string() })
+    }
+}
+
+/// Refuse decoders tokenizers panics in: `Strip` with `stop` > 0 slices out of range on a token
+/// made only of its character.
+fn check_decoder(d: &tokenizers::DecoderWrapper) -> Result<(), TextError> {
+    match d {
+        tokenizers::DecoderWrapper::Strip(s) if s.stop > 0 => Err(TextError::Tokenizer {
+            during: "loading tokenizer.json",
+            message: format!(
+                "decoder Strip: expected stop 0, found {} (tokenizers panics on a token made only of {:?})",
+                s.stop, s.content
+            ),
+        }),
+        tokenizers::DecoderWrapper::Sequence(seq) => seq.get_decoders().iter().try_for_each(check_decoder),
+        _ => Ok(()),
     }
 }

@@ -89,6 +89,27 @@ struct JsonStyle {
 /// The deepest nesting `tojson` writes (Python's own limit is the interpreter's recursion limit).
 const MAX_JSON_DEPTH: usize = 512;
 
+/// The most text one value may become (`{{ value }}`, `string`, `tojson`, `indent`): a template
+/// that writes a list of 10^12 items, or a list doubled 64 times, gets an error instead of the
+/// memory or the time it asks for. A rendered chat prompt is far smaller.
+pub(crate) const MAX_TEXT_BYTES: usize = 16 << 20;
+
+/// The widest `indent` filter accepted.
+const MAX_INDENT_WIDTH: usize = 1024;
+
+fn too_long(what: &str) -> Error {
+    invalid(format!("{what}: the text would pass {MAX_TEXT_BYTES} bytes"))
+}
+
+/// Append `s` to `out` within [`MAX_TEXT_BYTES`].
+fn push(out: &mut String, s: &str, what: &str) -> Result<(), Error> {
+    if out.len() + s.len() > MAX_TEXT_BYTES {
+        return Err(too_long(what));
+    }
+    out.push_str(s);
+    Ok(())
+}
+
 fn json_key(key: &Value) -> Result<String, Error> {
     Ok(match key.kind() {
         ValueKind::String => key.as_str().unwrap_or_default().to_string(),
@@ -100,42 +121,59 @@ fn json_key(key: &Value) -> Result<String, Error> {
 }
 
 fn json_value(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> Result<(), Error> {
+    const WHAT: &str = "tojson";
     if depth > MAX_JSON_DEPTH {
         return Err(invalid("tojson: value nested too deeply"));
     }
-    let newline = |out: &mut String, level: usize| {
+    if out.len() > MAX_TEXT_BYTES {
+        return Err(too_long(WHAT));
+    }
+    let newline = |out: &mut String, level: usize| -> Result<(), Error> {
         if let Some(indent) = &style.indent {
+            if out.len() + 1 + level * indent.len() > MAX_TEXT_BYTES {
+                return Err(too_long(WHAT));
+            }
             out.push('\n');
             for _ in 0..level {
                 out.push_str(indent);
             }
         }
+        Ok(())
     };
     match v.kind() {
         ValueKind::None => out.push_str("null"),
         ValueKind::Bool => out.push_str(if v.is_true() { "true" } else { "false" }),
         ValueKind::Number => out.push_str(&number_str(v)),
-        ValueKind::String => json_string(out, v.as_str().unwrap_or_default(), style.ensure_ascii),
+        ValueKind::String => {
+            let text = v.as_str().unwrap_or_default();
+            // Escapes take at most 12 bytes a character.
+            if out.len() + text.len() > MAX_TEXT_BYTES {
+                return Err(too_long(WHAT));
+            }
+            json_string(out, text, style.ensure_ascii)
+        }
         ValueKind::Seq | ValueKind::Iterable => {
-            let items: Vec<Value> = v.try_iter()?.collect();
-            if items.is_empty() {
+            // Item by item (never collected: a lazy `[0] * 10**12` reports its whole length).
+            let mut empty = true;
+            for (i, item) in v.try_iter()?.enumerate() {
+                push(out, if i > 0 { &style.item_sep } else { "[" }, WHAT)?;
+                newline(out, depth + 1)?;
+                json_value(out, &item, style, depth + 1)?;
+                empty = false;
+            }
+            if empty {
                 out.push_str("[]");
                 return Ok(());
             }
-            out.push('[');
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    out.push_str(&style.item_sep);
-                }
-                newline(out, depth + 1);
-                json_value(out, item, style, depth + 1)?;
-            }
-            newline(out, depth);
+            newline(out, depth)?;
             out.push(']');
         }
         ValueKind::Map => {
             let mut entries = Vec::new();
             for key in v.try_iter()? {
+                if entries.len() * 2 > MAX_TEXT_BYTES {
+                    return Err(too_long(WHAT));
+                }
                 let item = v.get_item(&key)?;
                 entries.push((json_key(&key)?, item));
             }
@@ -149,14 +187,17 @@ fn json_value(out: &mut String, v: &Value, style: &JsonStyle, depth: usize) -> R
             out.push('{');
             for (i, (key, item)) in entries.iter().enumerate() {
                 if i > 0 {
-                    out.push_str(&style.item_sep);
+                    push(out, &style.item_sep, WHAT)?;
                 }
-                newline(out, depth + 1);
+                newline(out, depth + 1)?;
+                if out.len() + key.len() > MAX_TEXT_BYTES {
+                    return Err(too_long(WHAT));
+                }
                 json_string(out, key, style.ensure_ascii);
-                out.push_str(&style.key_sep);
+                push(out, &style.key_sep, WHAT)?;
                 json_value(out, item, style, depth + 1)?;
             }
-            newline(out, depth);
+            newline(out, depth)?;
             out.push('}');
         }
         other => return Err(invalid(format!("tojson: object of type {other} is not JSON serializable"))),
@@ -232,24 +273,35 @@ fn str_repr(out: &mut String, s: &str) {
     out.push(quote);
 }
 
-fn py_write(out: &mut String, v: &Value, repr: bool, depth: usize) {
+fn py_write(out: &mut String, v: &Value, repr: bool, depth: usize) -> Result<(), Error> {
+    const WHAT: &str = "str()";
+    if out.len() > MAX_TEXT_BYTES {
+        return Err(too_long(WHAT));
+    }
     if depth > MAX_JSON_DEPTH {
         out.push_str("...");
-        return;
+        return Ok(());
     }
     match v.kind() {
         ValueKind::Undefined => {}
         ValueKind::None => out.push_str("None"),
         ValueKind::Bool => out.push_str(if v.is_true() { "True" } else { "False" }),
         ValueKind::Number => out.push_str(&number_str(v)),
-        ValueKind::String if repr => str_repr(out, v.as_str().unwrap_or_default()),
-        ValueKind::Seq => {
+        ValueKind::String if repr => {
+            let text = v.as_str().unwrap_or_default();
+            // Escapes take at most 4 bytes a character.
+            if out.len() + text.len() > MAX_TEXT_BYTES {
+                return Err(too_long(WHAT));
+            }
+            str_repr(out, text)
+        }
+        ValueKind::Seq | ValueKind::Iterable => {
             out.push('[');
             for (i, item) in v.try_iter().into_iter().flatten().enumerate() {
                 if i > 0 {
-                    out.push_str(", ");
+                    push(out, ", ", WHAT)?;
                 }
-                py_write(out, &item, true, depth + 1);
+                py_write(out, &item, true, depth + 1)?;
             }
             out.push(']');
         }
@@ -257,25 +309,93 @@ fn py_write(out: &mut String, v: &Value, repr: bool, depth: usize) {
             out.push('{');
             for (i, key) in v.try_iter().into_iter().flatten().enumerate() {
                 if i > 0 {
-                    out.push_str(", ");
+                    push(out, ", ", WHAT)?;
                 }
-                py_write(out, &key, true, depth + 1);
-                out.push_str(": ");
-                py_write(out, &v.get_item(&key).unwrap_or_default(), true, depth + 1);
+                py_write(out, &key, true, depth + 1)?;
+                push(out, ": ", WHAT)?;
+                py_write(out, &v.get_item(&key).unwrap_or_default(), true, depth + 1)?;
             }
             out.push('}');
         }
-        _ => {
-            let _ = write!(out, "{v}");
+        _ => write!(Bounded(out), "{v}").map_err(|_| too_long(WHAT))?,
+    }
+    Ok(())
+}
+
+/// A `fmt::Write` into a string that fails past [`MAX_TEXT_BYTES`].
+struct Bounded<'a>(&'a mut String);
+
+impl std::fmt::Write for Bounded<'_> {
+    fn write_str(&mut self, s: &str) -> std::fmt::Result {
+        if self.0.len() + s.len() > MAX_TEXT_BYTES {
+            return Err(std::fmt::Error);
         }
+        self.0.push_str(s);
+        Ok(())
     }
 }
 
-/// Python's `str(value)` (the text `{{ value }}` and the `string` filter produce).
-pub(crate) fn py_str(v: &Value) -> String {
+/// Python's `str(value)` (the text `{{ value }}` and the `string` filter produce), within
+/// [`MAX_TEXT_BYTES`].
+pub(crate) fn py_str(v: &Value) -> Result<String, Error> {
     let mut out = String::new();
-    py_write(&mut out, v, false, 0);
-    out
+    py_write(&mut out, v, false, 0)?;
+    Ok(out)
+}
+
+/// Jinja's `indent` filter as minijinja has it (`width` spaces, `first`, `blank`, by position or
+/// keyword), with the width at most [`MAX_INDENT_WIDTH`] and the text within [`MAX_TEXT_BYTES`].
+pub(crate) fn indent(
+    value: &Value,
+    width: Option<usize>,
+    first: Option<bool>,
+    blank: Option<bool>,
+    kwargs: Kwargs,
+) -> Result<String, Error> {
+    let width = match width {
+        Some(w) => w,
+        None => kwargs.get::<Option<usize>>("width")?.unwrap_or(4),
+    };
+    let first = match first {
+        Some(f) => f,
+        None => kwargs.get::<Option<bool>>("first")?.unwrap_or(false),
+    };
+    let blank = match blank {
+        Some(b) => b,
+        None => kwargs.get::<Option<bool>>("blank")?.unwrap_or(false),
+    };
+    kwargs.assert_all_used()?;
+    if width > MAX_INDENT_WIDTH {
+        return Err(invalid(format!("indent: width {width}, more than {MAX_INDENT_WIDTH}")));
+    }
+    let text = py_str(value)?;
+    let strip = |s: &str| -> usize {
+        let s = s.strip_suffix('\n').unwrap_or(s);
+        s.strip_suffix('\r').unwrap_or(s).len()
+    };
+    let input = &text[..strip(&text)];
+    let lines = input.split('\n').count();
+    if input.len() + lines * (width + 1) > MAX_TEXT_BYTES {
+        return Err(too_long("indent"));
+    }
+    let pad = " ".repeat(width);
+    let mut out = String::with_capacity(input.len() + lines * (width + 1));
+    let mut it = input.split('\n');
+    if !first {
+        out.push_str(it.next().unwrap_or_default());
+        out.push('\n');
+    }
+    for line in it {
+        if !line.is_empty() {
+            out.push_str(&pad);
+            out.push_str(line);
+        } else if blank {
+            out.push_str(&pad);
+        }
+        out.push('\n');
+    }
+    out.truncate(strip(&out));
+    Ok(out)
 }
 
 /// Days since 1970-01-01 → (year, month 1–12, day 1–31) in the proleptic Gregorian calendar.
