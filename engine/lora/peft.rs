@@ -572,19 +572,20 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<PathBuf>), AdapterError> {
 /// `limit` bytes, read through a bound so a file that grows while read cannot exceed it.
 pub(crate) fn read_small_text(path: &Path, limit: u64) -> Result<String, AdapterError> {
     let io = |source| AdapterError::Io { path: path.to_path_buf(), source };
-    let meta = std::fs::metadata(path).map_err(io)?;
-    if !meta.is_file() {
-        return Err(AdapterError::NotPeft { path: path.to_path_buf(), reason: "not a regular file".into() });
-    }
+    // Checked before and after opening: a FIFO swapped in between must not block the read.
+    let (file, len) = crate::io::open_regular(path, "adapter config").map_err(|e| match e {
+        crate::error::FileError::Io { source, .. } => io(source),
+        _ => AdapterError::NotPeft { path: path.to_path_buf(), reason: "not a regular file".into() },
+    })?;
     let too_big = |size: u64| AdapterError::NotPeft {
         path: path.to_path_buf(),
         reason: format!("{size} bytes, more than the {limit} a config may have"),
     };
-    if meta.len() > limit {
-        return Err(too_big(meta.len()));
+    if len > limit {
+        return Err(too_big(len));
     }
     let mut text = String::new();
-    std::fs::File::open(path).map_err(io)?.take(limit + 1).read_to_string(&mut text).map_err(io)?;
+    file.take(limit + 1).read_to_string(&mut text).map_err(io)?;
     if text.len() as u64 > limit {
         return Err(too_big(text.len() as u64));
     }
