@@ -16,6 +16,14 @@ fn demo_dir() -> PathBuf {
     root().join("examples/assets/demo")
 }
 
+/// The demo model on the shared context, sessions of `max_context` tokens (8 a step), and its
+/// tokenizer.
+fn demo_model(max_context: usize) -> Option<(std::sync::Arc<qwen35_wgpu::Model>, SessionOptions, TextTokenizer)> {
+    let model = qwen35_wgpu::Model::load(gpu()?, &demo_dir()).expect("demo");
+    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    Some((std::sync::Arc::new(model), SessionOptions { max_context, max_batch: 8 }, tok))
+}
+
 fn backend(cache: bool) -> Option<WgpuBackend> {
     let ctx = gpu()?;
     let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
@@ -175,10 +183,7 @@ fn a_prompt_that_leaves_the_held_tokens_midway_goes_back_to_a_snapshot() {
 
 #[test]
 fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
-    let Some(ctx) = gpu() else { return };
-    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
-    let opts = SessionOptions { max_context: 256, max_batch: 8 };
-    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let Some((model, opts, tok)) = demo_model(256) else { return };
     let turn_start = tok.token_id("<|im_start|>");
     let ids = |text: &str| tok.encode_prompt(text).expect("encode");
     let first = ids("<|im_start|>user\nWhat color is the sky?<|im_end|>\n<|im_start|>assistant\nThe sky");
@@ -206,10 +211,7 @@ fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
 
 #[test]
 fn a_snapshot_restores_only_into_the_session_that_still_holds_its_tokens() {
-    let Some(ctx) = gpu() else { return };
-    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
-    let opts = SessionOptions { max_context: 64, max_batch: 8 };
-    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let Some((model, opts, tok)) = demo_model(64) else { return };
     let ids = tok.encode_prompt("What color is the sky? The sky is blue, and the cat is on the mat.").expect("ids");
     let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
     let mut other = qwen35_wgpu::Session::new(model, opts).expect("session");
@@ -243,10 +245,7 @@ fn a_snapshot_restores_only_into_the_session_that_still_holds_its_tokens() {
 
 #[test]
 fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
-    let Some(ctx) = gpu() else { return };
-    let model = std::sync::Arc::new(qwen35_wgpu::Model::load(ctx, &demo_dir()).expect("demo"));
-    let opts = SessionOptions { max_context: 64, max_batch: 8 };
-    let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
+    let Some((model, opts, tok)) = demo_model(64) else { return };
     let ids = |text: &str| tok.encode_prompt(text).expect("encode");
     let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
     let mut cache = qwen35_wgpu::runtime::PromptCache::default();
