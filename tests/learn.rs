@@ -365,6 +365,16 @@ fn export_writes_what_peft_itself_saves() {
         n
     };
     assert_eq!(names(&o["target_modules"]), names(&t["target_modules"]), "target_modules");
+    // A failed export (the weights' temporary name taken by a directory) writes no file: no
+    // config without its weights, no temporary left.
+    let failed = std::env::temp_dir().join(format!("qwen35-learn-peft-failed-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&failed);
+    std::fs::create_dir_all(failed.join("adapter_model.safetensors.tmp")).expect("blocker");
+    assert!(b.export_trainable_adapter(&failed).is_err(), "the weights cannot be written");
+    let files: Vec<PathBuf> =
+        std::fs::read_dir(&failed).expect("dir").map(|e| e.expect("entry").path()).filter(|p| p.is_file()).collect();
+    assert!(files.is_empty(), "a failed export wrote {files:?}");
+    std::fs::remove_dir_all(&failed).ok();
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -292,6 +292,30 @@ fn tensors_of(path: &std::path::Path) -> std::collections::BTreeMap<String, (Str
         .collect()
 }
 
+/// A source tensor that would land on the name of another one's output (a stray `.scales`
+/// beside a quantized weight) is refused, and nothing is written.
+#[test]
+fn mlx_saves_refuse_colliding_names() {
+    let src = scratch_copy(&fixture_model("mlx_source_bf16"), "mlx-collide");
+    let file = src.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let embed = st.names().into_iter().find(|n| n.ends_with("embed_tokens.weight")).expect("embed").to_string();
+    let stray = embed.replace(".weight", ".scales");
+    let extra = [0u8; 4];
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
+    views.push((stray, safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2], &extra).expect("view")));
+    let out = safetensors::serialize(views, None).expect("serialize");
+    std::fs::write(&file, out).expect("write");
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-collide-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("two tensors on one name").to_string();
+    assert!(e.contains("embed_tokens.scales"), "{e}");
+    assert!(!dir.exists(), "nothing written");
+    std::fs::remove_dir_all(&src).ok();
+}
+
 /// Saving the bf16 source as an MLX directory writes, tensor for tensor, what `mlx_lm.convert`
 /// wrote for it (codes, scales, biases, the +1-shifted norms in bf16, conv weights `[C, K, 1]`),
 /// and the same quantization section; the saved directory loads back and runs like mlx-lm's.

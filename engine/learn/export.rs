@@ -82,10 +82,12 @@ pub(crate) fn export_peft(
         "base_model_name_or_path": null,
         "task_type": null,
     });
+    // Both files are written under temporary names first, then renamed, weights first: a
+    // failed export leaves an earlier one in `dir` whole, never a config without its weights.
     let cfg_path = dir.join("adapter_config.json");
-    let text = serde_json::to_string_pretty(&cfg).map_err(|e| export_err(&cfg_path, e))?;
-    std::fs::write(&cfg_path, text).map_err(|e| export_err(&cfg_path, e))?;
+    let cfg_tmp = dir.join("adapter_config.json.tmp");
     let path = dir.join("adapter_model.safetensors");
+    let tmp = dir.join("adapter_model.safetensors.tmp");
     let views = tensors
         .iter()
         .map(|(k, shape, bytes)| {
@@ -95,5 +97,15 @@ pub(crate) fn export_peft(
         })
         .collect::<Result<Vec<_>, _>>()?;
     let meta = [("format".to_string(), "pt".to_string())].into_iter().collect();
-    safetensors::serialize_to_file(views, Some(meta), &path).map_err(|e| export_err(&path, e))
+    let text = serde_json::to_string_pretty(&cfg).map_err(|e| export_err(&cfg_path, e))?;
+    let written = safetensors::serialize_to_file(views, Some(meta), &tmp)
+        .map_err(|e| export_err(&path, e))
+        .and_then(|()| std::fs::write(&cfg_tmp, text).map_err(|e| export_err(&cfg_path, e)))
+        .and_then(|()| std::fs::rename(&tmp, &path).map_err(|e| export_err(&path, e)))
+        .and_then(|()| std::fs::rename(&cfg_tmp, &cfg_path).map_err(|e| export_err(&cfg_path, e)));
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+        let _ = std::fs::remove_file(&cfg_tmp);
+    }
+    written
 }

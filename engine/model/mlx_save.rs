@@ -157,7 +157,14 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
                 }
             }
         } else if rest.ends_with("conv1d.weight") && entry.shape.len() == 3 {
-            // [C, 1, K] -> [C, K, 1]: the same bytes.
+            // [C, 1, K] -> [C, K, 1]: the same bytes (only with the middle dimension 1).
+            if entry.shape[1] != 1 {
+                return Err(ModelError::ShapeMismatch {
+                    name: name.into(),
+                    expected: vec![entry.shape[0], 1, entry.shape[2]],
+                    found: entry.shape.clone(),
+                });
+            }
             let shape = vec![entry.shape[0], entry.shape[2], entry.shape[1]];
             tensors.push((mlx, st, shape, bytes));
         } else if entry.shape.len() == 1 && (rest == "norm.weight" || OFFSET_NORMS.iter().any(|s| rest.ends_with(s))) {
@@ -182,6 +189,15 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
     }
     obj.insert("quantization".into(), serde_json::Value::Object(section.clone()));
     obj.insert("quantization_config".into(), serde_json::Value::Object(section));
+    // Two source tensors may land on one MLX name (a stray `x.scales` beside a quantized
+    // `x.weight`, or an lm_head under both prefixes): refused, not one silently dropped.
+    let mut seen = std::collections::BTreeSet::new();
+    if let Some((name, ..)) = tensors.iter().find(|t| !seen.insert(t.0.as_str())) {
+        return Err(ModelError::BadSafetensors {
+            path: src.to_path_buf(),
+            message: format!("two tensors would both be written as {name}"),
+        });
+    }
     std::fs::create_dir_all(out).map_err(io(out))?;
     let bytes = tensors.iter().map(|t| t.3.len() as u64).sum();
     let views: BTreeMap<String, TensorView> = tensors
