@@ -213,8 +213,7 @@ impl Trainer {
     /// Sum the gradients of `events` into the gradient buffers (running the frozen forward with
     /// the adapter at `scale`); returns each event's mean response cross-entropy.
     fn accumulate(&mut self, session: &mut Session, events: &[TokenEvent], scale: f32) -> Result<Vec<f32>, LearnError> {
-        let vocab = self.model.config.vocab_size;
-        validate_events(events, vocab, self.max_tokens.min(session.opts.max_context), self.max_rows)?;
+        self.check(session, events, None)?;
         let coefs = self.coefficients(events);
         let previous = session.adapters().to_vec();
         session.set_adapter(Some((self.adapter.clone(), scale)))?;

@@ -150,12 +150,12 @@ pub(crate) enum Atom {
     Lit(char),
 }
 
-/// The atoms of a key made only of `[A-Za-z0-9_]`, `.` and `\.`, or `None`.
 /// Whether `key` is a module name (matched without a regular expression).
 pub(crate) fn is_plain(key: &str) -> bool {
     plain_atoms(key).is_some()
 }
 
+/// The atoms of a key made only of `[A-Za-z0-9_]`, `.` and `\.`, or `None`.
 fn plain_atoms(key: &str) -> Option<Vec<Atom>> {
     let mut atoms = Vec::with_capacity(key.len());
     let mut chars = key.chars();

@@ -25,12 +25,11 @@
 //! [`ParsedAdapter::ignored_count`].
 
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 use regex::Regex;
 
-use crate::error::{AdapterError, ModelError};
+use crate::error::{AdapterError, FileError, ModelError};
 use crate::lora::pattern::{is_plain, PatternKey, PyRegex};
 use crate::lora::{Proj, MAX_COMPILED_PATTERNS, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
 use crate::model::{Checkpoint, Dtype, TextConfig};
@@ -571,25 +570,18 @@ fn locate(path: &Path) -> Result<(PathBuf, Option<PathBuf>), AdapterError> {
 /// Read a small text file an adapter names: a regular file (not a FIFO or a device) of at most
 /// `limit` bytes, read through a bound so a file that grows while read cannot exceed it.
 pub(crate) fn read_small_text(path: &Path, limit: u64) -> Result<String, AdapterError> {
-    let io = |source| AdapterError::Io { path: path.to_path_buf(), source };
-    // Checked before and after opening: a FIFO swapped in between must not block the read.
-    let (file, len) = crate::io::open_regular(path, "adapter config").map_err(|e| match e {
-        crate::error::FileError::Io { source, .. } => io(source),
-        _ => AdapterError::NotPeft { path: path.to_path_buf(), reason: "not a regular file".into() },
-    })?;
-    let too_big = |size: u64| AdapterError::NotPeft {
-        path: path.to_path_buf(),
-        reason: format!("{size} bytes, more than the {limit} a config may have"),
-    };
-    if len > limit {
-        return Err(too_big(len));
-    }
-    let mut text = String::new();
-    file.take(limit + 1).read_to_string(&mut text).map_err(io)?;
-    if text.len() as u64 > limit {
-        return Err(too_big(text.len() as u64));
-    }
-    Ok(text)
+    // Checked as a regular file before and after opening (a FIFO swapped in between must not
+    // block the read), its size before reading and while reading.
+    crate::io::read_bounded_text(path, limit, "adapter config").map_err(|e| match e {
+        FileError::Io { source, .. } => AdapterError::Io { path: path.to_path_buf(), source },
+        FileError::NotRegular { .. } => {
+            AdapterError::NotPeft { path: path.to_path_buf(), reason: "not a regular file".into() }
+        }
+        FileError::TooLarge { size, .. } => AdapterError::NotPeft {
+            path: path.to_path_buf(),
+            reason: format!("{size} bytes, more than the {limit} a config may have"),
+        },
+    })
 }
 
 /// Parse the JSON of an adapter's config file.

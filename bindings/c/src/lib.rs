@@ -217,12 +217,20 @@ fn with_session<T>(
     let e = engine(handle)?;
     let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
     let mut st = lock(&e)?;
-    if session >> SESSION_BITS != handle {
-        return Err(bad_session(handle, session));
-    }
-    let id = *st.sessions.get(&(session & u64::from(u32::MAX))).ok_or_else(|| bad_session(handle, session))?;
+    let (_, id) = st.session(handle, session)?;
     st.backend.select_session(id)?;
     f(&mut st.backend, entry)
+}
+
+impl State {
+    /// The serial and backend session of `session`, a handle of engine `engine`.
+    fn session(&self, engine: qe_engine, session: qe_session) -> Res<(u64, SessionId)> {
+        let serial = session & u64::from(u32::MAX);
+        match self.sessions.get(&serial) {
+            Some(&id) if session >> SESSION_BITS == engine => Ok((serial, id)),
+            _ => Err(bad_session(engine, session)),
+        }
+    }
 }
 
 /// The engine a call runs on and its cancel count when the call was made (before its lock).
@@ -287,9 +295,9 @@ unsafe fn put<T>(out: *mut T, value: T, name: &str) -> Res<()> {
 /// # Safety
 /// As [`put`].
 unsafe fn put_string(out: *mut *mut c_char, s: String, name: &str) -> Res<()> {
-    // A NUL (which a byte-level tokenizer can generate) would end the C string early.
-    let c = CString::new(s.replace('\0', "\u{FFFD}"))
-        .map_err(|e| Fail::arg(format!("{name}: the text holds a NUL byte at {}", e.nul_position())))?;
+    // A NUL (which a byte-level tokenizer can generate) would end the C string early; with none
+    // left, CString::new cannot fail.
+    let c = CString::new(s.replace('\0', "\u{FFFD}")).unwrap_or_default();
     // SAFETY: as the caller's contract.
     unsafe { put(out, c.into_raw(), name) }
 }
@@ -468,11 +476,7 @@ pub extern "C" fn qe_session_free(engine: qe_engine, session: qe_session) -> qe_
     guard(|| {
         let e = self::engine(engine)?;
         let mut st = lock(&e)?;
-        let serial = session & u64::from(u32::MAX);
-        let id = match st.sessions.get(&serial) {
-            Some(&id) if session >> SESSION_BITS == engine => id,
-            _ => return Err(bad_session(engine, session)),
-        };
+        let (serial, id) = st.session(engine, session)?;
         if st.backend.sessions().len() > 1 {
             st.backend.close_session(id)?;
         } else {

@@ -587,20 +587,17 @@ impl Session {
     /// would refuse, checked before anything runs or is reused: an empty prompt, a token
     /// outside the vocabulary, a prompt the context cannot hold, bad sampling parameters.
     pub(crate) fn check_request(&self, prompt: &[u32], params: &GenerateParams) -> Result<(), RunError> {
-        if prompt.is_empty() {
-            return Err(RunError::EmptyInput);
-        }
-        let vocab = self.model.config.vocab_size;
-        if let Some((index, &id)) = prompt.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
-            return Err(RunError::TokenOutOfRange { id, index, vocab });
-        }
-        if prompt.len() > self.opts.max_context {
-            return Err(RunError::ContextFull { needed: prompt.len(), capacity: self.opts.max_context });
-        }
+        self.check_at(prompt, 0)?;
         Sampler::from_params(params).map(|_| ())
     }
 
+    /// What running `ids` from the current position would refuse.
     pub(crate) fn check(&self, ids: &[u32]) -> Result<(), RunError> {
+        self.check_at(ids, self.pos)
+    }
+
+    /// `ids` are not empty, all in the vocabulary, and fit the context from position `at`.
+    fn check_at(&self, ids: &[u32], at: usize) -> Result<(), RunError> {
         if ids.is_empty() {
             return Err(RunError::EmptyInput);
         }
@@ -608,8 +605,8 @@ impl Session {
         if let Some((index, &id)) = ids.iter().enumerate().find(|(_, &id)| id as usize >= vocab) {
             return Err(RunError::TokenOutOfRange { id, index, vocab });
         }
-        if self.pos + ids.len() > self.opts.max_context {
-            return Err(RunError::ContextFull { needed: self.pos + ids.len(), capacity: self.opts.max_context });
+        if at + ids.len() > self.opts.max_context {
+            return Err(RunError::ContextFull { needed: at + ids.len(), capacity: self.opts.max_context });
         }
         Ok(())
     }
