@@ -12,6 +12,7 @@ use qwen35_wgpu::gpu::{
 };
 use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
+use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_tile, matvec_batch_lanes, matvec_lanes, Fuse,
     FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES,
@@ -814,6 +815,75 @@ fn gpu_top_k_matches_a_sort_in_the_samplers_order() {
             }
         }
     }
+}
+
+#[test]
+fn input_gradient_sweep_matches_reference_split_or_whole() {
+    let Some(ctx) = ctx() else { return };
+    let g = ctx.min_workgroups();
+    // (m, n, k, chunk rows, rows used): one 64 x 64 tile over a long reduction (split on any
+    // device), a rank-16 "B" over 3584 outputs, the rows of a middle range across three chunks,
+    // grids at and past lavapipe's minimum (split only on GPUs), a reduction too short to split.
+    let shapes = [
+        (3, 1000, 64, 1000, 0..1000),
+        (7, 3584, 16, 3584, 0..3584),
+        (5, 2000, 40, 700, 100..1900),
+        (70, 600, 130, 600, 0..600),
+        (130, 900, 200, 450, 0..900),
+        (2, 120, 8, 120, 0..120),
+    ];
+    let mut split = Vec::new();
+    for (si, (m, n, k, chunk_rows, rows)) in shapes.into_iter().enumerate() {
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            let seed = 900 + si as u64 * 31 + dtype.row_bytes(1) as u64;
+            let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+            let gw = GpuWeight::upload(&ctx, "w", dtype, n, k, &bytes, (chunk_rows * dtype.row_bytes(k)) as u64)
+                .expect("weight");
+            let chunks = DxWeight::chunks(&gw);
+            // dy: rows of stride rows.len() + 3 from element 2; dx: rows of stride k + 5 from 7.
+            let (dy_stride, dy_offset, dx_stride, dx_offset) = (rows.len() + 3, 2, k + 5, 7);
+            let dy = rand(dy_offset + m * dy_stride, seed + 1, 0.1);
+            let dx0 = rand(dx_offset + m * dx_stride, seed + 2, 1.0);
+            let scale = 0.75;
+            let floats = matmul_dx_scratch(&chunks, rows.clone(), m, g);
+            split.push(floats > 0);
+            for (accumulate, with_scratch) in [(false, true), (true, true), (true, false)] {
+                let (dy_buf, dx_buf) = (upload(&ctx, &dy), upload(&ctx, &dx0));
+                let scratch = upload(&ctx, &vec![f32::NAN; floats.max(1)]);
+                let slices = with_scratch.then_some((&scratch, floats));
+                let io = DxIo {
+                    dy: &dy_buf,
+                    dy_offset,
+                    dy_stride,
+                    m,
+                    dx: &dx_buf,
+                    dx_offset,
+                    dx_stride,
+                    scale,
+                    accumulate,
+                    slices,
+                };
+                run(&ctx, |rec| matmul_dx(rec, &chunks, rows.clone(), &io));
+                let got = read(&ctx, &dx_buf, dx0.len());
+                let mut want = dx0.clone();
+                for r in 0..m {
+                    for c in 0..k {
+                        let sum: f64 = rows
+                            .clone()
+                            .map(|j| dy[dy_offset + r * dy_stride + j - rows.start] as f64 * w[j * k + c] as f64)
+                            .sum();
+                        let o = dx_offset + r * dx_stride + c;
+                        want[o] = (scale as f64 * sum + if accumulate { dx0[o] as f64 } else { 0.0 }) as f32;
+                    }
+                }
+                let what = format!(
+                    "dx {m}x{k} over {rows:?} of {n} ({dtype:?}, acc {accumulate}, scratch {floats} {with_scratch})"
+                );
+                assert_close(&what, &got, &want, KERNEL_ATOL, KERNEL_RTOL);
+            }
+        }
+    }
+    assert!(split.contains(&true) && split.contains(&false), "split and whole reductions both covered: {split:?}");
 }
 
 #[test]

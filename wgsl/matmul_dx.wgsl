@@ -7,6 +7,11 @@
 // w:  one row-chunk of the weight in its checkpoint dtype (the decoder: weights.wgsl), [N, K];
 //     the rows used start at w_row (so one LoRA A of a concatenated group can be selected).
 // dx: f32 [M, K] (row stride dx_stride, starting dx_offset).
+//
+// A short, wide reduction (few tokens and inputs, many outputs: lm_head's vocabulary) gives too
+// few tiles to fill a GPU, so the grid's z splits n into slices of n_span rows: slice z writes its
+// partial product to dx at z * slice_stride (a scratch buffer, never accumulating), and
+// matmul_dx_sum adds the slices into the real dx in a fixed order. Unsplit: n_span = n, one slice.
 
 override ACCUMULATE: bool = false;
 
@@ -21,8 +26,8 @@ struct Params {
     w_row: u32,
     scale: f32,
     q_sb: u32,       // affine weights: the u32 index of the chunk's scales and biases
-    _pad1: u32,
-    _pad2: u32,
+    n_span: u32,     // rows of n one slice (grid z) reduces; matmul_dx_sum: unused
+    slice_stride: u32, // floats between two slices' outputs (matmul_dx) or inputs (matmul_dx_sum)
 }
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -47,15 +52,17 @@ fn matmul_dx(
 ) {
     let row0 = wg.y * TILE;
     let col0 = wg.x * TILE;
+    let n_lo = wg.z * p.n_span;
+    let n_hi = min(p.n, n_lo + p.n_span);
     var acc: array<f32, 16>;
-    for (var n0 = 0u; n0 < p.n; n0 += BN) {
+    for (var n0 = n_lo; n0 < n_hi; n0 += BN) {
         for (var e = 0u; e < 4u; e++) {
             let idx = li + e * 256u;
             // dy tile: 64 rows x 16 n, read along n.
             let r = idx / BN;
             let nn = idx % BN;
             var yv = 0.0;
-            if (row0 + r < p.m && n0 + nn < p.n) {
+            if (row0 + r < p.m && n0 + nn < n_hi) {
                 yv = dy[p.dy_offset + (row0 + r) * p.dy_stride + n0 + nn];
             }
             ys[nn * TILE + r] = yv;
@@ -63,7 +70,7 @@ fn matmul_dx(
             let wn = idx / TILE;
             let c = idx % TILE;
             var wv = 0.0;
-            if (n0 + wn < p.n && col0 + c < p.k) {
+            if (n0 + wn < n_hi && col0 + c < p.k) {
                 wv = weight((p.w_row + n0 + wn) * p.k + col0 + c);
             }
             ws[wn * TILE + c] = wv;
@@ -90,7 +97,7 @@ fn matmul_dx(
         for (var j = 0u; j < 4u; j++) {
             let c = col0 + lid.x * 4u + j;
             if (r < p.m && c < p.k) {
-                let o = p.dx_offset + r * p.dx_stride + c;
+                let o = p.dx_offset + wg.z * p.slice_stride + r * p.dx_stride + c;
                 let v = acc[i * 4u + j] * p.scale;
                 if (ACCUMULATE) {
                     dx[o] = dx[o] + v;
@@ -99,5 +106,25 @@ fn matmul_dx(
                 }
             }
         }
+    }
+}
+
+// dx[m, k] (+)= sum of the p.n slices of a split matmul_dx, bound as dy: slice z holds row r at
+// dy_offset + z * slice_stride + r * k. One invocation per output, slices added in order.
+@compute @workgroup_size(64)
+fn matmul_dx_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
+    let i = gid.x + gid.y * nwg.x * 64u;
+    if (i >= p.m * p.k) {
+        return;
+    }
+    var s = 0.0;
+    for (var z = 0u; z < p.n; z++) {
+        s += dy[p.dy_offset + z * p.slice_stride + i];
+    }
+    let o = p.dx_offset + (i / p.k) * p.dx_stride + i % p.k;
+    if (ACCUMULATE) {
+        dx[o] = dx[o] + s;
+    } else {
+        dx[o] = s;
     }
 }

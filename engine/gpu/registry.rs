@@ -209,8 +209,10 @@ pub enum Kernel {
     StreamRead,
     /// Softmax cross-entropy and its logit gradient, in place.
     CeGrad,
-    /// `dx = dy · W` (the input gradient of a linear layer).
+    /// `dx = dy · W` (the input gradient of a linear layer), whole or one slice of its reduction.
     MatmulDx,
+    /// The sum of a split `MatmulDx`'s slices into dx.
+    MatmulDxSum,
     /// A LoRA weight gradient: a sum of outer products over tokens.
     LoraGrad,
     /// Backward of RMSNorm1p.
@@ -287,7 +289,7 @@ fn matmul_tile_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 40] = [
+pub const KERNELS: [KernelDesc; 41] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -495,6 +497,17 @@ pub const KERNELS: [KernelDesc; 40] = [
         lora: false,
         accumulate: true,
         dtype: true,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::MatmulDxSum,
+        shader: Shader::MatmulDx,
+        entry: "matmul_dx_sum",
+        io: &[R, W],
+        weights: false,
+        lora: false,
+        accumulate: true,
+        dtype: false,
         variants: no_variants,
     },
     KernelDesc {

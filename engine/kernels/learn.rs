@@ -47,7 +47,8 @@ struct DxParams {
     w_row: u32,
     scale: f32,
     q_sb: u32,
-    _pad: [u32; 2],
+    n_span: u32,
+    slice_stride: u32,
 }
 
 /// Where `dx = dy · W` reads and writes.
@@ -70,6 +71,57 @@ pub struct DxIo<'a> {
     pub scale: f32,
     /// Add into dx instead of overwriting it.
     pub accumulate: bool,
+    /// Scratch for the partial products of a split reduction ([`dx_slices`]), with its size in
+    /// floats ([`matmul_dx_scratch`] gives what a weight needs); `None` or too small: unsplit.
+    pub slices: Option<(&'a wgpu::Buffer, usize)>,
+}
+
+/// Outputs `n` a slice of a split [`matmul_dx`] reduces at least: 8 of its 16-deep steps, so the
+/// slices' extra writes and their sum stay small against the reduction.
+pub const DX_MIN_SPAN: usize = 128;
+
+/// Rows of `n` each slice of a `matmul_dx` over `m` tokens, `k` inputs and `n` outputs reduces,
+/// so that its grid of 64 × 64 tiles times slices gives the device `min_groups` workgroups: `n`
+/// (one slice) where the tiles alone do or `n` is too short to split. A multiple of 16 otherwise.
+pub fn dx_span(m: usize, n: usize, k: usize, min_groups: usize) -> usize {
+    let tiles = k.div_ceil(64) * m.div_ceil(64);
+    let slices = min_groups.div_ceil(tiles.max(1)).min(n / DX_MIN_SPAN);
+    if slices < 2 {
+        return n;
+    }
+    n.div_ceil(slices).next_multiple_of(16)
+}
+
+/// Slices of a `matmul_dx` over `n` outputs split into spans of `span`.
+pub fn dx_slices(n: usize, span: usize) -> usize {
+    n.div_ceil(span.max(1))
+}
+
+/// Floats of scratch [`matmul_dx`] splits its reduction into for any token count up to `max_m`
+/// over `rows` of `w`, on a device that wants `min_groups` workgroups (0 where it never splits).
+pub fn matmul_dx_scratch(w: &[DxWeight], rows: Range<usize>, max_m: usize, min_groups: usize) -> usize {
+    (1..=max_m).map(|m| split_plan(w, rows.clone(), m, min_groups).map_or(0, |p| p.floats)).max().unwrap_or(0)
+}
+
+/// The slices of each chunk of a split `matmul_dx` (chunks outside `rows` take none).
+struct SplitPlan {
+    spans: Vec<usize>,
+    floats: usize,
+}
+
+/// How `matmul_dx` splits over `m` tokens, or `None` where no chunk's reduction splits.
+fn split_plan(w: &[DxWeight], rows: Range<usize>, m: usize, min_groups: usize) -> Option<SplitPlan> {
+    let mut spans = Vec::with_capacity(w.len());
+    let (mut slices, mut split) = (0, false);
+    for c in w {
+        let n = rows.end.min(c.row_start + c.rows).saturating_sub(rows.start.max(c.row_start));
+        let span = dx_span(m, n, c.k, min_groups);
+        split |= span < n;
+        slices += if n == 0 { 0 } else { dx_slices(n, span) };
+        spans.push(span);
+    }
+    let k = w.first()?.k;
+    split.then_some(SplitPlan { spans, floats: slices * m * k })
 }
 
 /// A weight matrix `[rows, k]` bound as group 1, for [`matmul_dx`].
@@ -106,33 +158,65 @@ impl<'a> DxWeight<'a> {
 }
 
 /// Record `dx (+)= scale · dy · W[rows]`: the input gradient through the weight rows `rows` (all rows of
-/// a projection, or one projection's A inside a concatenated group), one dispatch per chunk.
+/// a projection, or one projection's A inside a concatenated group), one dispatch per chunk. Where
+/// the tiles alone would leave the device idle ([`dx_span`]) and `io.slices` holds the partial
+/// products, each chunk's reduction is split along `rows` into slices written to the scratch,
+/// and one more dispatch sums them into dx in a fixed order (the same result on every run).
 pub fn matmul_dx(rec: &mut Recorder, w: &[DxWeight], rows: Range<usize>, io: &DxIo) -> Result<(), GpuError> {
+    let min_groups = rec.ctx().min_workgroups();
+    let plan = split_plan(w, rows.clone(), io.m, min_groups);
+    let scratch = match (&plan, io.slices) {
+        (Some(plan), Some((buf, floats))) if plan.floats <= floats => Some((plan, buf)),
+        _ => None,
+    };
     let mut first = true;
-    for c in w {
+    let mut slice0 = 0;
+    for (ci, c) in w.iter().enumerate() {
         let lo = rows.start.max(c.row_start);
         let hi = rows.end.min(c.row_start + c.rows);
         if lo >= hi {
             continue;
         }
+        let n = hi - lo;
+        let (span, out, dx_offset, dx_stride, accumulate) = match scratch {
+            Some((plan, buf)) => (plan.spans[ci], buf, slice0 * io.m * c.k, c.k, false),
+            None => (n, io.dx, io.dx_offset, io.dx_stride, io.accumulate || !first),
+        };
+        let slices = dx_slices(n, span);
         let params = DxParams {
             m: io.m as u32,
-            n: (hi - lo) as u32,
+            n: n as u32,
             k: c.k as u32,
             dy_offset: (io.dy_offset + lo - rows.start) as u32,
             dy_stride: io.dy_stride as u32,
-            dx_offset: io.dx_offset as u32,
-            dx_stride: io.dx_stride as u32,
+            dx_offset: dx_offset as u32,
+            dx_stride: dx_stride as u32,
             w_row: (lo - c.row_start) as u32,
             scale: io.scale,
             q_sb: c.sb,
-            _pad: [0; 2],
+            n_span: span as u32,
+            slice_stride: (io.m * c.k) as u32,
         };
-        let key =
-            PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate: io.accumulate || !first, variant: 0 };
-        let groups = [(c.k as u32).div_ceil(64), (io.m as u32).div_ceil(64), 1];
-        rec.dispatch(key, &params, &[io.dy, io.dx], &[c.bind_group], groups)?;
+        let key = PipelineKey { kernel: Kernel::MatmulDx, dtype: c.dtype, accumulate, variant: 0 };
+        let groups = [(c.k as u32).div_ceil(64), (io.m as u32).div_ceil(64), slices as u32];
+        rec.dispatch(key, &params, &[io.dy, out], &[c.bind_group], groups)?;
         first = false;
+        slice0 += slices;
+    }
+    if let Some((_, buf)) = scratch {
+        let k = w.first().map_or(0, |c| c.k);
+        let params = DxParams {
+            m: io.m as u32,
+            n: slice0 as u32,
+            k: k as u32,
+            dx_offset: io.dx_offset as u32,
+            dx_stride: io.dx_stride as u32,
+            slice_stride: (io.m * k) as u32,
+            ..Default::default()
+        };
+        let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+        let key = PipelineKey { kernel: Kernel::MatmulDxSum, dtype: Dtype::F32, accumulate: io.accumulate, variant: 0 };
+        rec.dispatch(key, &params, &[buf, io.dx], &[], grid_1d(((io.m * k) as u32).div_ceil(64), max))?;
     }
     Ok(())
 }

@@ -4,13 +4,14 @@
 //! the attention and the q/k norm + RoPE, summing the LoRA gradients; one more records clipping and AdamW on every tensor in place, so the next
 //! generation binds the updated weights without any upload.
 
+use std::ops::Range;
 use std::sync::Arc;
 
 use crate::error::{GpuError, LearnError};
 use crate::gpu::{read_f32, GpuContext, IoBindCache, Recorder};
 use crate::kernels::learn::{
-    adamw, attention_bwd, ce_grad, lora_grad, matmul_dx, norm_rope_bwd, rms_norm_bwd, sum_squares, swiglu_bwd,
-    AdamParams, AdamTensor, AttnBwdIo, AttnBwdParams, DxIo, DxWeight, NormRopeBwdParams, View,
+    adamw, attention_bwd, ce_grad, lora_grad, matmul_dx, matmul_dx_scratch, norm_rope_bwd, rms_norm_bwd, sum_squares,
+    swiglu_bwd, AdamParams, AdamTensor, AttnBwdIo, AttnBwdParams, DxIo, DxWeight, NormRopeBwdParams, View,
 };
 use crate::kernels::matmul::{linear, linear_rows, Fuse, LinearIo, LoraExpand, WeightRows};
 use crate::kernels::misc::swiglu;
@@ -64,6 +65,8 @@ struct Buffers {
     du: wgpu::Buffer,
     t: wgpu::Buffer,
     ur: wgpu::Buffer,
+    /// The partial products of split `matmul_dx` reductions, and its size in floats.
+    dx_slices: (wgpu::Buffer, usize),
 }
 
 /// A live adapter being trained.
@@ -167,6 +170,12 @@ impl Trainer {
             du: f("learn du", i)?,
             t: all("learn t", rank)?,
             ur: all("learn ur", rank)?,
+            dx_slices: {
+                let floats = dx_scratch_floats(model, &adapter, layer, max_rows, max_tokens);
+                // A scratch past one binding is not made: matmul_dx then runs every reduction whole.
+                let floats = if (floats * 4) as u64 > ctx.max_binding() { 0 } else { floats };
+                (ctx.storage_buffer("learn dx slices", (floats.max(1) * 4) as u64, true)?, floats)
+            },
         };
         let norms = ctx.storage_buffer("learn norms", (tensors.len() * 4) as u64, true)?;
         // The recorder grows the arena to what a learning step records.
@@ -288,7 +297,7 @@ impl Trainer {
         // and the final norm: dh = ∂L/∂(residual after the last layer).
         linear(&mut rec, model.output(), &lin(r, &b.final_norm, (p - 1) * h, &b.logits, v), None)?;
         ce_grad(&mut rec, &b.logits, &b.rowinfo, &b.loss, r, v)?;
-        matmul_dx(&mut rec, &DxWeight::chunks(model.output()), 0..v, &dx(r, &b.logits, v, &b.dxn, h))?;
+        matmul_dx(&mut rec, &DxWeight::chunks(model.output()), 0..v, &dx(b, r, &b.logits, v, &b.dxn, h))?;
         let eps = c.rms_norm_eps;
         rms_norm_bwd(&mut rec, &model.norm, (&b.hidden, (p - 1) * h), (&b.dxn, 0), (&b.dh, 0), r, h, eps, false)?;
         // MLP recompute from the tapped input: n2, g, u (with the adapter), a = silu(g)·u.
@@ -317,12 +326,12 @@ impl Trainer {
         rec.copy(&b.g, 0, &b.a, 0, (r * i * 4) as u64);
         swiglu(&mut rec, &b.a, &b.u, r * i)?;
         // down_proj: da = dh · W (into du), its LoRA gradients, and da += s · (dh·B) · A.
-        matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.down_proj), 0..h, &dx(r, &b.dh, h, &b.du, i))?;
+        matmul_dx(&mut rec, &DxWeight::chunks(&layer.mlp.down_proj), 0..h, &dx(b, r, &b.dh, h, &b.du, i))?;
         if let Some(g) = adapter.group(*li, InputGroup::MlpOut) {
             linear(&mut rec, &g.a, &lin(r, &b.a, 0, &b.t, g.rank_total), None)?;
             for m in &g.members {
                 grads(&mut rec, g, m, (&b.dh, h), View { buf: &b.a, offset: 0, stride: i })?;
-                let da = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.du, i) };
+                let da = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(b, r, &b.ur, m.rank, &b.du, i) };
                 matmul_dx(&mut rec, &DxWeight::chunks(&g.a), m.t_offset..m.t_offset + m.rank, &da)?;
             }
         }
@@ -334,8 +343,8 @@ impl Trainer {
         let qkv_group = adapter.group(*li, InputGroup::MixerIn);
         let need_mixer = o_group.is_some() || qkv_group.is_some();
         if need_mixer {
-            matmul_dx(&mut rec, &DxWeight::chunks(gate_up), 0..i, &dx(r, &b.a, i, &b.dn2, h))?;
-            let up = DxIo { accumulate: true, ..dx(r, &b.du, i, &b.dn2, h) };
+            matmul_dx(&mut rec, &DxWeight::chunks(gate_up), 0..i, &dx(b, r, &b.a, i, &b.dn2, h))?;
+            let up = DxIo { accumulate: true, ..dx(b, r, &b.du, i, &b.dn2, h) };
             matmul_dx(&mut rec, &DxWeight::chunks(gate_up), i..2 * i, &up)?;
         }
         // gate/up LoRA gradients (t = n2·Aᵀ again: the down shrink reused the buffer).
@@ -345,7 +354,7 @@ impl Trainer {
                 let dy = if m.proj == Proj::GateProj { &b.a } else { &b.du };
                 grads(&mut rec, g, m, (dy, i), View { buf: &b.n2, offset: 0, stride: h })?;
                 if need_mixer {
-                    let dn2 = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.dn2, h) };
+                    let dn2 = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(b, r, &b.ur, m.rank, &b.dn2, h) };
                     matmul_dx(&mut rec, &DxWeight::chunks(&g.a), m.t_offset..m.t_offset + m.rank, &dn2)?;
                 }
             }
@@ -372,9 +381,9 @@ impl Trainer {
             }
         }
         if let Some(g) = qkv_group {
-            matmul_dx(&mut rec, &DxWeight::chunks(&attn_w.o_proj), 0..h, &dx(r, &b.dh, h, &b.dag, attn))?;
+            matmul_dx(&mut rec, &DxWeight::chunks(&attn_w.o_proj), 0..h, &dx(b, r, &b.dh, h, &b.dag, attn))?;
             if let Some((og, m)) = o_group.and_then(|g| g.member(Proj::OProj).map(|m| (g, m))) {
-                let dag = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(r, &b.ur, m.rank, &b.dag, attn) };
+                let dag = DxIo { scale: m.scaling * scale, accumulate: true, ..dx(b, r, &b.ur, m.rank, &b.dag, attn) };
                 matmul_dx(&mut rec, &DxWeight::chunks(&og.a), m.t_offset..m.t_offset + m.rank, &dag)?;
             }
             // Attention backward, then the q/k norm + RoPE backward in place.
@@ -571,8 +580,47 @@ fn lin<'a>(m: usize, x: &'a wgpu::Buffer, x_offset: usize, y: &'a wgpu::Buffer, 
 }
 
 /// `dx = dy · W` over `m` rows, both from element 0.
-fn dx<'a>(m: usize, dy: &'a wgpu::Buffer, dy_stride: usize, dx: &'a wgpu::Buffer, dx_stride: usize) -> DxIo<'a> {
-    DxIo { dy, dy_offset: 0, dy_stride, m, dx, dx_offset: 0, dx_stride, scale: 1.0, accumulate: false }
+fn dx<'a>(
+    b: &'a Buffers,
+    m: usize,
+    dy: &'a wgpu::Buffer,
+    dy_stride: usize,
+    dx: &'a wgpu::Buffer,
+    dx_stride: usize,
+) -> DxIo<'a> {
+    let slices = Some((&b.dx_slices.0, b.dx_slices.1));
+    DxIo { dy, dy_offset: 0, dy_stride, m, dx, dx_offset: 0, dx_stride, scale: 1.0, accumulate: false, slices }
+}
+
+/// Member `m`'s B in its group's B buffer seen as a `[_, rank]` matrix, and the rows it takes.
+fn b_rows<'a>(g: &'a LoraGroup, m: &LoraMember) -> (DxWeight<'a>, Range<usize>) {
+    let b0 = m.b_offset / m.rank;
+    let bw = DxWeight { bind_group: &g.b_bind, dtype: Dtype::F32, row_start: 0, rows: b0 + m.out, k: m.rank, sb: 0 };
+    (bw, b0..b0 + m.out)
+}
+
+/// Floats of scratch the learning step's split `matmul_dx` reductions need: the input gradients
+/// through lm_head and the last layer's projections over up to `max_rows` response rows, and
+/// through each LoRA B over up to `max_tokens` rows (k and v take every key row).
+fn dx_scratch_floats(model: &Model, adapter: &LoraAdapter, li: usize, max_rows: usize, max_tokens: usize) -> usize {
+    let c = &model.config;
+    let g = model.ctx.min_workgroups();
+    let (h, i) = (c.hidden_size, c.intermediate_size);
+    let layer = &model.layers[li];
+    let mut weights = vec![(model.output(), 0..c.vocab_size), (&layer.mlp.down_proj, 0..h)];
+    weights.extend([(&layer.mlp.gate_up, 0..i), (&layer.mlp.gate_up, i..2 * i)]);
+    if let Mixer::Attention(a) = &layer.mixer {
+        weights.push((&a.o_proj, 0..h));
+    }
+    let base = weights.into_iter().map(|(w, rows)| matmul_dx_scratch(&DxWeight::chunks(w), rows, max_rows, g));
+    let groups = [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut];
+    let bs = groups.into_iter().filter_map(|group| adapter.group(li, group)).flat_map(|grp| {
+        grp.members.iter().map(move |m| {
+            let (bw, rows) = b_rows(grp, m);
+            matmul_dx_scratch(&[bw], rows, max_tokens, g)
+        })
+    });
+    base.chain(bs).max().unwrap_or(0)
 }
 
 /// dB = s·dyᵀ·t and dA = s·(dy·B)ᵀ·x over `rows` rows for member `m` of group `g` (its shrink
@@ -596,9 +644,7 @@ fn module_grads(
     let t_view = View { buf: &b.t, offset: t_row0 * g.rank_total + m.t_offset, stride: g.rank_total };
     let gb = View { buf: &tb.grad, offset: 0, stride: m.rank };
     lora_grad(rec, dy_view, t_view, gb, out, m.rank, rows, s, !first)?;
-    // B is rows b_offset / r .. + out of the group's B buffer seen as a [_, r] matrix.
-    let b0 = m.b_offset / m.rank;
-    let bw = DxWeight { bind_group: &g.b_bind, dtype: Dtype::F32, row_start: 0, rows: b0 + out, k: m.rank, sb: 0 };
+    let (bw, b_rows) = b_rows(g, m);
     let io = DxIo {
         dy: dy.0,
         dy_offset: 0,
@@ -609,8 +655,9 @@ fn module_grads(
         dx_stride: m.rank,
         scale: 1.0,
         accumulate: false,
+        slices: Some((&b.dx_slices.0, b.dx_slices.1)),
     };
-    matmul_dx(rec, &[bw], b0..b0 + out, &io)?;
+    matmul_dx(rec, &[bw], b_rows, &io)?;
     let ga = View { buf: &ta.grad, offset: m.t_offset * g.a.cols, stride: g.a.cols };
     let ur = View { buf: &b.ur, offset: 0, stride: m.rank };
     lora_grad(rec, ur, x, ga, m.rank, g.a.cols, rows, s, !first)
