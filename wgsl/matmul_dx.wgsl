@@ -54,6 +54,7 @@ fn matmul_dx(
     let col0 = wg.x * TILE;
     let n_lo = wg.z * p.n_span;
     let n_hi = min(p.n, n_lo + p.n_span);
+    let live = row0 + lid.y * 4u < p.m;
     var acc: array<f32, 16>;
     for (var n0 = n_lo; n0 < n_hi; n0 += BN) {
         for (var e = 0u; e < 4u; e++) {
@@ -76,7 +77,10 @@ fn matmul_dx(
             ws[wn * TILE + c] = wv;
         }
         workgroupBarrier();
-        for (var nn = 0u; nn < BN; nn++) {
+        // The tile's rows past m (a response shorter than the tile) are staged as zeros and never
+        // computed: the condition is the same for the 16 consecutive invocations of a tile row,
+        // so whole subgroups skip their FMAs. No barrier sits under it.
+        for (var nn = 0u; nn < BN && live; nn++) {
             let a = vec4<f32>(
                 ys[nn * TILE + lid.y * 4u], ys[nn * TILE + lid.y * 4u + 1u],
                 ys[nn * TILE + lid.y * 4u + 2u], ys[nn * TILE + lid.y * 4u + 3u]);
