@@ -244,6 +244,25 @@ fn tokenizer_settings_that_would_panic_or_cut_prompts_are_refused_or_ignored() {
     assert!(e.contains("Strip") && e.contains("stop"), "{e}");
     let nested = json!({"type": "Sequence", "decoders": [{"type": "Strip", "content": " ", "start": 0, "stop": 2}]});
     assert!(load(&|t| t["decoder"] = nested.clone()).is_err(), "inside a sequence too");
+    // A Precompiled normalizer (tokenizers' loader expects a well-formed charsmap, an empty one
+    // panics on the first encode) and a pre-tokenizer length of 0 (chunks(0)): refused before
+    // tokenizers reads them, tagged, inside a sequence or untagged.
+    let empty_charsmap = json!({"type": "Precompiled", "precompiled_charsmap": "AAAAAA=="});
+    let bad_charsmap = json!({"type": "Precompiled", "precompiled_charsmap": "not base64"});
+    let sequence = json!({"type": "Sequence", "normalizers": [{"type": "NFC"}, empty_charsmap.clone()]});
+    let untagged = json!({"precompiled_charsmap": "AAAAAA=="});
+    for normalizer in [empty_charsmap, bad_charsmap, sequence, untagged] {
+        let e = load(&|t| t["normalizer"] = normalizer.clone()).err().expect("refused").to_string();
+        assert!(e.contains("Precompiled"), "{normalizer}: {e}");
+    }
+    let fixed = json!({"type": "FixedLength", "length": 0});
+    let nested = json!({"type": "Sequence", "pretokenizers": [{"type": "ByteLevel"}, fixed.clone()]});
+    for pre in [fixed, nested] {
+        let e = load(&|t| t["pre_tokenizer"] = pre.clone()).err().expect("refused").to_string();
+        assert!(e.contains("length"), "{pre}: {e}");
+    }
+    let fixed_ok = load(&|t| t["pre_tokenizer"] = json!({"type": "FixedLength", "length": 4})).expect("length 4 loads");
+    assert!(fixed_ok.encode(text).expect("encodes").len() > 2);
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 

@@ -88,6 +88,7 @@ impl TextTokenizer {
         let path = dir.join("tokenizer.json");
         let json = read("tokenizer.json", MAX_TOKENIZER_BYTES)?
             .ok_or_else(|| TextError::Io { path: path.clone(), message: "no such file".into() })?;
+        screen_stages(&json)?;
         let mut inner = tokenizers::Tokenizer::from_bytes(json.as_bytes())
             .map_err(|e| TextError::Tokenizer { during: "loading tokenizer.json", message: e.to_string() })?;
         // Prompts are encoded whole, as transformers' chat path does. A file's truncation or
@@ -248,6 +249,51 @@ impl TextStream<'_> {
         )
         .map_err(|e| TextError::Tokenizer { during: "stream decoding", message: e.to_string() })
     }
+}
+
+/// The stages of tokenizer.json screened before tokenizers reads the file.
+#[derive(serde::Deserialize)]
+struct Stages {
+    #[serde(default)]
+    normalizer: serde_json::Value,
+    #[serde(default)]
+    pre_tokenizer: serde_json::Value,
+}
+
+/// Refuse normalizers and pre-tokenizers tokenizers panics on, before it reads them: a
+/// `Precompiled` normalizer (its loader `expect`s a well-formed charsmap, and an empty or
+/// inconsistent one indexes out of bounds on the first encode; Qwen's tokenizers normalize by
+/// NFC) and a pre-tokenizer `length` of 0 (`FixedLength` splits with `chunks(0)`). Untagged
+/// stages are screened by their fields, at any depth of a `Sequence`.
+fn screen_stages(json: &str) -> Result<(), TextError> {
+    let refuse = |message: String| TextError::Tokenizer { during: "loading tokenizer.json", message };
+    let stages: Stages = serde_json::from_str(json).map_err(|e| refuse(e.to_string()))?;
+    fn objects<'a>(v: &'a serde_json::Value, out: &mut Vec<&'a serde_json::Map<String, serde_json::Value>>) {
+        match v {
+            serde_json::Value::Object(o) => {
+                out.push(o);
+                o.values().for_each(|v| objects(v, out));
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|v| objects(v, out)),
+            _ => {}
+        }
+    }
+    let mut found = Vec::new();
+    objects(&stages.normalizer, &mut found);
+    if found.iter().any(|o| o.contains_key("precompiled_charsmap") || o.get("type") == Some(&"Precompiled".into())) {
+        return Err(refuse(
+            "normalizer: expected none of type Precompiled, found one (tokenizers panics on a malformed charsmap)"
+                .into(),
+        ));
+    }
+    found.clear();
+    objects(&stages.pre_tokenizer, &mut found);
+    if let Some(len) = found.iter().filter_map(|o| o.get("length")).find(|l| l.as_u64().is_none_or(|l| l == 0)) {
+        return Err(refuse(format!(
+            "pre_tokenizer length: expected a positive integer, found {len} (tokenizers splits by it)"
+        )));
+    }
+    Ok(())
 }
 
 /// Refuse decoders tokenizers panics in: `Strip` with `stop` > 0 slices out of range on a token
