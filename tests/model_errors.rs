@@ -325,6 +325,38 @@ fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field.ends_with("num_bits")), "{e}");
 }
 
+#[test]
+fn compressed_tensors_data_the_kernels_cannot_take_is_refused_by_name() {
+    let Some(ctx) = gpu() else { return };
+    let module = "model.layers.0.mlp.down_proj";
+    let (shape, scale) = (format!("{module}.weight_shape"), format!("{module}.weight_scale"));
+    let load = |tag: &str, edit: &dyn Fn(&mut Tensors)| {
+        Model::load(ctx.clone(), &damaged_model("ct_w4a16_g64", tag, edit)).err().expect("must fail")
+    };
+    // weight_shape is two integers: anything else is refused before its header sizes a read.
+    let e = load("ct-shape-len", &|t| {
+        let s = t.iter_mut().find(|(n, ..)| *n == shape).expect("weight_shape");
+        (s.2, s.3) = (vec![4], vec![0; 32]);
+    });
+    assert!(
+        matches!(&e, ModelError::ShapeMismatch { name, found, .. } if name.contains(&shape) && *found == [4]),
+        "{e}"
+    );
+    let e = load("ct-shape-dtype", &|t| {
+        t.iter_mut().find(|(n, ..)| *n == shape).expect("weight_shape").1 = safetensors::Dtype::F64
+    });
+    assert!(matches!(&e, ModelError::ShapeMismatch { name, .. } if name.contains("F64")), "{e}");
+    // An F16 scale of 10^4 at 4 bits: its bias -8 * 10^4 is past F16's range (infinite).
+    let e = load("ct-scale-f16", &|t| {
+        let s = t.iter_mut().find(|(n, ..)| *n == scale).expect("weight_scale");
+        let mut vals: Vec<f32> = s.3.chunks(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect();
+        vals[3] = 1e4;
+        s.1 = safetensors::Dtype::F16;
+        s.3 = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
+    });
+    assert!(matches!(&e, ModelError::WeightOutOfRange { tensor, index: 3, .. } if *tensor == scale), "{e}");
+}
+
 /// A safetensors file written by hand: the length field, `header` and `data`.
 fn raw_safetensors(len_field: u64, header: &str, data: &[u8]) -> Vec<u8> {
     let mut out = len_field.to_le_bytes().to_vec();

@@ -132,7 +132,13 @@ impl Checkpoint {
         let io = |source| ModelError::Io { path: path.clone(), source };
         let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
-        let mut buf = vec![0u8; (entry.end - entry.begin) as usize];
+        let len = usize::try_from(entry.end - entry.begin).unwrap_or(usize::MAX);
+        // The header sizes this read: a host that cannot hold it is an error, not an abort.
+        let mut buf = Vec::new();
+        buf.try_reserve_exact(len).map_err(|_| {
+            io(std::io::Error::new(std::io::ErrorKind::OutOfMemory, format!("{len} bytes of tensor data")))
+        })?;
+        buf.resize(len, 0);
         f.read_exact(&mut buf).map_err(io)?;
         Ok(buf)
     }

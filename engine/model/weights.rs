@@ -255,6 +255,14 @@ impl Loader<'_> {
         let half = HalfType::from_safetensors(&s.dtype)
             .ok_or_else(|| ModelError::UnsupportedDtype { name: scale_name.clone(), found: s.dtype.clone() })?;
         if let Some(shape) = self.ckpt.get(&format!("{module}.weight_shape")) {
+            // Two integers: checked before reading, since the header sizes the read.
+            if shape.shape != [2] || !matches!(shape.dtype.as_str(), "I32" | "I64") {
+                return Err(ModelError::ShapeMismatch {
+                    name: format!("{module}.weight_shape ({})", shape.dtype),
+                    expected: vec![2],
+                    found: shape.shape.clone(),
+                });
+            }
             let dims = self.ckpt.read(shape)?;
             let want: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
             let want32: Vec<u8> = [rows as i32, cols as i32].iter().flat_map(|d| d.to_le_bytes()).collect();
@@ -275,7 +283,20 @@ impl Loader<'_> {
                 HalfType::BF16 => half::bf16::from_f32(offset * half::bf16::from_bits(v).to_f32()).to_bits(),
                 HalfType::F16 => half::f16::from_f32(offset * half::f16::from_bits(v).to_f32()).to_bits(),
             })
-            .collect();
+            .collect::<Vec<u16>>();
+        // -2^(bits-1) * scale rounds back to the scale's type: an F16 scale above 65504 / 2^(bits-1)
+        // would give an infinite bias, and NaN logits from a model that loaded.
+        let infinite = |b: u16| match half {
+            HalfType::BF16 => !half::bf16::from_bits(b).is_finite(),
+            HalfType::F16 => !half::f16::from_bits(b).is_finite(),
+        };
+        if let Some(index) = biases.iter().position(|&b| infinite(b)) {
+            let max = match half {
+                HalfType::BF16 => half::bf16::MAX.to_f32(),
+                HalfType::F16 => half::f16::MAX.to_f32(),
+            };
+            return Err(ModelError::WeightOutOfRange { tensor: scale_name, index, limit: max / -offset });
+        }
         let format = Affine { bits: spec.bits, group: spec.group, scales: half };
         Ok(Some(MatrixData::Affine(AffineData { format, words, scales, biases })))
     }
