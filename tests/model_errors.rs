@@ -4,7 +4,7 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{damaged_model, fixture_model, gpu, scratch_copy, Tensors};
+use common::{damaged_model, fixture_model, gpu, root, scratch_copy, Tensors};
 use qwen35_wgpu::error::FileError;
 use qwen35_wgpu::model::{Checkpoint, Dtype, Mixer};
 use qwen35_wgpu::{Model, ModelError, TextConfig};
@@ -355,6 +355,45 @@ fn compressed_tensors_data_the_kernels_cannot_take_is_refused_by_name() {
         s.3 = vals.iter().flat_map(|v| half::f16::from_f32(*v).to_le_bytes()).collect();
     });
     assert!(matches!(&e, ModelError::WeightOutOfRange { tensor, index: 3, .. } if *tensor == scale), "{e}");
+}
+
+#[test]
+fn end_of_sequence_ids_are_kept_or_refused_never_dropped() {
+    let Some(ctx) = gpu() else { return };
+    let demo = root().join("examples/assets/demo");
+    let load = |tag: &str, file: &str, eos: serde_json::Value| {
+        let dir = std::env::temp_dir().join(format!("qwen35-test-{tag}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        for f in ["config.json", "generation_config.json", "model.safetensors"] {
+            std::fs::copy(demo.join(f), dir.join(f)).expect("copy");
+        }
+        let path = dir.join(file);
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+        cfg["eos_token_id"] = eos;
+        std::fs::write(&path, cfg.to_string()).expect("write");
+        let result = Model::load(ctx.clone(), &dir).map(|m| m.eos_token_ids.clone());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+        result
+    };
+    // null in generation_config.json is no value: config.json's id stands (it replaced it with none).
+    let gen = "generation_config.json";
+    assert_eq!(load("eos-null", gen, serde_json::Value::Null).expect("loads"), [2]);
+    assert_eq!(load("eos-list", gen, serde_json::json!([2, 7])).expect("loads"), [2, 7]);
+    // A string, a negative or fractional id, or one past the vocabulary (420) is an error naming
+    // the file: dropping it would let every answer run to max_tokens.
+    for (file, eos) in [
+        (gen, serde_json::json!([2, "</s>"])),
+        (gen, serde_json::json!(420)),
+        ("config.json", serde_json::json!(-1)),
+        ("config.json", serde_json::json!(2.5)),
+    ] {
+        let e = load("eos-bad", file, eos.clone()).err().expect("refused");
+        assert!(
+            matches!(&e, ModelError::BadConfig { field, .. } if *field == format!("{file} eos_token_id")),
+            "{file} {eos}: {e}"
+        );
+    }
 }
 
 /// A safetensors file written by hand: the length field, `header` and `data`.

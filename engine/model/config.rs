@@ -305,7 +305,10 @@ impl TextConfig {
             linear_key_dim: raw.linear_key_head_dim,
             linear_value_dim: raw.linear_value_head_dim,
             tie_word_embeddings: top_tie.or(raw.tie_word_embeddings).unwrap_or(false),
-            eos_token_ids: raw.eos_token_id.as_ref().map(parse_ids).unwrap_or_default(),
+            eos_token_ids: match &raw.eos_token_id {
+                Some(v) => parse_ids("config.json", v, raw.vocab_size)?.unwrap_or_default(),
+                None => Vec::new(),
+            },
         };
         let params = config.weight_elements();
         if params.is_none_or(|p| p > MAX_PARAMS) {
@@ -361,13 +364,21 @@ impl TextConfig {
     }
 }
 
-/// An `eos_token_id` value: an integer or a list of integers.
-pub fn parse_ids(v: &serde_json::Value) -> Vec<u32> {
+/// An `eos_token_id` value of `file`: an integer or a list of integers, each below `vocab`;
+/// `null` is no value (`None`). Anything else is an error naming the field: a dropped id would
+/// let generation run past the end of every answer.
+pub fn parse_ids(file: &str, v: &serde_json::Value, vocab: usize) -> Result<Option<Vec<u32>>, ModelError> {
+    let bad = |found: &serde_json::Value| ModelError::BadConfig {
+        field: format!("{file} eos_token_id"),
+        expected: format!("a token id below the vocabulary size {vocab}, or a list of them"),
+        found: found.to_string().chars().take(80).collect(),
+    };
+    let id = |x: &serde_json::Value| {
+        x.as_u64().filter(|&x| x < vocab as u64).and_then(|x| u32::try_from(x).ok()).ok_or_else(|| bad(x))
+    };
     match v {
-        serde_json::Value::Number(n) => n.as_u64().and_then(|x| u32::try_from(x).ok()).into_iter().collect(),
-        serde_json::Value::Array(a) => {
-            a.iter().filter_map(|x| x.as_u64().and_then(|x| u32::try_from(x).ok())).collect()
-        }
-        _ => Vec::new(),
+        serde_json::Value::Null => Ok(None),
+        serde_json::Value::Array(a) => a.iter().map(id).collect::<Result<_, _>>().map(Some),
+        _ => id(v).map(|x| Some(vec![x])),
     }
 }

@@ -417,7 +417,8 @@ impl Model {
             Some(e) if k > 1 => e.shape == [c.conv_dim(), k, 1],
             _ => prefix == "language_model.model.",
         };
-        let eos_token_ids = read_generation_eos(dir)?.unwrap_or_else(|| config.eos_token_ids.clone());
+        let eos_token_ids =
+            read_generation_eos(dir, config.vocab_size)?.unwrap_or_else(|| config.eos_token_ids.clone());
         let l = Loader { ctx: &ctx, ckpt: &ckpt, prefix, mlx, quant: quant.as_ref(), opts };
         let (h, v) = (c.hidden_size, c.vocab_size);
         let embed = l.matrix("embed_tokens.weight", v, h)?;
@@ -520,7 +521,7 @@ impl Model {
     }
 }
 
-fn read_generation_eos(dir: &Path) -> Result<Option<Vec<u32>>, ModelError> {
+fn read_generation_eos(dir: &Path, vocab: usize) -> Result<Option<Vec<u32>>, ModelError> {
     let path = dir.join("generation_config.json");
     if !path.exists() {
         return Ok(None);
@@ -528,5 +529,8 @@ fn read_generation_eos(dir: &Path) -> Result<Option<Vec<u32>>, ModelError> {
     let text = read_bounded_text(&path, MAX_JSON_BYTES, "generation_config.json")?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| ModelError::BadJson { file: path.display().to_string(), message: e.to_string() })?;
-    Ok(json.get("eos_token_id").map(crate::model::config::parse_ids))
+    match json.get("eos_token_id") {
+        Some(v) => crate::model::config::parse_ids("generation_config.json", v, vocab),
+        None => Ok(None),
+    }
 }
