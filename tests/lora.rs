@@ -241,6 +241,41 @@ fn default_adapter_methods_say_not_supported() {
     no_learning(b.export_trainable_adapter(Path::new("x")));
 }
 
+#[test]
+fn a_parsed_adapter_that_does_not_fit_the_model_is_refused_before_upload() {
+    // ParsedAdapter's fields are public: one built by hand, or parsed for another config, is
+    // checked against the model it is uploaded to (a rank-0 delta divided by zero in the upload,
+    // a B of the wrong width was read past its end by the expand).
+    let Some(model) = load_model("gva_tied_f32") else { return };
+    let parsed = qwen35_wgpu::lora::peft::parse(&adapter_path("all12_r8"), &model.config).expect("parse");
+    LoraAdapter::upload(&model, &parsed).expect("the parsed adapter uploads");
+    let attn_layer = model.config.layer_types.iter().position(|t| format!("{t:?}") == "Full").expect("attention");
+    let q = parsed.deltas.iter().position(|d| d.proj == Proj::QProj).expect("a q_proj delta");
+    let edits: [(&str, &dyn Fn(&mut qwen35_wgpu::lora::ParsedAdapter)); 8] = [
+        ("rank 0", &|p| (p.deltas[q].rank, p.deltas[q].a, p.deltas[q].b) = (0, vec![], vec![])),
+        ("short B", &|p| _ = p.deltas[q].b.pop()),
+        ("rank not A's", &|p| p.deltas[q].rank += 1),
+        ("layer past the model", &|p| p.deltas[q].layer = 99),
+        ("q_proj on a GDN layer", &|p| p.deltas[q].layer = (attn_layer + 1) % 4),
+        ("NaN scaling", &|p| p.deltas[q].scaling = f32::NAN),
+        ("infinite weight", &|p| p.deltas[q].a[5] = f32::INFINITY),
+        ("twice", &|p| p.deltas.push(p.deltas[q].clone())),
+    ];
+    for (what, edit) in edits {
+        let mut bad = parsed.clone();
+        edit(&mut bad);
+        let e = LoraAdapter::upload(&model, &bad).err().unwrap_or_else(|| panic!("{what}: uploaded"));
+        let named = match &e {
+            AdapterError::BadConfig { field, .. } => field.contains("q_proj"),
+            AdapterError::LayerOutOfRange { layer: 99, .. } | AdapterError::WrongTarget { .. } => true,
+            AdapterError::WeightTooLarge { key, index: 5, .. } => key.ends_with("q_proj.lora_A"),
+            AdapterError::DuplicateModule { key, .. } => key.contains("q_proj"),
+            _ => false,
+        };
+        assert!(named, "{what}: {e}");
+    }
+}
+
 fn backend() -> Option<WgpuBackend> {
     let ctx = gpu()?;
     let mut b = WgpuBackend::with_context(ctx, opts());

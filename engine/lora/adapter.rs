@@ -14,9 +14,9 @@ use std::sync::{Arc, Weak};
 
 use crate::error::AdapterError;
 use crate::gpu::{read_f32_many, GpuContext, GpuWeight};
-use crate::lora::peft::{parse, ConfigSource, ParsedAdapter};
-use crate::lora::{InputGroup, Proj};
-use crate::model::{Dtype, Model};
+use crate::lora::peft::{parse, ConfigSource, ModuleDelta, ParsedAdapter};
+use crate::lora::{InputGroup, Proj, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
+use crate::model::{Dtype, Model, TextConfig};
 
 /// Rank columns of a projection that come from one adapter of a stack.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -161,6 +161,51 @@ fn upload_group(
     Ok(LoraGroup { a, rank_total, members, b, b_bind })
 }
 
+/// The name a delta's errors give it.
+fn delta_key(d: &ModuleDelta) -> String {
+    format!("layers.{}.{}", d.layer, d.proj.path())
+}
+
+/// Check one delta against the model's config: a layer it has, of the projection's type, a
+/// rank in 1..=MAX_RANK, factors of exactly `[rank, in]` and `[out, rank]`, a finite scaling of
+/// at most MAX_SCALING and finite weights of at most MAX_WEIGHT (the bounds in `crate::lora`).
+fn check_delta(d: &ModuleDelta, c: &TextConfig) -> Result<(), AdapterError> {
+    let key = delta_key(d);
+    let layers = c.num_layers();
+    let Some(&ty) = c.layer_types.get(d.layer) else {
+        return Err(AdapterError::LayerOutOfRange { key, layer: d.layer, layers });
+    };
+    if d.proj.layer_type().is_some_and(|t| t != ty) {
+        let (layer, projection) = (d.layer, d.proj.path().into());
+        return Err(AdapterError::WrongTarget { key, layer, layer_type: format!("{ty:?}"), projection });
+    }
+    let (fan_in, fan_out) = d.proj.dims(c);
+    let fits = (1..=MAX_RANK).contains(&d.rank)
+        && d.rank.checked_mul(fan_in) == Some(d.a.len())
+        && fan_out.checked_mul(d.rank) == Some(d.b.len());
+    if !fits {
+        return Err(AdapterError::BadConfig {
+            field: key,
+            expected: format!("a rank of 1 to {MAX_RANK}, lora_A [rank, {fan_in}] and lora_B [{fan_out}, rank]"),
+            found: format!("rank {}, {} and {} elements", d.rank, d.a.len(), d.b.len()),
+        });
+    }
+    if !(d.scaling.is_finite() && f64::from(d.scaling.abs()) <= MAX_SCALING) {
+        return Err(AdapterError::BadConfig {
+            field: format!("{key} scaling"),
+            expected: format!("a number of magnitude at most {MAX_SCALING}"),
+            found: d.scaling.to_string(),
+        });
+    }
+    for (which, values) in [("lora_A", &d.a), ("lora_B", &d.b)] {
+        if let Some(index) = values.iter().position(|v| !(v.is_finite() && v.abs() <= MAX_WEIGHT)) {
+            let (key, value) = (format!("{key}.{which}"), values[index]);
+            return Err(AdapterError::WeightTooLarge { key, index, value, limit: MAX_WEIGHT });
+        }
+    }
+    Ok(())
+}
+
 const GROUPS: [InputGroup; 4] = [InputGroup::MixerIn, InputGroup::MixerOut, InputGroup::MlpIn, InputGroup::MlpOut];
 
 impl LoraAdapter {
@@ -171,8 +216,18 @@ impl LoraAdapter {
         Self::upload(model, &parsed)
     }
 
-    /// Upload an already parsed adapter.
+    /// Upload an already parsed adapter. Its deltas are checked against `model` first (a
+    /// `ParsedAdapter` may have been built by hand or parsed for another config): nothing is
+    /// uploaded from one that does not fit.
     pub fn upload(model: &Arc<Model>, parsed: &ParsedAdapter) -> Result<Self, AdapterError> {
+        let mut seen = std::collections::BTreeSet::new();
+        for d in &parsed.deltas {
+            check_delta(d, &model.config)?;
+            if !seen.insert((d.layer, d.proj)) {
+                let key = delta_key(d);
+                return Err(AdapterError::DuplicateModule { other: key.clone(), key });
+            }
+        }
         let ctx: &GpuContext = &model.ctx;
         let mut layers: Vec<[Option<LoraGroup>; 4]> =
             (0..model.config.num_layers()).map(|_| Default::default()).collect();
