@@ -375,6 +375,18 @@ fn export_writes_what_peft_itself_saves() {
         std::fs::read_dir(&failed).expect("dir").map(|e| e.expect("entry").path()).filter(|p| p.is_file()).collect();
     assert!(files.is_empty(), "a failed export wrote {files:?}");
     std::fs::remove_dir_all(&failed).ok();
+    // An export whose config cannot be moved into place (a directory holds its name) puts the
+    // earlier weights back: never new weights beside another config, no temporary left.
+    let weights = dir.join("adapter_model.safetensors");
+    std::fs::write(&weights, b"earlier").expect("sentinel");
+    std::fs::remove_file(dir.join("adapter_config.json")).expect("rm config");
+    std::fs::create_dir_all(dir.join("adapter_config.json/blocker")).expect("blocker");
+    assert!(b.export_trainable_adapter(&dir).is_err(), "the config cannot be moved into place");
+    assert!(std::fs::read(&weights).expect("weights") == b"earlier", "the earlier weights are back");
+    let mut left: Vec<String> =
+        std::fs::read_dir(&dir).expect("dir").map(|e| e.expect("entry").file_name().to_string_lossy().into()).collect();
+    left.sort();
+    assert_eq!(left, ["adapter_config.json", "adapter_model.safetensors"], "nothing else left");
     std::fs::remove_dir_all(&dir).ok();
 }
 

@@ -388,7 +388,7 @@ fn end_of_sequence_ids_are_kept_or_refused_never_dropped() {
         ("config.json", serde_json::json!(-1)),
         ("config.json", serde_json::json!(2.5)),
     ] {
-        let e = load("eos-bad", file, eos.clone()).err().expect("refused");
+        let e = load("eos-bad", file, eos.clone()).expect_err("refused");
         assert!(
             matches!(&e, ModelError::BadConfig { field, .. } if *field == format!("{file} eos_token_id")),
             "{file} {eos}: {e}"

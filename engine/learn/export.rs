@@ -20,15 +20,15 @@ fn export_err(path: &Path, message: impl ToString) -> LearnError {
     LearnError::Export { path: path.to_path_buf(), message: message.to_string() }
 }
 
-/// Write `weights` (the adapter's current A and B per module) into `dir` (created if missing).
-/// alpha is written as scaling · r, so every module keeps its exact scaling.
+/// Write `weights` (the adapter's current A and B per module) into `dir` (created if missing,
+/// once the adapter is known to export). alpha is written as scaling · r, so every module keeps
+/// its exact scaling.
 pub(crate) fn export_peft(
     dir: &Path,
     config: &TextConfig,
     adapter: &LoraAdapter,
     weights: &[ModuleGrad],
 ) -> Result<(), LearnError> {
-    std::fs::create_dir_all(dir).map_err(|e| export_err(dir, e))?;
     let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut modules = Vec::new();
     let mut ranks = BTreeMap::new();
@@ -82,7 +82,7 @@ pub(crate) fn export_peft(
         "base_model_name_or_path": null,
         "task_type": null,
     });
-    // Both files are written under temporary names first, then renamed, weights first: a
+    // Both files are written under temporary names first, then moved into place (install): a
     // failed export leaves an earlier one in `dir` whole, never a config without its weights.
     let cfg_path = dir.join("adapter_config.json");
     let cfg_tmp = dir.join("adapter_config.json.tmp");
@@ -98,14 +98,39 @@ pub(crate) fn export_peft(
         .collect::<Result<Vec<_>, _>>()?;
     let meta = [("format".to_string(), "pt".to_string())].into_iter().collect();
     let text = serde_json::to_string_pretty(&cfg).map_err(|e| export_err(&cfg_path, e))?;
+    std::fs::create_dir_all(dir).map_err(|e| export_err(dir, e))?;
     let written = safetensors::serialize_to_file(views, Some(meta), &tmp)
         .map_err(|e| export_err(&path, e))
         .and_then(|()| std::fs::write(&cfg_tmp, text).map_err(|e| export_err(&cfg_path, e)))
-        .and_then(|()| std::fs::rename(&tmp, &path).map_err(|e| export_err(&path, e)))
-        .and_then(|()| std::fs::rename(&cfg_tmp, &cfg_path).map_err(|e| export_err(&cfg_path, e)));
+        .and_then(|()| install((&tmp, &path), (&cfg_tmp, &cfg_path)));
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_file(&cfg_tmp);
     }
     written
+}
+
+/// Move the staged weights, then the staged config, into place. An earlier export's weights
+/// wait under `.old` until the config is in, and go back if either move fails, so `dir` holds
+/// the earlier pair or the new one, never new weights beside an old config.
+fn install((tmp, path): (&Path, &Path), (cfg_tmp, cfg_path): (&Path, &Path)) -> Result<(), LearnError> {
+    let old = path.with_extension("safetensors.old");
+    let had_old = std::fs::symlink_metadata(path).is_ok();
+    if had_old {
+        std::fs::rename(path, &old).map_err(|e| export_err(path, e))?;
+    }
+    let restore = |e: LearnError| {
+        if had_old {
+            let _ = std::fs::rename(&old, path);
+        } else {
+            let _ = std::fs::remove_file(path);
+        }
+        e
+    };
+    std::fs::rename(tmp, path).map_err(|e| restore(export_err(path, e)))?;
+    std::fs::rename(cfg_tmp, cfg_path).map_err(|e| restore(export_err(cfg_path, e)))?;
+    if had_old {
+        let _ = std::fs::remove_file(&old);
+    }
+    Ok(())
 }
