@@ -251,7 +251,8 @@ fn a_parsed_adapter_that_does_not_fit_the_model_is_refused_before_upload() {
     LoraAdapter::upload(&model, &parsed).expect("the parsed adapter uploads");
     let attn_layer = model.config.layer_types.iter().position(|t| format!("{t:?}") == "Full").expect("attention");
     let q = parsed.deltas.iter().position(|d| d.proj == Proj::QProj).expect("a q_proj delta");
-    let edits: [(&str, &dyn Fn(&mut qwen35_wgpu::lora::ParsedAdapter)); 8] = [
+    type Edit<'a> = (&'a str, &'a dyn Fn(&mut qwen35_wgpu::lora::ParsedAdapter));
+    let edits: [Edit; 8] = [
         ("rank 0", &|p| (p.deltas[q].rank, p.deltas[q].a, p.deltas[q].b) = (0, vec![], vec![])),
         ("short B", &|p| _ = p.deltas[q].b.pop()),
         ("rank not A's", &|p| p.deltas[q].rank += 1),
