@@ -217,6 +217,47 @@ fn huge_pattern_maps_are_refused_fast() {
 }
 
 #[test]
+fn an_adapter_past_the_element_bound_is_refused_from_its_header() {
+    // One rank-65,536 gate_proj pair on a model with intermediate_size 40,000: each factor passes
+    // the rank bound, but B alone is 2.6 G elements (10 GiB as f32). The file is sparse: nothing
+    // is read, the header's shapes refuse it.
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture_model("gva_tied_f32").join("config.json")).expect("cfg"))
+            .expect("json");
+    let text = if cfg.get("text_config").is_some() { &mut cfg["text_config"] } else { &mut cfg };
+    text["intermediate_size"] = json!(40_000);
+    let model = TextConfig::from_json(&cfg.to_string()).expect("a wide config");
+    let (r, h, i) = (65_536usize, model.hidden_size, 40_000usize);
+    let dir = scratch("adapter_elements");
+    std::fs::write(dir.join("adapter_config.json"), json!({"r": r, "lora_alpha": r}).to_string()).expect("config");
+    let key = "base_model.model.model.layers.0.mlp.gate_proj";
+    let (a_bytes, b_bytes) = (r * h * 2, i * r * 2);
+    let header = json!({
+        format!("{key}.lora_A.weight"): {"dtype": "BF16", "shape": [r, h], "data_offsets": [0, a_bytes]},
+        format!("{key}.lora_B.weight"): {"dtype": "BF16", "shape": [i, r], "data_offsets": [a_bytes, a_bytes + b_bytes]},
+    });
+    let mut h_bytes = serde_json::to_vec(&header).expect("header");
+    while !h_bytes.len().is_multiple_of(8) {
+        h_bytes.push(b' ');
+    }
+    let path = dir.join("adapter_model.safetensors");
+    let mut bytes = (h_bytes.len() as u64).to_le_bytes().to_vec();
+    bytes.extend(&h_bytes);
+    std::fs::write(&path, &bytes).expect("header");
+    std::fs::File::options()
+        .write(true)
+        .open(&path)
+        .expect("open")
+        .set_len((bytes.len() + a_bytes + b_bytes) as u64)
+        .expect("sparse");
+    let start = Instant::now();
+    let e = peft::parse(&dir, &model).expect_err("2.6 G elements");
+    assert!(matches!(&e, AdapterError::BadConfig { field, .. } if field == "adapter size"), "{e}");
+    assert!(start.elapsed().as_secs_f64() < HOSTILE_INPUT_SECONDS);
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+#[test]
 fn catastrophic_regexes_are_bounded() {
     let model = model();
     let owned = pair(Q3, Proj::QProj, 8, 0.01);

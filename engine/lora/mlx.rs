@@ -12,8 +12,8 @@ use regex::Regex;
 
 use crate::error::AdapterError;
 use crate::lora::peft::{
-    both_keys, check_rank, layer_projection, read_json, read_values, record_pair, ConfigSource, KeyPair, ModuleDelta,
-    ParsedAdapter, PeftConfig,
+    both_keys, check_rank, check_total, layer_projection, read_json, read_values, record_pair, ConfigSource, KeyPair,
+    ModuleDelta, ParsedAdapter, PeftConfig,
 };
 use crate::lora::{Proj, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING};
 use crate::model::{Checkpoint, TextConfig};
@@ -138,6 +138,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         }
         record_pair(&mut pairs, (layer, proj), &cap["module"], usize::from(&cap["ab"] == "b"), key)?;
     }
+    check_total(&ckpt, &pairs)?;
     let mut deltas = Vec::with_capacity(pairs.len());
     for ((layer, proj), (_, [a_key, b_key])) in pairs {
         let (a_key, b_key) = both_keys(a_key, b_key, ["lora_a", "lora_b"])?;

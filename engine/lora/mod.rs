@@ -21,7 +21,7 @@ pub use set::{LayerScales, MAX_SET};
 pub use target::{InputGroup, Proj};
 
 /// Largest LoRA rank accepted (config `r`, `rank_pattern`, metadata, tensor shapes, trainable
-/// adapters): 256× the ranks real adapters use, far below any allocation that could fail.
+/// adapters): 256× the ranks real adapters use; [`MAX_ADAPTER_ELEMENTS`] bounds the whole file.
 pub const MAX_RANK: usize = 1 << 16;
 /// Largest `|alpha / r|` (`|alpha / √r|` with rsLoRA, an MLX `scale`): real adapters use 0.5–16,
 /// 128 at the extreme (alpha 128 at rank 1 with rsLoRA).
@@ -29,6 +29,10 @@ pub const MAX_SCALING: f64 = 1e3;
 /// Largest `|scale|` a session applies an adapter with (1 is the trained strength; ±a few is the
 /// useful range).
 pub const MAX_SCALE: f32 = 1e3;
+/// Most elements over every factor of one adapter, checked from the file's header before any
+/// value is read: 2^31 (8 GiB as f32) holds rank 512 on every projection of a 9B model, while a
+/// header of many rank-65,536 factors would otherwise have the host hold hundreds of GiB.
+pub const MAX_ADAPTER_ELEMENTS: usize = 1 << 31;
 /// Largest `|w|` of a `lora_A` / `lora_B` element: A starts at `1/√in` (Kaiming), B at 0, and
 /// trained factors stay below ~10; 10⁴ refuses 1e38-style values that overflow in the product.
 pub const MAX_WEIGHT: f32 = 1e4;

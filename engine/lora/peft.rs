@@ -31,7 +31,10 @@ use regex::Regex;
 
 use crate::error::{AdapterError, FileError, ModelError};
 use crate::lora::pattern::{is_plain, PatternKey, PyRegex};
-use crate::lora::{Proj, MAX_COMPILED_PATTERNS, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING, MAX_WEIGHT};
+use crate::lora::{
+    Proj, MAX_ADAPTER_ELEMENTS, MAX_COMPILED_PATTERNS, MAX_CONFIG_BYTES, MAX_PATTERN_KEYS, MAX_RANK, MAX_SCALING,
+    MAX_WEIGHT,
+};
 use crate::model::{Checkpoint, Dtype, TextConfig};
 
 /// Where the adapter's rank and alpha came from.
@@ -675,6 +678,23 @@ pub(crate) fn both_keys(
 /// A module's name and its `[lora_A, lora_B]` keys as found.
 pub(crate) type KeyPair = (String, [Option<String>; 2]);
 
+/// Refuse an adapter whose factors hold more than [`MAX_ADAPTER_ELEMENTS`] in all, from the
+/// header's shapes of every key in `pairs`, before any value is read.
+pub(crate) fn check_total(ckpt: &Checkpoint, pairs: &BTreeMap<(usize, Proj), KeyPair>) -> Result<(), AdapterError> {
+    let keys = pairs.values().flat_map(|(_, keys)| keys.iter().flatten());
+    let numel =
+        |k: &String| ckpt.get(k).map_or(Some(0), |e| e.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d)));
+    let total = keys.map(numel).try_fold(0usize, |acc, n| n.and_then(|n| acc.checked_add(n)));
+    if total.is_none_or(|t| t > MAX_ADAPTER_ELEMENTS) {
+        return Err(AdapterError::BadConfig {
+            field: "adapter size".into(),
+            expected: format!("at most {MAX_ADAPTER_ELEMENTS} elements over every lora_A and lora_B"),
+            found: total.map_or("more than 2^64".into(), |t| t.to_string()),
+        });
+    }
+    Ok(())
+}
+
 /// Record `key` (factor `slot`) of `module` for (layer, proj): a second module name for the same
 /// projection (the text-class and the VLM-class prefix both present) is refused, never merged.
 pub(crate) fn record_pair(
@@ -750,6 +770,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         let slot = if &cap["ab"] == "A" { 0 } else { 1 };
         record_pair(&mut pairs, at, module, slot, key)?;
     }
+    check_total(&ckpt, &pairs)?;
     let mut deltas = Vec::with_capacity(pairs.len());
     for ((layer, proj), (module, [a_key, b_key])) in pairs {
         let (a_key, b_key) = both_keys(a_key, b_key, ["lora_A", "lora_B"])?;
