@@ -6,7 +6,7 @@
 
 use std::fs::File;
 use std::io::Read;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::error::FileError;
 
@@ -86,6 +86,37 @@ pub fn read_bounded_text(path: &Path, limit: u64, what: &str) -> Result<String, 
         path: path.to_path_buf(),
         source: std::io::Error::new(std::io::ErrorKind::InvalidData, format!("{what} is not UTF-8: {e}")),
     })
+}
+
+/// Move two staged files into place, `first` then `second` (each a (staged, final) pair). An
+/// earlier `first` waits under `.old` until `second` is in, and goes back if either move fails,
+/// so the directory holds the earlier pair or the new one, never a new file beside an old one.
+/// On error: the path that could not be moved and why (the staged files are the caller's).
+pub(crate) fn install_pair(
+    (tmp, path): (&Path, &Path),
+    (tmp2, path2): (&Path, &Path),
+) -> Result<(), (PathBuf, std::io::Error)> {
+    let mut old = path.as_os_str().to_owned();
+    old.push(".old");
+    let old = PathBuf::from(old);
+    let had_old = std::fs::symlink_metadata(path).is_ok();
+    if had_old {
+        std::fs::rename(path, &old).map_err(|e| (path.to_path_buf(), e))?;
+    }
+    let restore = |failed: &Path, e: std::io::Error| {
+        if had_old {
+            let _ = std::fs::rename(&old, path);
+        } else {
+            let _ = std::fs::remove_file(path);
+        }
+        (failed.to_path_buf(), e)
+    };
+    std::fs::rename(tmp, path).map_err(|e| restore(path, e))?;
+    std::fs::rename(tmp2, path2).map_err(|e| restore(path2, e))?;
+    if had_old {
+        let _ = std::fs::remove_file(&old);
+    }
+    Ok(())
 }
 
 #[cfg(test)]

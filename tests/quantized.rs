@@ -316,6 +316,35 @@ fn mlx_saves_refuse_colliding_names() {
     std::fs::remove_dir_all(&src).ok();
 }
 
+/// A save into a directory whose index would shadow the saved file, or into the source itself,
+/// is refused before anything is written; a save whose config cannot be moved into place (a
+/// directory holds its name) leaves the earlier weights and no temporary behind.
+#[test]
+fn mlx_saves_refuse_shadowed_or_source_outputs_and_leave_earlier_saves_whole() {
+    let src = fixture_model("mlx_source_bf16");
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-save-guard-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::write(dir.join("model.safetensors.index.json"), "{}").expect("index");
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("an index would shadow the save").to_string();
+    assert!(e.contains("shadow"), "{e}");
+    std::fs::remove_file(dir.join("model.safetensors.index.json")).expect("rm index");
+    let copy = scratch_copy(&src, "mlx-save-onto-source");
+    let e = save_mlx(&copy, &copy.join("."), QuantizeRecipe::Q4).expect_err("onto the source").to_string();
+    assert!(e.contains("is the source"), "{e}");
+    std::fs::remove_dir_all(&copy).ok();
+    std::fs::write(dir.join("model.safetensors"), b"earlier").expect("sentinel");
+    std::fs::create_dir_all(dir.join("config.json/blocker")).expect("blocker");
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("the config cannot be moved into place").to_string();
+    assert!(e.contains("config.json"), "{e}");
+    assert!(std::fs::read(dir.join("model.safetensors")).expect("weights") == b"earlier", "earlier weights back");
+    let mut left: Vec<String> =
+        std::fs::read_dir(&dir).expect("dir").map(|e| e.expect("entry").file_name().to_string_lossy().into()).collect();
+    left.sort();
+    assert_eq!(left, ["config.json", "model.safetensors"], "nothing else left");
+    std::fs::remove_dir_all(&dir).ok();
+}
+
 /// Saving the bf16 source as an MLX directory writes, tensor for tensor, what `mlx_lm.convert`
 /// wrote for it (codes, scales, biases, the +1-shifted norms in bf16, conv weights `[C, K, 1]`),
 /// and the same quantization section; the saved directory loads back and runs like mlx-lm's.

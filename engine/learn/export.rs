@@ -82,7 +82,7 @@ pub(crate) fn export_peft(
         "base_model_name_or_path": null,
         "task_type": null,
     });
-    // Both files are written under temporary names first, then moved into place (install): a
+    // Both files are written under temporary names first, then moved into place (`io::install_pair`): a
     // failed export leaves an earlier one in `dir` whole, never a config without its weights.
     let cfg_path = dir.join("adapter_config.json");
     let cfg_tmp = dir.join("adapter_config.json.tmp");
@@ -102,35 +102,12 @@ pub(crate) fn export_peft(
     let written = safetensors::serialize_to_file(views, Some(meta), &tmp)
         .map_err(|e| export_err(&path, e))
         .and_then(|()| std::fs::write(&cfg_tmp, text).map_err(|e| export_err(&cfg_path, e)))
-        .and_then(|()| install((&tmp, &path), (&cfg_tmp, &cfg_path)));
+        .and_then(|()| {
+            crate::io::install_pair((&tmp, &path), (&cfg_tmp, &cfg_path)).map_err(|(p, e)| export_err(&p, e))
+        });
     if written.is_err() {
         let _ = std::fs::remove_file(&tmp);
         let _ = std::fs::remove_file(&cfg_tmp);
     }
     written
-}
-
-/// Move the staged weights, then the staged config, into place. An earlier export's weights
-/// wait under `.old` until the config is in, and go back if either move fails, so `dir` holds
-/// the earlier pair or the new one, never new weights beside an old config.
-fn install((tmp, path): (&Path, &Path), (cfg_tmp, cfg_path): (&Path, &Path)) -> Result<(), LearnError> {
-    let old = path.with_extension("safetensors.old");
-    let had_old = std::fs::symlink_metadata(path).is_ok();
-    if had_old {
-        std::fs::rename(path, &old).map_err(|e| export_err(path, e))?;
-    }
-    let restore = |e: LearnError| {
-        if had_old {
-            let _ = std::fs::rename(&old, path);
-        } else {
-            let _ = std::fs::remove_file(path);
-        }
-        e
-    };
-    std::fs::rename(tmp, path).map_err(|e| restore(export_err(path, e)))?;
-    std::fs::rename(cfg_tmp, cfg_path).map_err(|e| restore(export_err(cfg_path, e)))?;
-    if had_old {
-        let _ = std::fs::remove_file(&old);
-    }
-    Ok(())
 }

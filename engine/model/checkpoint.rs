@@ -59,7 +59,11 @@ impl Checkpoint {
             names.sort();
             names.dedup();
             for n in &names {
-                if n.contains('/') || n.contains('\\') || n.contains("..") {
+                // One plain file name: no separator, no `..`, and (on Windows) no drive or root
+                // that would make `dir.join` leave the model directory.
+                let mut parts = Path::new(n).components();
+                let plain = matches!(parts.next(), Some(std::path::Component::Normal(_))) && parts.next().is_none();
+                if !plain || n.contains('/') || n.contains('\\') || n.contains("..") {
                     return Err(ModelError::BadJson {
                         file: index.display().to_string(),
                         message: format!("shard name {n:?} is not a plain file name"),

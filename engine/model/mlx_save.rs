@@ -198,6 +198,19 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
             message: format!("two tensors would both be written as {name}"),
         });
     }
+    // An index in `out` would shadow the saved file (loaders prefer it), and saving over the
+    // source would destroy it: both refused before anything is written.
+    let index = out.join("model.safetensors.index.json");
+    if std::fs::symlink_metadata(&index).is_ok() {
+        let message = "an index here would shadow the saved model.safetensors (save into another directory)";
+        return Err(ModelError::BadSafetensors { path: index, message: message.into() });
+    }
+    if let (Ok(a), Ok(b)) = (src.canonicalize(), out.canonicalize()) {
+        if a == b {
+            let message = "the output directory is the source (save into another directory)";
+            return Err(ModelError::BadSafetensors { path: out.to_path_buf(), message: message.into() });
+        }
+    }
     std::fs::create_dir_all(out).map_err(io(out))?;
     let bytes = tensors.iter().map(|t| t.3.len() as u64).sum();
     let views: BTreeMap<String, TensorView> = tensors
@@ -209,12 +222,22 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
         })
         .collect::<Result<_, _>>()?;
     let meta = std::collections::HashMap::from([("format".to_string(), "mlx".to_string())]);
-    let file = out.join("model.safetensors");
-    safetensors::serialize_to_file(views, Some(meta), &file)
-        .map_err(|e| ModelError::BadSafetensors { path: file.clone(), message: e.to_string() })?;
-    let cfg = out.join("config.json");
     let pretty = serde_json::to_string_pretty(&top)
         .map_err(|e| ModelError::BadJson { file: "config.json".into(), message: e.to_string() })?;
-    std::fs::write(&cfg, pretty).map_err(io(&cfg))?;
-    Ok(MlxSaveReport { tensors: tensors.len(), quantized, bytes })
+    // Both files are staged under temporary names, then moved into place weights first
+    // (`io::install_pair`): a failed save leaves an earlier one in `out` whole.
+    let (file, file_tmp) = (out.join("model.safetensors"), out.join("model.safetensors.tmp"));
+    let (cfg, cfg_tmp) = (out.join("config.json"), out.join("config.json.tmp"));
+    let written = safetensors::serialize_to_file(views, Some(meta), &file_tmp)
+        .map_err(|e| ModelError::BadSafetensors { path: file.clone(), message: e.to_string() })
+        .and_then(|()| std::fs::write(&cfg_tmp, pretty).map_err(io(&cfg)))
+        .and_then(|()| {
+            crate::io::install_pair((&file_tmp, &file), (&cfg_tmp, &cfg))
+                .map_err(|(path, source)| ModelError::Io { path, source })
+        });
+    if written.is_err() {
+        let _ = std::fs::remove_file(&file_tmp);
+        let _ = std::fs::remove_file(&cfg_tmp);
+    }
+    written.map(|()| MlxSaveReport { tensors: tensors.len(), quantized, bytes })
 }
