@@ -1,7 +1,7 @@
 // dx[m, k] (+)= scale * sum_n dy[m, n] * w[n, k]: the input gradient of nn.Linear (y = x W^T), i.e. the
 // product with W itself rather than W^T. 64x64 output tile (tokens x input features) per
 // workgroup, 4x4 per invocation, reduction over the output features n in steps of 16; both tiles
-// are staged from rows read along their contiguous axis. f32 accumulation.
+// are staged from rows read along their contiguous axis, as vectors of 4. f32 accumulation.
 //
 // dy: f32 [M, *] (row stride dy_stride; this weight chunk's column n starts at dy_offset + n).
 // w:  one row-chunk of the weight in its checkpoint dtype (the decoder: weights.wgsl), [N, K];
@@ -39,10 +39,12 @@ fn weight(idx: u32) -> f32 {
 }
 
 const TILE: u32 = 64u;
+const TILE4: u32 = 16u; // TILE / 4
 const BN: u32 = 16u;
 
-var<workgroup> ys: array<f32, 1024>; // [BN][TILE]: dy, n-major
-var<workgroup> ws: array<f32, 1024>; // [BN][TILE]: w, n-major
+// n-major tiles of four-element vectors, so one K step reads a vector of each per 16 FMAs.
+var<workgroup> ys: array<vec4<f32>, 256>; // [BN][TILE / 4]: dy, 4 consecutive rows a vector
+var<workgroup> ws: array<vec4<f32>, 256>; // [BN][TILE / 4]: w, 4 consecutive columns a vector
 
 @compute @workgroup_size(16, 16)
 fn matmul_dx(
@@ -55,7 +57,7 @@ fn matmul_dx(
     let n_lo = wg.z * p.n_span;
     let n_hi = min(p.n, n_lo + p.n_span);
     let live = row0 + lid.y * 4u < p.m;
-    var acc: array<f32, 16>;
+    var acc: array<vec4<f32>, 4>; // rows lid.y * 4 + i, columns lid.x * 4 .. + 4
     for (var n0 = n_lo; n0 < n_hi; n0 += BN) {
         for (var e = 0u; e < 4u; e++) {
             let idx = li + e * 256u;
@@ -66,7 +68,7 @@ fn matmul_dx(
             if (row0 + r < p.m && n0 + nn < n_hi) {
                 yv = dy[p.dy_offset + (row0 + r) * p.dy_stride + n0 + nn];
             }
-            ys[nn * TILE + r] = yv;
+            ys[nn * TILE4 + (r >> 2u)][r & 3u] = yv;
             // w tile: 16 n x 64 k, read along k.
             let wn = idx / TILE;
             let c = idx % TILE;
@@ -74,25 +76,19 @@ fn matmul_dx(
             if (n0 + wn < n_hi && col0 + c < p.k) {
                 wv = weight((p.w_row + n0 + wn) * p.k + col0 + c);
             }
-            ws[wn * TILE + c] = wv;
+            ws[wn * TILE4 + (c >> 2u)][c & 3u] = wv;
         }
         workgroupBarrier();
         // The tile's rows past m (a response shorter than the tile) are staged as zeros and never
         // computed: the condition is the same for the 16 consecutive invocations of a tile row,
         // so whole subgroups skip their FMAs. No barrier sits under it.
         for (var nn = 0u; nn < BN && live; nn++) {
-            let a = vec4<f32>(
-                ys[nn * TILE + lid.y * 4u], ys[nn * TILE + lid.y * 4u + 1u],
-                ys[nn * TILE + lid.y * 4u + 2u], ys[nn * TILE + lid.y * 4u + 3u]);
-            let b = vec4<f32>(
-                ws[nn * TILE + lid.x * 4u], ws[nn * TILE + lid.x * 4u + 1u],
-                ws[nn * TILE + lid.x * 4u + 2u], ws[nn * TILE + lid.x * 4u + 3u]);
-            for (var i = 0u; i < 4u; i++) {
-                acc[i * 4u] = fma(a[i], b.x, acc[i * 4u]);
-                acc[i * 4u + 1u] = fma(a[i], b.y, acc[i * 4u + 1u]);
-                acc[i * 4u + 2u] = fma(a[i], b.z, acc[i * 4u + 2u]);
-                acc[i * 4u + 3u] = fma(a[i], b.w, acc[i * 4u + 3u]);
-            }
+            let a = ys[nn * TILE4 + lid.y];
+            let b = ws[nn * TILE4 + lid.x];
+            acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
+            acc[1] = fma(vec4<f32>(a.y), b, acc[1]);
+            acc[2] = fma(vec4<f32>(a.z), b, acc[2]);
+            acc[3] = fma(vec4<f32>(a.w), b, acc[3]);
         }
         workgroupBarrier();
     }
@@ -102,7 +98,7 @@ fn matmul_dx(
             let c = col0 + lid.x * 4u + j;
             if (r < p.m && c < p.k) {
                 let o = p.dx_offset + wg.z * p.slice_stride + r * p.dx_stride + c;
-                let v = acc[i * 4u + j] * p.scale;
+                let v = acc[i][j] * p.scale;
                 if (ACCUMULATE) {
                     dx[o] = dx[o] + v;
                 } else {
