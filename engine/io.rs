@@ -90,12 +90,19 @@ pub fn read_bounded_text(path: &Path, limit: u64, what: &str) -> Result<String, 
 
 /// Move two staged files into place, `first` then `second` (each a (staged, final) pair). An
 /// earlier `first` waits under `.old` until `second` is in, and goes back if either move fails,
-/// so the directory holds the earlier pair or the new one, never a new file beside an old one.
+/// so on an error return the directory holds the earlier pair (or none), never a new file beside
+/// an old one. A final path that is not a file (a directory) is refused before anything moves.
 /// On error: the path that could not be moved and why (the staged files are the caller's).
 pub(crate) fn install_pair(
     (tmp, path): (&Path, &Path),
     (tmp2, path2): (&Path, &Path),
 ) -> Result<(), (PathBuf, std::io::Error)> {
+    for p in [path, path2] {
+        if std::fs::symlink_metadata(p).is_ok_and(|m| m.is_dir()) {
+            let e = std::io::Error::new(std::io::ErrorKind::IsADirectory, "a directory holds the name");
+            return Err((p.to_path_buf(), e));
+        }
+    }
     let mut old = path.as_os_str().to_owned();
     old.push(".old");
     let old = PathBuf::from(old);
@@ -104,12 +111,14 @@ pub(crate) fn install_pair(
         std::fs::rename(path, &old).map_err(|e| (path.to_path_buf(), e))?;
     }
     let restore = |failed: &Path, e: std::io::Error| {
-        if had_old {
-            let _ = std::fs::rename(&old, path);
-        } else {
-            let _ = std::fs::remove_file(path);
+        let back = if had_old { std::fs::rename(&old, path) } else { std::fs::remove_file(path) };
+        match back {
+            Ok(()) => (failed.to_path_buf(), e),
+            Err(b) => {
+                let why = format!("{e}; the earlier file could not be put back from {}: {b}", old.display());
+                (failed.to_path_buf(), std::io::Error::new(e.kind(), why))
+            }
         }
-        (failed.to_path_buf(), e)
     };
     std::fs::rename(tmp, path).map_err(|e| restore(path, e))?;
     std::fs::rename(tmp2, path2).map_err(|e| restore(path2, e))?;

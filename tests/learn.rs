@@ -209,6 +209,8 @@ fn hostile_train_specs_and_options_are_refused_at_create_time() {
     for rank in [1usize << 40, usize::MAX, MAX_TRAIN_RANK + 1, 0] {
         refused(&mut b, TrainSpec { rank, ..Default::default() }, "rank");
     }
+    // alpha / rank past the kernels' scaling bound is refused by the field the caller wrote.
+    refused(&mut b, TrainSpec { rank: 1, alpha: 2000.0, ..Default::default() }, "alpha");
     assert!(b.list_adapters().expect("list").is_empty(), "a refused spec leaves nothing resident");
 
     b.create_trainable_adapter(&TrainSpec::default()).expect("create");

@@ -345,7 +345,12 @@ fn compressed_tensors_data_the_kernels_cannot_take_is_refused_by_name() {
     let e = load("ct-shape-dtype", &|t| {
         t.iter_mut().find(|(n, ..)| *n == shape).expect("weight_shape").1 = safetensors::Dtype::F64
     });
-    assert!(matches!(&e, ModelError::ShapeMismatch { name, .. } if name.contains("F64")), "{e}");
+    assert!(matches!(&e, ModelError::UnsupportedDtype { name, found } if *name == shape && found == "F64"), "{e}");
+    let e = load("ct-shape-values", &|t| {
+        t.iter_mut().find(|(n, ..)| *n == shape).expect("weight_shape").3 =
+            [64i64, 65].iter().flat_map(|d| d.to_le_bytes()).collect()
+    });
+    assert!(matches!(&e, ModelError::ShapeMismatch { found, .. } if *found == [64, 65]), "{e}");
     // An F16 scale of 10^4 at 4 bits: its bias -8 * 10^4 is past F16's range (infinite).
     let e = load("ct-scale-f16", &|t| {
         let s = t.iter_mut().find(|(n, ..)| *n == scale).expect("weight_scale");

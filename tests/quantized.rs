@@ -333,6 +333,13 @@ fn mlx_saves_refuse_shadowed_or_source_outputs_and_leave_earlier_saves_whole() {
     let e = save_mlx(&copy, &copy.join("."), QuantizeRecipe::Q4).expect_err("onto the source").to_string();
     assert!(e.contains("is the source"), "{e}");
     std::fs::remove_dir_all(&copy).ok();
+    std::fs::create_dir_all(dir.join("model.safetensors/inner")).expect("a directory in the way");
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("a directory holds the name").to_string();
+    assert!(e.contains("directory"), "{e}");
+    assert!(dir.join("model.safetensors/inner").is_dir(), "the directory is left as it was");
+    std::fs::remove_dir_all(dir.join("model.safetensors")).expect("rm");
+    let stray: Vec<_> = std::fs::read_dir(&dir).expect("dir").collect();
+    assert!(stray.is_empty(), "a refused save leaves nothing: {stray:?}");
     std::fs::write(dir.join("model.safetensors"), b"earlier").expect("sentinel");
     std::fs::create_dir_all(dir.join("config.json/blocker")).expect("blocker");
     let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("the config cannot be moved into place").to_string();

@@ -81,14 +81,17 @@ fn matmul_dx(
         workgroupBarrier();
         // The tile's rows past m (a response shorter than the tile) are staged as zeros and never
         // computed: the condition is the same for the 16 consecutive invocations of a tile row,
-        // so whole subgroups skip their FMAs. No barrier sits under it.
-        for (var nn = 0u; nn < BN && live; nn++) {
-            let a = ys[nn * TILE4 + lid.y];
-            let b = ws[nn * TILE4 + lid.x];
-            acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
-            acc[1] = fma(vec4<f32>(a.y), b, acc[1]);
-            acc[2] = fma(vec4<f32>(a.z), b, acc[2]);
-            acc[3] = fma(vec4<f32>(a.w), b, acc[3]);
+        // so whole subgroups skip their FMAs. No barrier sits under it, and control flow rejoins
+        // before the next (a loop leaving on `live` would make the barriers non-uniform).
+        if (live) {
+            for (var nn = 0u; nn < BN; nn++) {
+                let a = ys[nn * TILE4 + lid.y];
+                let b = ws[nn * TILE4 + lid.x];
+                acc[0] = fma(vec4<f32>(a.x), b, acc[0]);
+                acc[1] = fma(vec4<f32>(a.y), b, acc[1]);
+                acc[2] = fma(vec4<f32>(a.z), b, acc[2]);
+                acc[3] = fma(vec4<f32>(a.w), b, acc[3]);
+            }
         }
         workgroupBarrier();
     }

@@ -25,7 +25,7 @@ pub(crate) use trainer::Trainer;
 use std::path::PathBuf;
 
 use crate::error::LearnError;
-use crate::lora::{ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig, Proj};
+use crate::lora::{ConfigSource, ModuleDelta, ParsedAdapter, PeftConfig, Proj, MAX_SCALING};
 use crate::model::TextConfig;
 use crate::runtime::SplitMix64;
 
@@ -291,6 +291,9 @@ pub(crate) fn init_adapter(config: &TextConfig, spec: &TrainSpec) -> Result<Pars
     }
     if !(spec.alpha.is_finite() && spec.alpha > 0.0) {
         return Err(bad("alpha", "a finite number > 0", spec.alpha));
+    }
+    if f64::from(spec.alpha) / spec.rank as f64 > MAX_SCALING {
+        return Err(bad("alpha", &format!("alpha / rank ({}) of at most {MAX_SCALING}", spec.rank), spec.alpha));
     }
     if spec.targets.is_empty() {
         return Err(bad("targets", "at least one projection", "none"));

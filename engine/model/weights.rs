@@ -255,23 +255,32 @@ impl Loader<'_> {
         let half = HalfType::from_safetensors(&s.dtype)
             .ok_or_else(|| ModelError::UnsupportedDtype { name: scale_name.clone(), found: s.dtype.clone() })?;
         if let Some(shape) = self.ckpt.get(&format!("{module}.weight_shape")) {
-            // Two integers: checked before reading, since the header sizes the read.
-            if shape.shape != [2] || !matches!(shape.dtype.as_str(), "I32" | "I64") {
-                return Err(ModelError::ShapeMismatch {
-                    name: format!("{module}.weight_shape ({})", shape.dtype),
-                    expected: vec![2],
-                    found: shape.shape.clone(),
-                });
+            // Two integers: checked before reading, since the header sizes the read. A negative
+            // dimension is reported as 0.
+            let name = format!("{module}.weight_shape");
+            let clamp = |d: i128| usize::try_from(d).unwrap_or(0);
+            if !matches!(shape.dtype.as_str(), "I32" | "I64") {
+                return Err(ModelError::UnsupportedDtype { name, found: shape.dtype.clone() });
+            }
+            if shape.shape != [2] {
+                return Err(ModelError::ShapeMismatch { name, expected: vec![2], found: shape.shape.clone() });
             }
             let dims = self.ckpt.read(shape)?;
             let want: Vec<u8> = [rows as i64, cols as i64].iter().flat_map(|d| d.to_le_bytes()).collect();
             let want32: Vec<u8> = [rows as i32, cols as i32].iter().flat_map(|d| d.to_le_bytes()).collect();
             if dims != want && dims != want32 {
-                return Err(ModelError::ShapeMismatch {
-                    name: format!("{module}.weight_shape"),
-                    expected: vec![rows, cols],
-                    found: vec![dims.len()],
-                });
+                let found: Vec<usize> = if shape.dtype == "I64" {
+                    dims.chunks_exact(8)
+                        .map(|b| i64::from_le_bytes(b.try_into().unwrap_or([0; 8])) as i128)
+                        .map(clamp)
+                        .collect()
+                } else {
+                    dims.chunks_exact(4)
+                        .map(|b| i32::from_le_bytes(b.try_into().unwrap_or([0; 4])) as i128)
+                        .map(clamp)
+                        .collect()
+                };
+                return Err(ModelError::ShapeMismatch { name, expected: vec![rows, cols], found });
             }
         }
         let words: Vec<u32> = bytemuck::pod_collect_to_vec(&self.ckpt.read(w)?);
