@@ -962,7 +962,8 @@ fn gated_delta_net_matches_reference_across_steps() {
         cpu::GdnDims { hk: 1, hv: 1, dk: 130, dv: 20 },
         cpu::GdnDims { hk: 1, hv: 2, dk: 128, dv: 128 },
     ];
-    // Steps of 5, 1 and 70 tokens: the last crosses the kernel's 64-token blocks of gates.
+    // Steps of 5, 1, 70 and 130 tokens: 70 crosses the kernel's 64-token blocks of gates, 130
+    // comes back to the first half of their double buffer.
     for (di, d) in dims.iter().enumerate() {
         for k in [2usize, 4] {
             let c = 2 * d.hk * d.dk + d.hv * d.dv;
@@ -976,7 +977,7 @@ fn gated_delta_net_matches_reference_across_steps() {
             let state = [upload(&ctx, &vec![0.0; d.hv * d.dk * d.dv]), upload(&ctx, &vec![9.0; d.hv * d.dk * d.dv])];
             let mut cpu_conv = vec![0.0; c * (k - 1)];
             let mut cpu_state = vec![0.0; d.hv * d.dk * d.dv];
-            for (step, t) in [5usize, 1, 70].into_iter().enumerate() {
+            for (step, t) in [5usize, 1, 70, 130].into_iter().enumerate() {
                 let seed = 100 + step as u64 * 7 + di as u64;
                 let mixed = rand(t * c, seed, 2.0);
                 let b = rand(t * d.hv, seed + 1, 3.0);

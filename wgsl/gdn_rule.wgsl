@@ -9,11 +9,14 @@
 // state once (the session's other buffer, so a discarded step leaves the state it started from).
 // A workgroup owns BV columns of one head's S; its invocations split the Dk rows into slices of
 // RPI rows, invocation (slice r, column j) holding S[r*RPI .. r*RPI + RPI, j]. Per token each
-// invocation sums its rows' S^T k (and the slice's q.q, k.k); after a barrier every invocation of
-// a column adds up the slices' partials, so mem_j = decay kn (S^T k)_j, and updates its rows;
-// the slices' sums of S'^T q meet after a second barrier (o from the updated state, as the
-// reference computes it). The head's beta and decay are found once per token, WG tokens at a
-// time into workgroup memory.
+// invocation sums its rows' S^T k and S^T q (and the slice's q.q, k.k, k.q) from the state before
+// the update; after one barrier every invocation of a column adds up the slices' partials, so
+// mem_j = decay kn (S^T k)_j, and updates its rows. The output needs no second meeting:
+//   o_j = sum_i S'_ij q_i = decay (S^T q)_j + kn delta_j (k.q),
+// the same sum as S'^T q regrouped. One barrier per token: the partials and the gates are
+// double-buffered (token t writes buffer t % 2, and a buffer is written again only after the
+// next token's barrier, which every reader of the earlier token has passed). The head's beta and
+// decay are found once per token, WG tokens at a time into workgroup memory.
 
 struct Params {
     t: u32,
@@ -42,9 +45,9 @@ const RPI: u32 = 32u; // state rows per invocation; Dk <= WG * RPI (the host che
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-var<workgroup> part: array<vec4<f32>, WG>; // (S^T k of (slice, column), the slice's q.q, k.k, -)
-var<workgroup> outs: array<f32, WG>;        // S'^T q of (slice, column)
-var<workgroup> gates: array<vec2<f32>, WG>; // (beta, decay) of the tokens t0 .. t0 + WG
+var<workgroup> part: array<vec4<f32>, 2u * WG>; // 2 x WG: (S^T k, S^T q of (slice, column), q.q, k.k)
+var<workgroup> part_kq: array<f32, 2u * WG>;    // 2 x WG: the slice's k.q
+var<workgroup> gates: array<vec2<f32>, 2u * WG>; // 2 x WG: (beta, decay) of the tokens of a block of WG
 
 // Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
 @compute @workgroup_size(64)
@@ -68,7 +71,6 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
 
     var s: array<f32, RPI>;
     var kv: array<f32, RPI>;
-    var qv: array<f32, RPI>;
     for (var i = 0u; i < RPI; i++) {
         s[i] = 0.0;
         if (i < rows) {
@@ -76,59 +78,59 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
     }
     for (var t = 0u; t < p.t; t++) {
-        // Every WG tokens, invocation li finds token t + li's beta and decay once for the head.
-        // They are read after this token's first barrier, and the previous block's last reads
-        // came before the previous token's second one, so no barrier of their own is needed.
+        // Every WG tokens, invocation li finds token t + li's beta and decay once for the head,
+        // into the block's half of gates (read after this token's barrier).
+        let gate_half = ((t / WG) % 2u) * WG;
         if (t % WG == 0u) {
             let tg = t + li;
             if (tg < p.t) {
                 let beta = sigmoid(b[tg * p.hv + h]);
-                gates[li] = vec2<f32>(beta, exp(-a_scale * softplus(a[tg * p.hv + h] + dt_bias)));
+                gates[gate_half + li] = vec2<f32>(beta, exp(-a_scale * softplus(a[tg * p.hv + h] + dt_bias)));
             }
         }
         let qb = t * p.c + kh * p.dk + i0;
         let kb = qb + kd;
         var sk = 0.0;
+        var sq = 0.0;
         var qq = 0.0;
         var kk = 0.0;
+        var kq = 0.0;
         // Rows past the slice read whatever follows (WGSL bounds every access) and count as
         // zero, so every invocation runs the same loops, with no branch inside.
         for (var i = 0u; i < RPI; i++) {
             let qi = select(0.0, y[qb + i], i < rows);
             let ki = select(0.0, y[kb + i], i < rows);
-            qv[i] = qi;
             kv[i] = ki;
             sk = fma(s[i], ki, sk);
+            sq = fma(s[i], qi, sq);
             qq = fma(qi, qi, qq);
             kk = fma(ki, ki, kk);
+            kq = fma(ki, qi, kq);
         }
-        part[li] = vec4<f32>(sk, qq, kk, 0.0);
+        let half = (t % 2u) * WG;
+        part[half + li] = vec4<f32>(sk, sq, qq, kk);
+        part_kq[half + li] = kq;
         workgroupBarrier();
-        var sums = vec3<f32>(0.0);
+        var sums = vec4<f32>(0.0);
+        var kq_sum = 0.0;
         for (var rr = 0u; rr < slices; rr++) {
-            sums += part[rr * bv + jl].xyz;
+            sums += part[half + rr * bv + jl];
+            kq_sum += part_kq[half + rr * bv + jl];
         }
-        let kn = inverseSqrt(sums.z + 1e-6);
-        let g = gates[t % WG];
+        let kn = inverseSqrt(sums.w + 1e-6);
+        let g = gates[gate_half + t % WG];
         var v = 0.0;
         if (live) {
             v = y[t * p.c + 2u * kd + h * p.dv + j];
         }
         let delta = g.x * (v - g.y * kn * sums.x);
         let kd_delta = kn * delta;
-        var o = 0.0;
         for (var i = 0u; i < RPI; i++) {
             s[i] = fma(kv[i], kd_delta, s[i] * g.y);
-            o = fma(s[i], qv[i], o);
         }
-        outs[li] = o;
-        workgroupBarrier();
         if (live && r == 0u) {
-            o = 0.0;
-            for (var rr = 0u; rr < slices; rr++) {
-                o += outs[rr * bv + jl];
-            }
-            core[t * vd + h * p.dv + j] = o * inverseSqrt(sums.y + 1e-6) * q_scale;
+            let o = fma(g.y, sums.y, kd_delta * kq_sum);
+            core[t * vd + h * p.dv + j] = o * inverseSqrt(sums.z + 1e-6) * q_scale;
         }
     }
     for (var i = 0u; i < RPI; i++) {
