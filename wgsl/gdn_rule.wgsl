@@ -9,14 +9,14 @@
 // state once (the session's other buffer, so a discarded step leaves the state it started from).
 // A workgroup owns BV columns of one head's S; its invocations split the Dk rows into slices of
 // RPI rows, invocation (slice r, column j) holding S[r*RPI .. r*RPI + RPI, j]. Per token each
-// invocation sums its rows' S^T k and S^T q (and the slice's q.q, k.k, k.q) from the state before
-// the update; after one barrier every invocation of a column adds up the slices' partials, so
-// mem_j = decay kn (S^T k)_j, and updates its rows. The output needs no second meeting:
-//   o_j = sum_i S'_ij q_i = decay (S^T q)_j + kn delta_j (k.q),
-// the same sum as S'^T q regrouped. One barrier per token: the partials and the gates are
-// double-buffered (token t writes buffer t % 2, and a buffer is written again only after the
-// next token's barrier, which every reader of the earlier token has passed). The head's beta and
-// decay are found once per token, WG tokens at a time into workgroup memory.
+// invocation sums its rows' S^T k (and the slice's q.q, k.k); after a barrier every invocation of
+// a column adds up the slices' partials, so mem_j = decay kn (S^T k)_j, updates its rows and sums
+// their S'^T q (o from the updated state, as the reference computes it). One barrier per token:
+// the slices' S'^T q partials of token t are added up after token t + 1's barrier (the last
+// token's after one more), and the partials, outputs and gates are double-buffered (token t
+// writes half t % 2, which is written again only after token t + 1's barrier, and every reader
+// of token t has passed it by then). The head's beta and decay are found once per token, WG
+// tokens at a time into workgroup memory.
 
 struct Params {
     t: u32,
@@ -45,8 +45,8 @@ const RPI: u32 = 32u; // state rows per invocation; Dk <= WG * RPI (the host che
 @group(0) @binding(6) var<storage, read_write> state: array<f32>;
 @group(1) @binding(0) var<storage, read> gate_p: array<f32>;
 
-var<workgroup> part: array<vec4<f32>, 2u * WG>; // 2 x WG: (S^T k, S^T q of (slice, column), q.q, k.k)
-var<workgroup> part_kq: array<f32, 2u * WG>;    // 2 x WG: the slice's k.q
+var<workgroup> part: array<vec4<f32>, 2u * WG>; // 2 x WG: (S^T k of (slice, column), the slice's q.q, k.k, -)
+var<workgroup> outs: array<f32, 2u * WG>;        // 2 x WG: S'^T q of (slice, column)
 var<workgroup> gates: array<vec2<f32>, 2u * WG>; // 2 x WG: (beta, decay) of the tokens of a block of WG
 
 // Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
@@ -71,12 +71,14 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
 
     var s: array<f32, RPI>;
     var kv: array<f32, RPI>;
+    var qv: array<f32, RPI>;
     for (var i = 0u; i < RPI; i++) {
         s[i] = 0.0;
         if (i < rows) {
             s[i] = state_in[sb + (i0 + i) * p.dv];
         }
     }
+    var q_norm = 0.0; // the previous token's rsqrt(q.q + eps) * Dk^-0.5
     for (var t = 0u; t < p.t; t++) {
         // Every WG tokens, invocation li finds token t + li's beta and decay once for the head,
         // into the block's half of gates (read after this token's barrier).
@@ -91,33 +93,35 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         let qb = t * p.c + kh * p.dk + i0;
         let kb = qb + kd;
         var sk = 0.0;
-        var sq = 0.0;
         var qq = 0.0;
         var kk = 0.0;
-        var kq = 0.0;
         // Rows past the slice read whatever follows (WGSL bounds every access) and count as
         // zero, so every invocation runs the same loops, with no branch inside.
         for (var i = 0u; i < RPI; i++) {
             let qi = select(0.0, y[qb + i], i < rows);
             let ki = select(0.0, y[kb + i], i < rows);
+            qv[i] = qi;
             kv[i] = ki;
             sk = fma(s[i], ki, sk);
-            sq = fma(s[i], qi, sq);
             qq = fma(qi, qi, qq);
             kk = fma(ki, ki, kk);
-            kq = fma(ki, qi, kq);
         }
         let half = (t % 2u) * WG;
-        part[half + li] = vec4<f32>(sk, sq, qq, kk);
-        part_kq[half + li] = kq;
+        part[half + li] = vec4<f32>(sk, qq, kk, 0.0);
         workgroupBarrier();
-        var sums = vec4<f32>(0.0);
-        var kq_sum = 0.0;
-        for (var rr = 0u; rr < slices; rr++) {
-            sums += part[half + rr * bv + jl];
-            kq_sum += part_kq[half + rr * bv + jl];
+        // The previous token's output: its slices' S'^T q partials are complete now.
+        if (t > 0u && live && r == 0u) {
+            var o = 0.0;
+            for (var rr = 0u; rr < slices; rr++) {
+                o += outs[(half ^ WG) + rr * bv + jl];
+            }
+            core[(t - 1u) * vd + h * p.dv + j] = o * q_norm;
         }
-        let kn = inverseSqrt(sums.w + 1e-6);
+        var sums = vec3<f32>(0.0);
+        for (var rr = 0u; rr < slices; rr++) {
+            sums += part[half + rr * bv + jl].xyz;
+        }
+        let kn = inverseSqrt(sums.z + 1e-6);
         let g = gates[gate_half + t % WG];
         var v = 0.0;
         if (live) {
@@ -125,13 +129,22 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
         let delta = g.x * (v - g.y * kn * sums.x);
         let kd_delta = kn * delta;
+        var o = 0.0;
         for (var i = 0u; i < RPI; i++) {
             s[i] = fma(kv[i], kd_delta, s[i] * g.y);
+            o = fma(s[i], qv[i], o);
         }
-        if (live && r == 0u) {
-            let o = fma(g.y, sums.y, kd_delta * kq_sum);
-            core[t * vd + h * p.dv + j] = o * inverseSqrt(sums.z + 1e-6) * q_scale;
+        outs[half + li] = o;
+        q_norm = inverseSqrt(sums.y + 1e-6) * q_scale;
+    }
+    // The last token's output, after one more barrier.
+    workgroupBarrier();
+    if (p.t > 0u && live && r == 0u) {
+        var o = 0.0;
+        for (var rr = 0u; rr < slices; rr++) {
+            o += outs[((p.t - 1u) % 2u) * WG + rr * bv + jl];
         }
+        core[(p.t - 1u) * vd + h * p.dv + j] = o * q_norm;
     }
     for (var i = 0u; i < RPI; i++) {
         if (i < rows) {
