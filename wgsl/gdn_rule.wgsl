@@ -49,6 +49,16 @@ var<workgroup> part: array<vec4<f32>, 2u * WG>; // 2 x WG: (S^T k of (slice, col
 var<workgroup> outs: array<f32, 2u * WG>;        // 2 x WG: S'^T q of (slice, column)
 var<workgroup> gates: array<vec2<f32>, 2u * WG>; // 2 x WG: (beta, decay) of the tokens of a block of WG
 
+// Token `tok`'s output in column `col` of core: its slices' S'^T q partials (half tok % 2 of
+// outs, in slice order) times its q norm.
+fn store_output(tok: u32, slices: u32, bv: u32, jl: u32, col: u32, q_norm: f32) {
+    var o = 0.0;
+    for (var rr = 0u; rr < slices; rr++) {
+        o += outs[(tok % 2u) * WG + rr * bv + jl];
+    }
+    core[tok * p.hv * p.dv + col] = o * q_norm;
+}
+
 // Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
 @compute @workgroup_size(64)
 fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
@@ -63,7 +73,6 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     let rows = select(0u, min(RPI, p.dk - i0), live); // rows of S this invocation holds
     let kh = h / (p.hv / p.hk);
     let kd = p.hk * p.dk;
-    let vd = p.hv * p.dv;
     let sb = h * p.dk * p.dv + j;
     let a_scale = exp(gate_p[h]);
     let dt_bias = gate_p[p.hv + h];
@@ -111,11 +120,7 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         workgroupBarrier();
         // The previous token's output: its slices' S'^T q partials are complete now.
         if (t > 0u && live && r == 0u) {
-            var o = 0.0;
-            for (var rr = 0u; rr < slices; rr++) {
-                o += outs[(half ^ WG) + rr * bv + jl];
-            }
-            core[(t - 1u) * vd + h * p.dv + j] = o * q_norm;
+            store_output(t - 1u, slices, bv, jl, h * p.dv + j, q_norm);
         }
         var sums = vec3<f32>(0.0);
         for (var rr = 0u; rr < slices; rr++) {
@@ -140,11 +145,7 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
     // The last token's output, after one more barrier.
     workgroupBarrier();
     if (p.t > 0u && live && r == 0u) {
-        var o = 0.0;
-        for (var rr = 0u; rr < slices; rr++) {
-            o += outs[((p.t - 1u) % 2u) * WG + rr * bv + jl];
-        }
-        core[(p.t - 1u) * vd + h * p.dv + j] = o * q_norm;
+        store_output(p.t - 1u, slices, bv, jl, h * p.dv + j, q_norm);
     }
     for (var i = 0u; i < RPI; i++) {
         if (i < rows) {
