@@ -285,6 +285,17 @@ fn bad_batches_are_typed_errors_and_change_nothing() {
     let mut rows = vec![&mut a, &mut b];
     assert!(matches!(batch.step(&mut rows, &[1, u32::MAX]), Err(RunError::TokenOutOfRange { .. })));
     assert_eq!((a.position(), b.position()), (3, 0), "refused steps change no session");
+    // A prompt whose held part (fed) has an id past the vocabulary: refused, not indexed with.
+    let mut held = f.ids[..4].to_vec();
+    held[1] = u32::MAX;
+    let sampled =
+        GenerateParams { temperature: 100.0, top_p: 0.9, repetition_penalty: 1.1, max_tokens: 2, ..Default::default() };
+    let mut rows = vec![&mut a, &mut b];
+    let refused = batch.generate(&mut rows, &[&held, &f.ids[..2]], &[3, 0], &sampled);
+    assert!(matches!(refused, Err(RunError::TokenOutOfRange { index: 1, .. })), "{refused:?}");
+    let alone = a.generate_from_with(&held, 3, &sampled, |_, _| Ok::<_, RunError>(true));
+    assert!(matches!(alone, Err(RunError::TokenOutOfRange { index: 1, .. })), "{alone:?}");
+    assert_eq!((a.position(), b.position()), (3, 0), "refused requests change no session");
     assert!(matches!(Batch::new(f.model.clone(), 0), Err(RunError::BadParam { .. })));
 }
 

@@ -123,6 +123,9 @@ fn bad_requests_are_typed_errors() {
         ),
         ("a JSON indent of 10^8 spaces", "{{ [[1]]|tojson(indent=' ' * 100000000) }}", "bytes"),
         ("an indent of 10^13", "{{ 'a\nb'|indent(10000000000000) }}", "width"),
+        // Each value within its bound, 10^11 bytes in all: the render's own bound.
+        ("10^5 values of 1 MB", "{% for i in range(100000) %}{{ 'x' * 1000000 }}{% endfor %}", "rendered prompt"),
+        ("10^6 copies of a 1 kB literal", &format!("{{% for i in range(1000) %}}{{% for j in range(1000) %}}{}{{% endfor %}}{{% endfor %}}", "y".repeat(1000)), "rendered prompt"),
     ] {
         let t = ChatTemplate::new(source.into()).expect("compiles");
         let e = t.render_request(&ChatRequest::new(user()), &special).expect_err(what).to_string();

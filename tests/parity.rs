@@ -250,7 +250,7 @@ fn sample_by_hand(model: &Arc<Model>, prompt: &[u32], params: &GenerateParams) -
     let mut logits = s.feed(prompt).expect("prompt");
     let mut out = Vec::new();
     while out.len() < params.max_tokens {
-        let next = sampler.sample_after(logits.last(), &history);
+        let next = sampler.sample_after(logits.last(), &history).expect("a row");
         history.push(next);
         out.push(next);
         logits = s.feed(&[next]).expect("step");

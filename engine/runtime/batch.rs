@@ -384,7 +384,8 @@ impl Batch {
                     expected: "fewer tokens than the prompt has, all of them in the session",
                 });
             }
-            s.check(&prompts[i][fed[i]..])?;
+            // The held ids too: the whole prompt is the row's sampler history.
+            s.check_at(prompts[i], s.pos - fed[i])?;
             samplers.push(Sampler::from_params(params)?);
         }
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -433,7 +434,7 @@ impl Batch {
                     StepOut::Logits(logits) => {
                         let row = logits.row(r);
                         let finite = row.iter().all(|l| l.is_finite());
-                        (if finite { samplers[i].sample_after(row, &history[i]) } else { 0 }, finite)
+                        (if finite { samplers[i].sample_after(row, &history[i])? } else { 0 }, finite)
                     }
                     StepOut::Sampled(reads) => {
                         let read = &reads[r];
@@ -442,7 +443,7 @@ impl Batch {
                         let id = match samplers[i].sample_candidates(&read.cands, &hist, vocab, &read.masses) {
                             Some(id) => id,
                             // The candidates cannot decide: the whole row (unmasked in the batch's buffer).
-                            None => samplers[i].sample_after(&self.read_row(r)?, &history[i]),
+                            None => samplers[i].sample_after(&self.read_row(r)?, &history[i])?,
                         };
                         (id, true)
                     }

@@ -110,6 +110,8 @@ impl Session {
             }
             .into());
         }
+        // Every id of the prompt, the held ones too: all of them are the sampler's history.
+        self.check_at(prompt, self.pos - fed)?;
         let (history_prompt, prompt) = (prompt, &prompt[fed..]);
         let mut sampler = Sampler::from_params(params)?;
         let eos = self.model.eos_token_ids.clone();
@@ -131,7 +133,7 @@ impl Session {
             if !row.iter().all(|l| l.is_finite()) {
                 return Err(RunError::NonFiniteLogits { position: self.pos - 1 }.into());
             }
-            let next = sampler.sample_after(row, &history);
+            let next = sampler.sample_after(row, &history)?;
             history.push(next);
             out.push(next);
             let stop = (params.stop_at_eos && eos.contains(&next)) || out.len() >= params.max_tokens;
@@ -173,9 +175,11 @@ impl Session {
                     // The mask overwrote the history's logits: put them back, then use the row.
                     let mut row = self.read_logits(1)?;
                     for &(id, v) in &hist_logits {
-                        row[id as usize] = v;
+                        if let Some(l) = row.get_mut(id as usize) {
+                            *l = v;
+                        }
                     }
-                    sampler.sample_after(&row, &history)
+                    sampler.sample_after(&row, &history)?
                 }
             };
             history.push(next);

@@ -86,8 +86,8 @@ impl Sampler {
 
     /// Pick a token after applying the repetition penalty to the ids in `history`
     /// (transformers' rule: positive logits are divided by the penalty, negative multiplied, once
-    /// per distinct id however often it occurs).
-    pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> u32 {
+    /// per distinct id however often it occurs); an empty row is a `BadParam` error.
+    pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> Result<u32, RunError> {
         if !self.penalizes() {
             return self.sample(logits);
         }
@@ -122,7 +122,11 @@ impl Sampler {
         if self.temperature == 0.0 {
             return None;
         }
-        let k = if self.top_k > 0 { self.top_k + TIE_MARGIN } else { NO_TOP_K_CANDIDATES.min(max).min(vocab) };
+        let k = if self.top_k > 0 {
+            self.top_k.saturating_add(TIE_MARGIN)
+        } else {
+            NO_TOP_K_CANDIDATES.min(max).min(vocab)
+        };
         (k > 0 && k <= max && k <= vocab).then_some(k)
     }
 
@@ -221,19 +225,26 @@ impl Sampler {
         Self { repetition_penalty: 1.0, temperature: 0.0, top_k: 0, top_p: 1.0, rng: SplitMix64(0) }
     }
 
-    /// Pick a token from one row of logits.
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    /// Pick a token from one row of logits (an empty row is a `BadParam` error).
+    pub fn sample(&mut self, logits: &[f32]) -> Result<u32, RunError> {
+        if logits.is_empty() {
+            return Err(RunError::BadParam {
+                name: "logits",
+                value: "an empty row".into(),
+                expected: "at least one logit",
+            });
+        }
         if self.temperature == 0.0 {
-            return argmax(logits);
+            return Ok(argmax(logits));
         }
         // Logits so large that the division overflows (|l| > 3.4e33 at the smallest temperature):
         // the distribution is the argmax's.
         let best = argmax(logits);
         if logits.get(best as usize).is_some_and(|&l| !(l / self.temperature).is_finite()) {
-            return best;
+            return Ok(best);
         }
         let cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
-        self.choose(cand)
+        Ok(self.choose(cand))
     }
 
     /// Sort (id, scaled logit) candidates, keep top-k, then top-p, and draw.
@@ -338,7 +349,7 @@ mod tests {
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let draw = |seed| {
             let mut s = Sampler::new(1.0, 3, 1.0, seed).expect("valid params");
-            (0..20).map(|_| s.sample(&logits)).collect::<Vec<_>>()
+            (0..20).map(|_| s.sample(&logits).expect("a row")).collect::<Vec<_>>()
         };
         assert_eq!(draw(7), draw(7));
         let mut top3: Vec<u32> = (0..50).collect();
@@ -348,10 +359,28 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_row_or_a_top_k_past_any_vocabulary_is_no_panic() {
+        for t in [0.0, 1.0] {
+            let mut s = Sampler::new(t, 3, 1.0, 1).expect("valid params");
+            assert!(matches!(s.sample(&[]), Err(RunError::BadParam { name: "logits", .. })), "temperature {t}");
+            assert!(matches!(s.sample_after(&[], &[0]), Err(RunError::BadParam { name: "logits", .. })));
+        }
+        // top_k + the tie margin overflowed usize: no GPU candidates, the whole row (all of it kept).
+        let mut s = Sampler::new(1.0, usize::MAX, 1.0, 5).expect("valid params");
+        assert_eq!(s.gpu_candidates(248_320, 128), None);
+        let logits = [0.0, 0.5, 1.0];
+        let mut seen = [false; 3];
+        for _ in 0..200 {
+            seen[s.sample(&logits).expect("a row") as usize] = true;
+        }
+        assert_eq!(seen, [true; 3]);
+    }
+
+    #[test]
     fn tiny_top_p_is_greedy() {
         let logits = [0.1, 2.0, 0.3, 1.9];
         let mut s = Sampler::new(1.0, 0, 1e-6, 3).expect("valid params");
-        assert!((0..10).all(|_| s.sample(&logits) == 1));
+        assert!((0..10).all(|_| s.sample(&logits).expect("a row") == 1));
     }
 
     #[test]
@@ -359,11 +388,11 @@ mod tests {
         let p = GenerateParams { repetition_penalty: 2.0, ..Default::default() };
         let mut s = Sampler::from_params(&p).expect("valid");
         // Token 0 (logit 3) is penalised to 1.5, below token 1 (2.0); a negative logit falls.
-        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[0]), 1);
-        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[]), 0);
-        assert_eq!(s.sample_after(&[-1.0, -1.5], &[0]), 1);
+        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[0]).expect("a row"), 1);
+        assert_eq!(s.sample_after(&[3.0, 2.0, -1.0], &[]).expect("a row"), 0);
+        assert_eq!(s.sample_after(&[-1.0, -1.5], &[0]).expect("a row"), 1);
         // Once per distinct id: 3 / 2 = 1.5 still beats 1.0 (twice it would be 0.75).
-        assert_eq!(s.sample_after(&[3.0, 1.0], &[0, 0]), 0);
+        assert_eq!(s.sample_after(&[3.0, 1.0], &[0, 0]).expect("a row"), 0);
     }
 
     /// What the GPU pass hands over: the `k` best (id, logit) outside `history` by raw logit, and
@@ -396,7 +425,7 @@ mod tests {
             let k = gpu.gpu_candidates(vocab, 128).expect("top-k sampling takes candidates");
             let (cands, hist) = gpu_view(&logits, &history, k);
             for draw in 0..5 {
-                let want = full.sample_after(&logits, &history);
+                let want = full.sample_after(&logits, &history).expect("a row");
                 let got = gpu.sample_candidates(&cands, &hist, vocab, &[]);
                 assert_eq!(got, Some(want), "case {case} draw {draw}");
             }
@@ -456,14 +485,18 @@ mod tests {
             let masses = gpu_masses(&logits, &distinct, inv_t, 1000);
             for draw in 0..6 {
                 let got = gpu.sample_candidates(&cands, &hist, vocab, &masses);
-                let want = full.sample_after(&logits, &history);
+                let want = full.sample_after(&logits, &history).expect("a row");
                 draws += 1;
                 if let Some(id) = got {
                     decided += 1;
                     assert_eq!(id, want, "case {case} draw {draw}");
                 } else {
                     // The whole row draws instead, with the number the candidates did not use.
-                    assert_eq!(gpu.sample_after(&logits, &history), want, "case {case} draw {draw}: fallback");
+                    assert_eq!(
+                        gpu.sample_after(&logits, &history).expect("a row"),
+                        want,
+                        "case {case} draw {draw}: fallback"
+                    );
                 }
             }
         }
@@ -531,7 +564,7 @@ mod tests {
         for t in [1e-40, 1e-30, 1e-6, MIN_TEMPERATURE / 2.0] {
             let mut s = Sampler::new(t, 0, 1.0, 5).expect("valid");
             assert!(s.is_plain_greedy(), "{t}");
-            assert!((0..20).all(|_| s.sample(&logits) == 1), "{t}");
+            assert!((0..20).all(|_| s.sample(&logits).expect("a row") == 1), "{t}");
         }
         assert!(!Sampler::new(MIN_TEMPERATURE, 0, 1.0, 5).expect("valid").is_plain_greedy());
     }
@@ -544,12 +577,12 @@ mod tests {
         logits[2] = 3e38;
         logits[3] = 2e38;
         let mut s = Sampler::new(MIN_TEMPERATURE, 0, 1.0, 5).expect("valid");
-        assert!((0..20).all(|_| s.sample(&logits) == 2));
+        assert!((0..20).all(|_| s.sample(&logits).expect("a row") == 2));
         let mut s = Sampler::new(MIN_TEMPERATURE, 2, 1.0, 5).expect("valid");
         let k = s.gpu_candidates(16, 128).expect("k");
         let (cands, hist) = gpu_view(&logits, &[], k);
         assert_eq!(s.sample_candidates(&cands, &hist, 16, &[]), None, "the whole row decides");
-        assert!((0..20).all(|_| s.sample_after(&logits, &[]) == 2));
+        assert!((0..20).all(|_| s.sample_after(&logits, &[]).expect("a row") == 2));
     }
 
     #[test]

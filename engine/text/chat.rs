@@ -229,6 +229,31 @@ const TEMPLATE_FUEL: u64 = 50_000_000;
 /// The largest template source accepted.
 pub const MAX_TEMPLATE_BYTES: usize = 1 << 20;
 
+/// The most text one render may write: far past any prompt a context holds (262,144 tokens are
+/// a few MB of text), far below what a hostile template's loop would allocate.
+pub const MAX_RENDER_BYTES: usize = 64 << 20;
+
+/// The render's output, refusing to grow past [`MAX_RENDER_BYTES`].
+#[derive(Default)]
+struct BoundedOutput(Vec<u8>);
+
+impl std::io::Write for BoundedOutput {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.0.len() + buf.len() > MAX_RENDER_BYTES {
+            return Err(std::io::Error::other(format!(
+                "the rendered prompt would pass {MAX_RENDER_BYTES} bytes (found at least {})",
+                self.0.len() + buf.len()
+            )));
+        }
+        self.0.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 fn template_error(e: Error) -> TextError {
     let mut message = e.to_string();
     let mut source = std::error::Error::source(&e);
@@ -341,7 +366,10 @@ impl ChatTemplate {
         ctx.insert("documents".into(), req.documents.clone().map_or(Json::Null, Json::Array));
         ctx.insert("add_generation_prompt".into(), Json::Bool(req.add_generation_prompt));
         let t = self.env.get_template("chat").map_err(template_error)?;
-        let rendered = t.render(Value::from_serialize(&ctx)).map_err(template_error)?;
+        let mut out = BoundedOutput::default();
+        t.render_captured_to(Value::from_serialize(&ctx), &mut out).map_err(template_error)?;
+        let rendered = String::from_utf8(out.0)
+            .map_err(|e| TextError::Template(format!("the rendered prompt is not UTF-8: {e}")))?;
         match continued {
             Some(final_message) => cut_at_continue_tag(rendered, &final_message),
             None => Ok(rendered),

@@ -11,7 +11,7 @@ use std::path::Path;
 
 pub use chat::{
     ChatMessage, ChatRequest, ChatTemplate, Content, ContentPart, FunctionCall, SpecialTokens, ToolCall,
-    MAX_TEMPLATE_BYTES,
+    MAX_RENDER_BYTES, MAX_TEMPLATE_BYTES,
 };
 pub use reply::{ChatDelta, ChatReply, ReplyParser};
 

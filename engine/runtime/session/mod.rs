@@ -597,7 +597,7 @@ impl Session {
     }
 
     /// `ids` are not empty, all in the vocabulary, and fit the context from position `at`.
-    fn check_at(&self, ids: &[u32], at: usize) -> Result<(), RunError> {
+    pub(crate) fn check_at(&self, ids: &[u32], at: usize) -> Result<(), RunError> {
         if ids.is_empty() {
             return Err(RunError::EmptyInput);
         }
