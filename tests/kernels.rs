@@ -23,6 +23,7 @@ use qwen35_wgpu::kernels::misc::{
     topk_scratch_bytes, topk_value, TopkIo,
 };
 use qwen35_wgpu::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
+use qwen35_wgpu::model::quantize::quantize_bytes;
 use qwen35_wgpu::model::Dtype;
 use qwen35_wgpu::{reference as cpu, GpuError};
 
@@ -660,6 +661,16 @@ fn affine_uploads_check_their_lengths() {
     short.biases.pop();
     let e = GpuWeight::upload_affine(&ctx, "q", 4, 128, &short, u64::MAX).err().expect("short biases");
     assert!(matches!(&e, GpuError::WeightSize { what: "biases", expected: 8, found: 7, .. }), "{e}");
+    // Rows times row bytes past usize: an error, not an overflow.
+    let e = GpuWeight::upload(&ctx, "w", Dtype::BF16, usize::MAX / 2, 1024, &[0; 2048], u64::MAX).err().expect("rows");
+    assert!(matches!(&e, GpuError::WeightSize { found: 2048, .. }), "{e}");
+    // Widths and groups the kernels do not decode: no quantization (it divided by zero).
+    let bytes = vec![0u8; 2 * 128];
+    for (bits, group) in [(0, 64), (3, 64), (4, 0), (8, 48), (4, 256)] {
+        assert!(quantize_bytes(&bytes, Dtype::BF16, 128, bits, group).is_none(), "{bits} bits, group {group}");
+    }
+    assert!(quantize_bytes(&bytes, Dtype::BF16, 96, 4, 64).is_none(), "96 columns in groups of 64");
+    assert!(quantize_bytes(&bytes, Dtype::BF16, 128, 4, 64).is_some());
 }
 
 #[test]

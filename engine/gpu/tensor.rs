@@ -90,7 +90,13 @@ impl GpuWeight {
                 found: bytes.len(),
             });
         }
-        check_len(name, "data (bytes)", rows * row_bytes, bytes.len())?;
+        let total = rows.checked_mul(row_bytes).ok_or_else(|| GpuError::WeightSize {
+            name: name.to_string(),
+            what: "data (bytes): rows x row bytes past usize",
+            expected: usize::MAX,
+            found: bytes.len(),
+        })?;
+        check_len(name, "data (bytes)", total, bytes.len())?;
         let per = rows_per_chunk(ctx, name, row_bytes as u64, max_chunk_bytes)?;
         let mut chunks = Vec::new();
         let mut row_start = 0;

@@ -321,7 +321,9 @@ impl PeftConfig {
         pattern: &serde_json::Value,
     ) -> Result<Option<LayerFilter>, AdapterError> {
         let index = |i: &serde_json::Value| {
-            i.as_u64().map(|i| i as usize).ok_or_else(|| bad("layers_to_transform", "layer indices", indices))
+            i.as_u64()
+                .and_then(|i| usize::try_from(i).ok())
+                .ok_or_else(|| bad("layers_to_transform", "layer indices", indices))
         };
         let layers = match indices {
             serde_json::Value::Null => None,

@@ -76,8 +76,12 @@ pub fn scale_type(dtype: Dtype) -> HalfType {
 }
 
 /// [`quantize_affine`] of a float matrix's raw bytes, one row widened at a time; `None` if
-/// `dtype` is not a float dtype.
+/// `dtype` is not a float dtype, or `bits` / `group` are not ones the kernels decode
+/// ([`Affine::BITS`], [`Affine::GROUPS`]) with `cols` a multiple of `group`.
 pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group: u32) -> Option<AffineData> {
+    if !Affine::BITS.contains(&bits) || !Affine::GROUPS.contains(&group) || !cols.is_multiple_of(group as usize) {
+        return None;
+    }
     let row_bytes = dtype.row_bytes(cols);
     let format = Affine { bits, group, scales: scale_type(dtype) };
     let rows = bytes.len() / row_bytes.max(1);
@@ -88,7 +92,7 @@ pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group:
         biases: Vec::with_capacity(rows * cols / group as usize),
     };
     for row in bytes.chunks_exact(row_bytes.max(1)) {
-        let q = quantize_affine(&dtype.to_f32(row)?, cols, format);
+        let q = quantize_affine(&dtype.to_f32(row)?, cols, format)?;
         out.words.extend(q.words);
         out.scales.extend(q.scales);
         out.biases.extend(q.biases);
@@ -102,13 +106,16 @@ pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group:
 /// max over `2^bits − 1` steps (at least 1e-7), signed so that the edge of larger magnitude is
 /// hit exactly (`q0 = rint(edge / scale)`, then `scale = edge / q0`, `bias = edge`, or bias 0
 /// when q0 is 0); codes are `rint((w − bias) / scale)` clamped to the range, with the f32 scale
-/// and bias (before they are rounded to 16 bits). `cols` must be a multiple of `group`.
-pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> AffineData {
+/// and bias (before they are rounded to 16 bits). `None` unless `bits` and `group` are ones the
+/// kernels decode ([`Affine::BITS`], [`Affine::GROUPS`]) and `cols` is a multiple of `group`.
+pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> Option<AffineData> {
     let Affine { bits, group, scales } = format;
+    if !Affine::BITS.contains(&bits) || !Affine::GROUPS.contains(&group) || !cols.is_multiple_of(group as usize) {
+        return None;
+    }
     let n_bins = ((1u32 << bits) - 1) as f32;
     let per = (32 / bits) as usize;
     let group = group as usize;
-    debug_assert!(cols.is_multiple_of(group));
     let mut words = Vec::with_capacity(values.len() / per);
     let mut s_out = Vec::with_capacity(values.len() / group);
     let mut b_out = Vec::with_capacity(values.len() / group);
@@ -141,5 +148,5 @@ pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> AffineDat
         s_out.push(to_half(scales, scale));
         b_out.push(to_half(scales, bias));
     }
-    AffineData { format, words, scales: s_out, biases: b_out }
+    Some(AffineData { format, words, scales: s_out, biases: b_out })
 }
