@@ -103,3 +103,15 @@ pub const DRIFT_NATS: f32 = 0.05;
 /// does not grow with length (measured on lavapipe, `odd_untied_f32`: worst 2.5e-5 over 1,024
 /// positions, 2.6e-5 over 4,096; 2.5e-6 and 8.4e-7 at the last position).
 pub const LONG_DECODE_REL: f32 = 1e-4;
+
+/// A top-k block's softmax mass (`topk_blocks`: Σ exp((l − m)/T) over 4,096 logits in f32, 16
+/// terms per invocation, then a tree of 8 levels) vs the f64 sum, relative: 24 f32 additions
+/// deep (~1.4e-6) plus the exponentials' few-ulp errors; the sampler's own margin for these
+/// sums is ten times this.
+pub const TOPK_MASS_REL: f64 = 1e-5;
+
+/// One learning step must move the logits of a stacked set holding the learner's adapter by
+/// more than this (‖after − before‖ / ‖before‖): both are the same deterministic kernels on the
+/// same inputs, so a step that did not reach the stack gives exactly 0; the floor only keeps
+/// the check clear of a change in the last bit of one logit.
+pub const STEP_EFFECT_REL: f32 = 1e-6;
