@@ -56,6 +56,28 @@ pub enum GpuError {
         /// The length handed over.
         found: usize,
     },
+    /// An upload whose shape alone passes the address space.
+    #[error("weight {name:?}: {rows} rows of {cols} {dtype} elements pass the address space")]
+    WeightShape {
+        /// The weight's label.
+        name: String,
+        /// Rows claimed.
+        rows: usize,
+        /// Columns claimed.
+        cols: usize,
+        /// The dtype, as `Debug` writes it.
+        dtype: String,
+    },
+    /// Affine-quantized data in a format the kernels do not decode.
+    #[error("weight {name:?}: {bits}-bit codes in groups of {group}; the kernels decode 4 or 8 bits in groups of 32, 64 or 128")]
+    AffineFormat {
+        /// The weight's label.
+        name: String,
+        /// Bits per code handed over.
+        bits: u32,
+        /// Inputs per scale/bias pair handed over.
+        group: u32,
+    },
 }
 
 /// Errors of reading a file handed to the engine ([`crate::io::read_bounded`]): every file is

@@ -663,7 +663,17 @@ fn affine_uploads_check_their_lengths() {
     assert!(matches!(&e, GpuError::WeightSize { what: "biases", expected: 8, found: 7, .. }), "{e}");
     // Rows times row bytes past usize: an error, not an overflow.
     let e = GpuWeight::upload(&ctx, "w", Dtype::BF16, usize::MAX / 2, 1024, &[0; 2048], u64::MAX).err().expect("rows");
-    assert!(matches!(&e, GpuError::WeightSize { found: 2048, .. }), "{e}");
+    assert!(matches!(&e, GpuError::WeightShape { rows, cols: 1024, .. } if *rows == usize::MAX / 2), "{e}");
+    let e = GpuWeight::upload(&ctx, "w", Dtype::F32, 1, usize::MAX / 2, &[0; 16], u64::MAX).err().expect("cols");
+    assert!(matches!(&e, GpuError::WeightShape { rows: 1, .. }), "{e}");
+    let (data, _) = affine_weights(a, 4, 128, 1);
+    for (bits, group) in [(3, 64), (4, 0), (8, 48)] {
+        let bad = AffineData { format: Affine { bits, group, ..a }, ..data.clone() };
+        let e = GpuWeight::upload_affine(&ctx, "q", 4, 128, &bad, u64::MAX).err().expect("format");
+        assert!(matches!(&e, GpuError::AffineFormat { bits: b, group: g, .. } if (*b, *g) == (bits, group)), "{e}");
+    }
+    let e = GpuWeight::upload_affine(&ctx, "q", usize::MAX / 2, 128, &data, u64::MAX).err().expect("rows");
+    assert!(matches!(&e, GpuError::WeightShape { .. }), "{e}");
     // Widths and groups the kernels do not decode: no quantization (it divided by zero).
     let bytes = vec![0u8; 2 * 128];
     for (bits, group) in [(0, 64), (3, 64), (4, 0), (8, 48), (4, 256)] {

@@ -33,6 +33,12 @@ impl Affine {
     pub fn row_bytes(self, cols: usize) -> usize {
         cols * self.bits as usize / 8 + cols / self.group as usize * 4
     }
+
+    /// Whether the kernels decode this format: bits in [`Affine::BITS`], group in
+    /// [`Affine::GROUPS`].
+    pub fn decodable(self) -> bool {
+        Self::BITS.contains(&self.bits) && Self::GROUPS.contains(&self.group)
+    }
 }
 
 /// A tensor dtype the engine loads.
@@ -66,6 +72,18 @@ impl Dtype {
             Dtype::BF16 | Dtype::F16 => 2 * cols,
             Dtype::Affine(a) => a.row_bytes(cols),
         }
+    }
+
+    /// Bytes of `rows` rows of `cols` elements ([`Dtype::row_bytes`] each); `None` past `usize`.
+    pub fn matrix_bytes(self, rows: usize, cols: usize) -> Option<usize> {
+        let row = match self {
+            Dtype::F32 => cols.checked_mul(4)?,
+            Dtype::BF16 | Dtype::F16 => cols.checked_mul(2)?,
+            Dtype::Affine(a) => {
+                (cols.checked_mul(a.bits as usize)? / 8).checked_add(cols / a.group.max(1) as usize * 4)?
+            }
+        };
+        rows.checked_mul(row)
     }
 
     /// The override constants of the weight decoder (`weights.wgsl`): `W_DTYPE`, then for

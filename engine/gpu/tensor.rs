@@ -81,7 +81,6 @@ impl GpuWeight {
         bytes: &[u8],
         max_chunk_bytes: u64,
     ) -> Result<Self, GpuError> {
-        let row_bytes = dtype.row_bytes(cols);
         if let Dtype::Affine(_) = dtype {
             return Err(GpuError::WeightSize {
                 name: name.to_string(),
@@ -90,13 +89,14 @@ impl GpuWeight {
                 found: bytes.len(),
             });
         }
-        let total = rows.checked_mul(row_bytes).ok_or_else(|| GpuError::WeightSize {
+        let total = dtype.matrix_bytes(rows, cols).ok_or_else(|| GpuError::WeightShape {
             name: name.to_string(),
-            what: "data (bytes): rows x row bytes past usize",
-            expected: usize::MAX,
-            found: bytes.len(),
+            rows,
+            cols,
+            dtype: format!("{dtype:?}"),
         })?;
         check_len(name, "data (bytes)", total, bytes.len())?;
+        let row_bytes = dtype.row_bytes(cols);
         let per = rows_per_chunk(ctx, name, row_bytes as u64, max_chunk_bytes)?;
         let mut chunks = Vec::new();
         let mut row_start = 0;
@@ -122,6 +122,12 @@ impl GpuWeight {
         max_chunk_bytes: u64,
     ) -> Result<Self, GpuError> {
         let (a, words, scales, biases) = (data.format, &data.words, &data.scales, &data.biases);
+        if !a.decodable() {
+            return Err(GpuError::AffineFormat { name: name.to_string(), bits: a.bits, group: a.group });
+        }
+        if Dtype::Affine(a).matrix_bytes(rows, cols).is_none() {
+            return Err(GpuError::WeightShape { name: name.to_string(), rows, cols, dtype: format!("{a:?}") });
+        }
         let row_words = cols * a.bits as usize / 32;
         let groups = cols / a.group as usize;
         check_len(name, "codes (u32)", rows * row_words, words.len())?;

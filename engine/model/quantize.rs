@@ -79,11 +79,11 @@ pub fn scale_type(dtype: Dtype) -> HalfType {
 /// `dtype` is not a float dtype, or `bits` / `group` are not ones the kernels decode
 /// ([`Affine::BITS`], [`Affine::GROUPS`]) with `cols` a multiple of `group`.
 pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group: u32) -> Option<AffineData> {
-    if !Affine::BITS.contains(&bits) || !Affine::GROUPS.contains(&group) || !cols.is_multiple_of(group as usize) {
+    let format = Affine { bits, group, scales: scale_type(dtype) };
+    if !format.decodable() || !cols.is_multiple_of(group as usize) {
         return None;
     }
     let row_bytes = dtype.row_bytes(cols);
-    let format = Affine { bits, group, scales: scale_type(dtype) };
     let rows = bytes.len() / row_bytes.max(1);
     let mut out = AffineData {
         format,
@@ -110,7 +110,7 @@ pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group:
 /// kernels decode ([`Affine::BITS`], [`Affine::GROUPS`]) and `cols` is a multiple of `group`.
 pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> Option<AffineData> {
     let Affine { bits, group, scales } = format;
-    if !Affine::BITS.contains(&bits) || !Affine::GROUPS.contains(&group) || !cols.is_multiple_of(group as usize) {
+    if !format.decodable() || !cols.is_multiple_of(group as usize) {
         return None;
     }
     let n_bins = ((1u32 << bits) - 1) as f32;
