@@ -1157,7 +1157,7 @@ fn rope_for(
         rot as f64 / hd as f64
     ))
     .expect("config");
-    let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max);
+    let table = qwen35_wgpu::runtime::rope_table(&cfg, s_max).expect("table");
     let rope = upload(ctx, if table.is_empty() { &[0.0, 0.0] } else { &table });
     (table, rope)
 }

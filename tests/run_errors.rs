@@ -32,6 +32,12 @@ fn absurd_session_sizes_are_typed_errors() {
         let e = Session::new(model.clone(), SessionOptions { max_context: 64, max_batch }).err().expect("refused");
         assert!(matches!(&e, RunError::BadParam { name: "max_batch", .. }), "{e}");
     }
+    // The public table builder bounds its own size the same way.
+    for positions in [usize::MAX, MAX_CONTEXT + 1] {
+        let e = qwen35_wgpu::runtime::rope_table(&model.config, positions).expect_err("refused");
+        assert!(matches!(&e, RunError::BadParam { name: "positions", .. }), "{e}");
+    }
+    assert_eq!(qwen35_wgpu::runtime::rope_table(&model.config, 3).expect("table").len(), 3 * model.config.rotary_dim);
     Session::new(model, opts()).expect("a sane session still opens");
 }
 

@@ -1,9 +1,10 @@
 //! Per-session state: the KV cache of attention layers, the conv and recurrent state of GDN
 //! layers, and the scratch activations of one step.
 
-use crate::error::GpuError;
+use crate::error::{GpuError, RunError};
 use crate::gpu::GpuContext;
 use crate::model::{LayerType, TextConfig};
+use crate::runtime::session::MAX_CONTEXT;
 
 /// The state one layer carries between steps.
 pub enum LayerState {
@@ -119,8 +120,16 @@ pub fn rope_table_bytes(c: &TextConfig, positions: usize) -> u64 {
 }
 
 /// The RoPE table `[positions, R/2]` of (cos, sin), computed like transformers: f32 inverse
-/// frequencies, f32 angle `pos · inv_freq`, then cos/sin of that f32 angle.
-pub fn rope_table(c: &TextConfig, positions: usize) -> Vec<f32> {
+/// frequencies, f32 angle `pos · inv_freq`, then cos/sin of that f32 angle. At most
+/// [`MAX_CONTEXT`] positions (a `BadParam` error past it).
+pub fn rope_table(c: &TextConfig, positions: usize) -> Result<Vec<f32>, RunError> {
+    if positions > MAX_CONTEXT {
+        return Err(RunError::BadParam {
+            name: "positions",
+            value: positions.to_string(),
+            expected: "at most 2^20 (MAX_CONTEXT)",
+        });
+    }
     let half = c.rotary_dim / 2;
     let inv: Vec<f32> = (0..half)
         .map(|i| {
@@ -136,5 +145,5 @@ pub fn rope_table(c: &TextConfig, positions: usize) -> Vec<f32> {
             out.push((angle as f64).sin() as f32);
         }
     }
-    out
+    Ok(out)
 }

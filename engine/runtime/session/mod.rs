@@ -54,11 +54,18 @@ pub struct Logits {
 
 impl Logits {
     /// The logits of row `i`.
+    ///
+    /// # Panics
+    /// When `i >= rows` (like slice indexing; the rows a step returns are the ones it was asked
+    /// for).
     pub fn row(&self, i: usize) -> &[f32] {
         &self.data[i * self.vocab..(i + 1) * self.vocab]
     }
 
     /// The last row.
+    ///
+    /// # Panics
+    /// When `rows` is 0 (a step returns at least one row).
     pub fn last(&self) -> &[f32] {
         self.row(self.rows - 1)
     }
@@ -252,7 +259,7 @@ impl Session {
         let scratch = Scratch::new(&ctx, c, opts.max_batch)?;
         let states = layer_states(&ctx, c, opts.max_context)?;
         let ids = ctx.storage_buffer("ids", (opts.max_batch * 4) as u64, true)?;
-        let mut table = rope_table(c, opts.max_context);
+        let mut table = rope_table(c, opts.max_context)?;
         table.resize(table.len().max(2), 0.0); // one vec2 even without rotary dims
         let rope = ctx.upload("rope", bytemuck::cast_slice(&table))?;
         let row_bytes = (c.vocab_size * 4) as u64;
