@@ -1,6 +1,7 @@
 //! Project automation: `cargo xtask <command>`.
 
 mod bench;
+mod bench_model;
 #[cfg(unix)]
 mod fuzz;
 mod lavapipe;
@@ -64,6 +65,12 @@ cargo xtask <command>
                        reproducers under target/fuzz/faults/ (info.json: how to rerun); exits 1 on
                        any fault. The dev build keeps overflow checks (overflow is a panic);
                        `cargo run --release -p xtask -- fuzz` is ~1.6x faster
+  bench-model [DIR]    write the bench's random bf16 model at the 0.8B dimensions to DIR
+                       (default target/bench/qwen35-0.8b-random) and its rank-16 adapter on all 12
+                       projections to DIR-lora-r16, in Rust from a seed: no Python or network
+                       (make_fixtures.py's layout and initialisation, other random values), for
+                       running `target/release/examples/bench --model DIR --adapter DIR-lora-r16`
+                       on a machine without torch, e.g. a lent GPU machine
   probe                print the adapter wgpu picks (exit 1 if none)
 ";
 
@@ -122,6 +129,10 @@ fn main() -> Result<()> {
                 compare: compare.transpose()?,
             };
             bench::run(&root(), &venv()?, &mlx_venv()?, &opts)
+        }
+        Some("bench-model") => {
+            let dir = args.get(1).map(PathBuf::from).unwrap_or_else(|| root().join("target/bench/qwen35-0.8b-random"));
+            bench_model::write(&dir, &bench_model::QWEN35_0_8B, 8)
         }
         Some("probe") => probe(),
         #[cfg(unix)]
