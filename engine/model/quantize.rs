@@ -80,7 +80,7 @@ pub fn scale_type(dtype: Dtype) -> HalfType {
 /// ([`Affine::BITS`], [`Affine::GROUPS`]) with `cols` a multiple of `group`.
 pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group: u32) -> Option<AffineData> {
     let format = Affine { bits, group, scales: scale_type(dtype) };
-    if !format.decodable() || !cols.is_multiple_of(group as usize) {
+    if !quantizable(format, cols) {
         return None;
     }
     let row_bytes = dtype.row_bytes(cols);
@@ -92,7 +92,7 @@ pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group:
         biases: Vec::with_capacity(rows * cols / group as usize),
     };
     for row in bytes.chunks_exact(row_bytes.max(1)) {
-        let q = quantize_affine(&dtype.to_f32(row)?, cols, format)?;
+        let q = quantize_rows(&dtype.to_f32(row)?, format);
         out.words.extend(q.words);
         out.scales.extend(q.scales);
         out.biases.extend(q.biases);
@@ -109,10 +109,18 @@ pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group:
 /// and bias (before they are rounded to 16 bits). `None` unless `bits` and `group` are ones the
 /// kernels decode ([`Affine::BITS`], [`Affine::GROUPS`]) and `cols` is a multiple of `group`.
 pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> Option<AffineData> {
+    quantizable(format, cols).then(|| quantize_rows(values, format))
+}
+
+/// Whether rows of `cols` inputs quantize to `format`: a width and group the kernels decode, and
+/// whole groups.
+fn quantizable(format: Affine, cols: usize) -> bool {
+    format.decodable() && cols.is_multiple_of(format.group as usize)
+}
+
+/// [`quantize_affine`] once [`quantizable`] holds.
+fn quantize_rows(values: &[f32], format: Affine) -> AffineData {
     let Affine { bits, group, scales } = format;
-    if !format.decodable() || !cols.is_multiple_of(group as usize) {
-        return None;
-    }
     let n_bins = ((1u32 << bits) - 1) as f32;
     let per = (32 / bits) as usize;
     let group = group as usize;
@@ -148,5 +156,5 @@ pub fn quantize_affine(values: &[f32], cols: usize, format: Affine) -> Option<Af
         s_out.push(to_half(scales, scale));
         b_out.push(to_half(scales, bias));
     }
-    Some(AffineData { format, words, scales: s_out, biases: b_out })
+    AffineData { format, words, scales: s_out, biases: b_out }
 }

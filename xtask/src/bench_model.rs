@@ -10,6 +10,7 @@ use std::io::{BufWriter, Write};
 use std::path::Path;
 
 use anyhow::{Context, Result};
+use qwen35_wgpu::Proj;
 use serde_json::{json, Value};
 
 /// A model's text dimensions.
@@ -162,7 +163,7 @@ fn adapter_tensors(d: &Dims) -> Vec<Tensor> {
     for m in &model {
         let Some(module) = m.name.strip_suffix(".weight") else { continue };
         let proj = module.rsplit('.').next().unwrap_or("");
-        if m.shape.len() != 2 || !ALL12.contains(&proj) {
+        if m.shape.len() != 2 || !Proj::ALL.iter().any(|p| p.name() == proj) {
             continue;
         }
         let (out, inp) = (m.shape[0], m.shape[1]);
@@ -182,22 +183,7 @@ fn adapter_tensors(d: &Dims) -> Vec<Tensor> {
     t
 }
 
-const ALL12: [&str; 12] = [
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "in_proj_qkv",
-    "in_proj_z",
-    "in_proj_b",
-    "in_proj_a",
-    "out_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-];
-
-/// Write `tensors` as a safetensors file, each element `bytes` wide (2: bf16, 4: f32), values
+/// Write `tensors` as a safetensors file in bf16 (else f32), values
 /// from `rng`, streamed in blocks.
 fn write_safetensors(path: &Path, tensors: &[Tensor], bf16: bool, rng: &mut Rng) -> Result<u64> {
     let width = if bf16 { 2 } else { 4 };
@@ -299,7 +285,7 @@ fn adapter_config() -> Value {
         "use_dora": false,
         "fan_in_fan_out": false,
         "inference_mode": true,
-        "target_modules": ALL12,
+        "target_modules": Proj::ALL.map(Proj::name),
         "rank_pattern": {},
         "alpha_pattern": {},
         "layers_to_transform": null,
