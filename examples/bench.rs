@@ -624,7 +624,8 @@ fn main() -> Result<()> {
 /// prefilled untimed but its last token, then `args.decode` batched greedy steps, at most 16,
 /// through `Batch::generate`: choices on the GPU, `--run-ahead` as for one session; at most 3
 /// timed repeats), every session with its own set: session k applies `adapters[0]`,
-/// `adapters[1]` or none, by k mod 3.
+/// `adapters[1]` or none, by k mod 3. With `--profile`, one more generation per session count
+/// timed per kernel family (per step: a step is one token of every session).
 fn batched(
     model: &Arc<Model>,
     adapters: [&Arc<LoraAdapter>; 2],
@@ -667,9 +668,21 @@ fn batched(
             }
         }
         let run_ahead = batch.run_ahead();
-        rows.push(
-            serde_json::json!({ "sessions": n, "steps": steps, "run_ahead": run_ahead, "decode_tok_s": tps.json() }),
-        );
+        let mut row =
+            serde_json::json!({ "sessions": n, "steps": steps, "run_ahead": run_ahead, "decode_tok_s": tps.json() });
+        if args.profile && batch.start_profile() {
+            for s in &mut sessions {
+                s.reset();
+                if prompt.len() > 1 {
+                    s.prefill(&prompt[..prompt.len() - 1])?;
+                }
+            }
+            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            batch.generate(&mut refs, &prompts, &fed, &params)?;
+            let p = batch.take_profile().unwrap_or_default();
+            row["profile_per_step"] = serde_json::json!(family_table(&p.submits, p.submits.len().max(1) as f64));
+        }
+        rows.push(row);
     }
     Ok(serde_json::Value::Array(rows))
 }

@@ -193,6 +193,35 @@ fn greedy_batches_choose_on_the_gpu_and_read_back_eight_bytes_a_row() {
 }
 
 #[test]
+fn a_profiled_batch_times_every_dispatch_of_its_steps() {
+    let Some(model) = model_on_own_context() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let mut sessions: Vec<Session> = (0..3).map(|_| Session::new(model.clone(), opts()).expect("session")).collect();
+    let mut batch = Batch::new(model.clone(), 3).expect("batch");
+    let has = model.ctx.features.contains(wgpu::Features::TIMESTAMP_QUERY);
+    assert_eq!(batch.start_profile(), has, "profiling needs timestamps");
+    let mut counted = 0;
+    for step in 0..2 {
+        let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+        let before = model.ctx.counters();
+        batch.step(&mut rows, &ids[step..step + 3]).expect("step");
+        counted += (model.ctx.counters() - before).dispatches;
+    }
+    let profile = batch.take_profile();
+    assert!(batch.take_profile().is_none(), "taking the profile stops profiling");
+    if !has {
+        assert!(profile.is_none());
+        return;
+    }
+    let profile = profile.expect("profiled");
+    assert_eq!(profile.submits.len(), 2, "one list per step");
+    let timed: Vec<_> = profile.submits.iter().flatten().collect();
+    assert_eq!(timed.len() as u64, counted, "every dispatch the engine counted is timed");
+    assert!(timed.iter().all(|t| t.ns.is_finite() && t.ns >= 0.0));
+    assert!(timed.iter().any(|t| t.family == "matvec_batch" && t.weight_bytes > 0), "the projections of 3 rows");
+}
+
+#[test]
 fn sampled_batched_generation_draws_what_each_session_draws_alone() {
     let Some(f) = fixture() else { return };
     let sets = sets(&f);

@@ -10,7 +10,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
-use crate::gpu::{read_f32_via, IoBindCache, Recorder, Staging};
+use crate::gpu::{read_f32_via, IoBindCache, Profile, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
@@ -61,6 +61,8 @@ pub struct Batch {
     lora_t: Option<wgpu::Buffer>,
     /// Greedy steps submit the next step before reading the current one's ids.
     run_ahead: bool,
+    /// Timestamps of every dispatch while profiling (`Batch::start_profile`).
+    profile: Option<Profile>,
 }
 
 /// Where a batched step's token ids come from.
@@ -133,6 +135,7 @@ impl Batch {
             lora: None,
             lora_t: None,
             run_ahead: !ctx.is_cpu(),
+            profile: None,
         })
     }
 
@@ -148,6 +151,20 @@ impl Batch {
     /// See [`Batch::set_run_ahead`].
     pub fn run_ahead(&self) -> bool {
         self.run_ahead
+    }
+
+    /// Time every dispatch of the following steps on the GPU (one list per submit) until
+    /// [`Batch::take_profile`], as [`Session::start_profile`]; returns whether the device has
+    /// timestamps. Profiled steps wait for their timings, so they are slower than plain ones.
+    pub fn start_profile(&mut self) -> bool {
+        let has = self.model.ctx.features.contains(wgpu::Features::TIMESTAMP_QUERY);
+        self.profile = has.then(Profile::default);
+        has
+    }
+
+    /// Stop profiling and return what was timed.
+    pub fn take_profile(&mut self) -> Option<Profile> {
+        self.profile.take()
     }
 
     /// How many bind groups the batch keeps (they are built once per kernel and buffer set).
@@ -303,7 +320,7 @@ impl Batch {
         let ctx = &model.ctx;
         let c = &model.config;
         let sc = &self.scratch;
-        let mut rec = Recorder::new(ctx, &mut self.io);
+        let mut rec = Recorder::new(ctx, &mut self.io).profiled(self.profile.as_mut());
         match ids {
             StepIds::Host(ids) => ctx.write(&self.ids, 0, bytemuck::cast_slice(ids)),
             StepIds::Chosen(rows) => {
