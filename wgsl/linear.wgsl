@@ -17,12 +17,14 @@
 // Scale table: unless lora_sc is NO_TABLE, every t element is also multiplied by the element of
 //    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
-//    of t when lora_sc_stride > 0.
+//    of t when lora_sc_stride > 0. The single-token matvec multiplies them in once per workgroup
+//    while staging t (t_scaled), not once per output row.
 // Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
 //    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
 //    output row); the kernel sums them into workgroup memory in its prologue. Each shader defines
-//    t_vec and t_one, the t values (not the scale table) lora_row reads.
+//    t_vec and t_one, the t values lora_row reads, and t_scaled, whether they already hold the
+//    scale table's factors.
 // Shrink out (matvec with GLU only): when out_rank > 0, the dispatch also writes the LoRA shrink
 //    of its output for the projection that reads it (down_proj), split by workgroup: part w's
 //    column r at y element out_at + w * (out_rank rounded up to 4) + r, the sum over the
@@ -110,7 +112,7 @@ fn lora_row(row: u32, m: u32) -> f32 {
     let rank = p.seg_rank[j];
     let b0 = p.seg_b[j] + (g - start) * rank;
     let t0 = m * p.lora_t_stride + p.seg_t[j];
-    let table = p.lora_sc != NO_TABLE;
+    let table = p.lora_sc != NO_TABLE && !t_scaled();
     let s0 = select(0u, p.lora_sc + m * p.lora_sc_stride + p.seg_t[j], table);
     var acc = 0.0;
     if (((rank | b0 | t0 | s0) & 3u) == 0u) {

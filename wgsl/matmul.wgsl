@@ -49,6 +49,11 @@ fn t_one(e: u32) -> f32 {
     return t_elem(e);
 }
 
+// lora_row multiplies in the scale table itself.
+fn t_scaled() -> bool {
+    return false;
+}
+
 fn put_x(kk: u32, r: u32, v: f32) {
     xs[kk * (TM / 4u) + (r >> 2u)][r & 3u] = v;
 }

@@ -44,37 +44,60 @@ const TM: u32 = 8u;
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
-var<workgroup> tsum: array<vec4<f32>, 64>; // split shrink: t summed from its parts (rank <= 256)
+var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSUM_VECS columns)
 var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs
 
-// Split shrink (linear.wgsl): invocations sum the parts' columns into tsum, 4 at a time (the
-// parts start 16-byte aligned, each rank rounded up to 4 floats); the reduction's barrier comes
-// before lora_row reads them.
-fn sum_parts(li: u32) {
+const TSUM_VECS: u32 = 64u;
+
+// Whether lora_row reads t from tsum (staged by stage_t in the prologue; the reduction's barrier,
+// or the subgroup kernels' own, comes before lora_row reads it): a split shrink
+// (linear.wgsl) summed from its parts, or t's row times its scale table where t fits in tsum.
+// Staging multiplies the table in once per workgroup; lora_row would load a factor beside every
+// t value of every output row (a stacked set's expand read 3 values per rank column, not 2).
+fn t_staged() -> bool {
+    return p.lora_parts > 0u || (p.lora_sc != NO_TABLE && p.lora_t_stride <= 4u * TSUM_VECS);
+}
+
+// Invocations stage t's columns 4 at a time (the parts start 16-byte aligned, each rank rounded
+// up to 4 floats), times the scale table's factors when there is one.
+fn stage_t(li: u32) {
     let cols = (p.lora_t_stride + 3u) / 4u;
     let at = p.lora_parts_at / 4u;
     for (var c = li; c < cols; c += WG) {
-        var sum = vec4<f32>(0.0);
-        for (var q = 0u; q < p.lora_parts; q++) {
-            sum += x[at + q * cols + c];
+        var v = vec4<f32>(0.0);
+        if (p.lora_parts > 0u) {
+            for (var q = 0u; q < p.lora_parts; q++) {
+                v += x[at + q * cols + c];
+            }
+        } else {
+            v = t[c];
         }
-        tsum[c] = sum;
+        if (p.lora_sc != NO_TABLE) {
+            let s = p.lora_sc + 4u * c;
+            v *= vec4<f32>(t_elem(s), t_elem(s + 1u), t_elem(s + 2u), t_elem(s + 3u));
+        }
+        tsum[c] = v;
     }
 }
 
-// The t values lora_row reads: the summed parts, or t's buffer.
+// The t values lora_row reads: the staged ones, or t's buffer.
 fn t_vec(i: u32) -> vec4<f32> {
-    if (p.lora_parts > 0u) {
+    if (t_staged()) {
         return tsum[i];
     }
     return t[i];
 }
 
 fn t_one(e: u32) -> f32 {
-    if (p.lora_parts > 0u) {
+    if (t_staged()) {
         return tsum[e >> 2u][e & 3u];
     }
     return t_elem(e);
+}
+
+// Whether the staged t holds the scale table's factors.
+fn t_scaled() -> bool {
+    return t_staged();
 }
 
 struct Slot {
@@ -354,8 +377,8 @@ fn matvec_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    if (p.lora_parts > 0u) {
-        sum_parts(li);
+    if (t_staged()) {
+        stage_t(li);
     }
     var v = reduce(s, base_partials(s), li);
     if (stores(s, li)) {

@@ -29,6 +29,11 @@ fn t_one(e: u32) -> f32 {
     return t_elem(e);
 }
 
+// lora_row multiplies in the scale table itself.
+fn t_scaled() -> bool {
+    return false;
+}
+
 struct Slot {
     row0: u32,  // first row of the workgroup
     group: u32, // row group of this invocation

@@ -101,9 +101,9 @@ fn matvec_sg_lora(
     @builtin(subgroup_size) sg_size: u32,
 ) {
     let s = slot_sg(wg, nwg, sg_id, sg_lane, sg_size);
-    if (p.lora_parts > 0u) {
-        // The split shrink's t in workgroup memory before any lane's expand reads it.
-        sum_parts(li);
+    if (t_staged()) {
+        // The staged t in workgroup memory before any lane's expand reads it.
+        stage_t(li);
         workgroupBarrier();
     }
     let sums = reduce_sg(s);
