@@ -18,7 +18,7 @@
 //    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
 //    of t when lora_sc_stride > 0. The single-token matvec multiplies them in once per workgroup
-//    while staging t (t_scaled), not once per output row.
+//    while staging t of at most 256 columns (t_scaled), not once per output row.
 // Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
 //    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
