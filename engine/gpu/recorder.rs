@@ -127,6 +127,13 @@ pub struct Profile {
     pub submits: Vec<Vec<Timed>>,
 }
 
+impl Profile {
+    /// An empty profile to record into where `ctx`'s device has timestamps, else `None`.
+    pub(crate) fn if_timed(ctx: &GpuContext) -> Option<Self> {
+        ctx.features.contains(wgpu::Features::TIMESTAMP_QUERY).then(Self::default)
+    }
+}
+
 /// Collects a step's work; [`Recorder::submit`] writes the arena and submits once.
 pub struct Recorder<'a> {
     ctx: &'a GpuContext,

@@ -157,9 +157,8 @@ impl Batch {
     /// [`Batch::take_profile`], as [`Session::start_profile`]; returns whether the device has
     /// timestamps. Profiled steps wait for their timings, so they are slower than plain ones.
     pub fn start_profile(&mut self) -> bool {
-        let has = self.model.ctx.features.contains(wgpu::Features::TIMESTAMP_QUERY);
-        self.profile = has.then(Profile::default);
-        has
+        self.profile = Profile::if_timed(&self.model.ctx);
+        self.profile.is_some()
     }
 
     /// Stop profiling and return what was timed.

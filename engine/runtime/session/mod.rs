@@ -494,9 +494,8 @@ impl Session {
     /// [`Session::take_profile`]. Needs `TIMESTAMP_QUERY`; returns whether the device has it.
     /// Profiled steps wait for their timings, so they are slower than plain ones.
     pub fn start_profile(&mut self) -> bool {
-        let has = self.ctx().features.contains(wgpu::Features::TIMESTAMP_QUERY);
-        self.profile = has.then(Profile::default);
-        has
+        self.profile = Profile::if_timed(self.ctx());
+        self.profile.is_some()
     }
 
     /// Stop profiling and return what was timed.
