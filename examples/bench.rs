@@ -652,13 +652,7 @@ fn batched(
         let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
         let mut tps = Series::default();
         for rep in 0..=args.repeats.min(3) {
-            for s in &mut sessions {
-                s.reset();
-                if prompt.len() > 1 {
-                    s.prefill(&prompt[..prompt.len() - 1])?;
-                }
-            }
-            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            let mut refs = restart(&mut sessions, prompt)?;
             let t = Instant::now();
             let out = batch.generate(&mut refs, &prompts, &fed, &params)?;
             let rate = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
@@ -671,13 +665,7 @@ fn batched(
         let mut row =
             serde_json::json!({ "sessions": n, "steps": steps, "run_ahead": run_ahead, "decode_tok_s": tps.json() });
         if args.profile && batch.start_profile() {
-            for s in &mut sessions {
-                s.reset();
-                if prompt.len() > 1 {
-                    s.prefill(&prompt[..prompt.len() - 1])?;
-                }
-            }
-            let mut refs: Vec<&mut Session> = sessions.iter_mut().collect();
+            let mut refs = restart(&mut sessions, prompt)?;
             batch.generate(&mut refs, &prompts, &fed, &params)?;
             let p = batch.take_profile().unwrap_or_default();
             row["profile_per_step"] = serde_json::json!(family_table(&p.submits, p.submits.len().max(1) as f64));
@@ -685,6 +673,17 @@ fn batched(
         rows.push(row);
     }
     Ok(serde_json::Value::Array(rows))
+}
+
+/// Every session reset and prefilled with `prompt` but its last token (the batch decodes from it).
+fn restart<'a>(sessions: &'a mut [Session], prompt: &[u32]) -> Result<Vec<&'a mut Session>> {
+    for s in sessions.iter_mut() {
+        s.reset();
+        if prompt.len() > 1 {
+            s.prefill(&prompt[..prompt.len() - 1])?;
+        }
+    }
+    Ok(sessions.iter_mut().collect())
 }
 
 /// The last turn of an `args.chat_turns`-turn chat (token ids; the conversation so far, plus
