@@ -214,7 +214,7 @@ fn write_safetensors(path: &Path, tensors: &[Tensor], bf16: bool, rng: &mut Rng)
             for _ in 0..n {
                 let v = rng.draw(t.init);
                 if bf16 {
-                    block.extend_from_slice(&bf16_bits(v).to_le_bytes());
+                    block.extend_from_slice(&half::bf16::from_f32(v).to_bits().to_le_bytes());
                 } else {
                     block.extend_from_slice(&v.to_le_bytes());
                 }
@@ -225,12 +225,6 @@ fn write_safetensors(path: &Path, tensors: &[Tensor], bf16: bool, rng: &mut Rng)
     }
     w.flush()?;
     Ok(offset as u64)
-}
-
-/// f32 to bf16, rounding to nearest even (the values here are finite).
-fn bf16_bits(v: f32) -> u16 {
-    let b = v.to_bits();
-    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
 fn config_json(d: &Dims) -> Value {
