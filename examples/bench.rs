@@ -697,15 +697,21 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     let decode = args.decode.min(8);
     let opts = SessionOptions { max_context: turns * (user + decode) + 16, max_batch: args.prompt.max(1) };
     let params = GenerateParams { stop_at_eos: false, ..greedy(decode) };
-    let turn = |session: &mut Session, cache: &mut PromptCache, prompt: &[u32]| -> Result<(Vec<u32>, f64)> {
+    // (reply, seconds to the first reply token, seconds for the whole turn)
+    let turn = |session: &mut Session, cache: &mut PromptCache, prompt: &[u32]| -> Result<(Vec<u32>, f64, f64)> {
         let t = Instant::now();
+        let mut first = None;
         let fed = cache.prepare(session, prompt, None)?;
-        let out = session.generate_from_with(prompt, fed, &params, |_, _| Ok::<_, qwen35_wgpu::RunError>(true))?;
+        let out = session.generate_from_with(prompt, fed, &params, |_, _| {
+            first.get_or_insert_with(|| t.elapsed().as_secs_f64());
+            Ok::<_, qwen35_wgpu::RunError>(true)
+        })?;
         let s = t.elapsed().as_secs_f64();
         cache.finish(session, prompt, &out);
-        Ok((out, s))
+        Ok((out, first.unwrap_or(s), s))
     };
     let (mut with, mut without) = (Series::default(), Series::default());
+    let (mut first_with, mut first_without) = (Series::default(), Series::default());
     let mut last_prompt = 0;
     for repeat in 0..=args.repeats.min(2) {
         for cached in [true, false] {
@@ -713,20 +719,19 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
             let mut cache = PromptCache::default();
             cache.set_enabled(cached);
             let mut conversation = Vec::new();
-            let mut last = 0.0;
+            let mut last = (0.0, 0.0);
             for k in 0..turns {
                 conversation.extend((0..user as u32).map(|i| (i * 7919 + 13 + k as u32 * 104_729) % vocab));
-                let (out, s) = turn(&mut session, &mut cache, &conversation)?;
+                let (out, first, s) = turn(&mut session, &mut cache, &conversation)?;
                 last_prompt = conversation.len();
                 conversation.extend(out);
-                last = s;
+                last = (first, s);
             }
             if repeat > 0 {
-                if cached {
-                    with.0.push(last)
-                } else {
-                    without.0.push(last)
-                }
+                let (whole, first) =
+                    if cached { (&mut with, &mut first_with) } else { (&mut without, &mut first_without) };
+                first.0.push(last.0);
+                whole.0.push(last.1);
             }
         }
     }
@@ -737,6 +742,9 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
         "last_turn_s_with_cache": with.json(),
         "last_turn_s_without_cache": without.json(),
         "speedup": without.median() / with.median(),
+        "last_turn_first_token_s_with_cache": first_with.json(),
+        "last_turn_first_token_s_without_cache": first_without.json(),
+        "first_token_speedup": first_without.median() / first_with.median(),
     }))
 }
 
