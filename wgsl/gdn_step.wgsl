@@ -3,7 +3,9 @@
 // The same math as gdn_conv.wgsl + gdn_rule.wgsl + norm.wgsl `rms_norm_gated` (see there for the
 // formulas), with the per-head work shared instead of repeated: one workgroup per value head
 // convolves the head's channels once into workgroup memory, computes the q/k l2 norms once, then
-// each invocation updates state columns; the output norm is a workgroup sum.
+// each invocation updates state columns; the output norm is a workgroup sum. Both sums are summed
+// in two levels (`total`): each invocation's strided partial, then CHUNKS chunk sums, then every
+// invocation adds the chunks: CHUNK + CHUNKS loads each instead of Dk or Dv.
 //
 // mixed:      [C + Vd + 2 Hv]  the concatenated input projections' output: in_proj_qkv's (C),
 //                           then in_proj_z's, in_proj_b's and in_proj_a's (zba below = from C)
@@ -35,6 +37,9 @@ struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
 }
 
 const WG: u32 = 128u;
+const CHUNK: u32 = 8u;     // parts per chunk sum
+const CHUNKS: u32 = 16u;
+const_assert CHUNK * CHUNKS == WG;
 const MAX_D: u32 = 256u;   // largest Dk and Dv this kernel takes (the host checks)
 
 @group(0) @binding(0) var<uniform> p: Params;
@@ -51,6 +56,28 @@ var<workgroup> qs: array<f32, MAX_D>;
 var<workgroup> ks: array<f32, MAX_D>;
 var<workgroup> vs: array<f32, MAX_D>;
 var<workgroup> os: array<f32, MAX_D>;
+var<workgroup> parts: array<vec2<f32>, WG>;
+var<workgroup> chunks: array<vec2<f32>, CHUNKS>;
+
+// The workgroup's sum of every invocation's `own`, returned to all. Begins with a barrier, so the
+// workgroup-memory writes before the call are visible after it.
+fn total(li: u32, own: vec2<f32>) -> vec2<f32> {
+    parts[li] = own;
+    workgroupBarrier();
+    if (li < CHUNKS) {
+        var s = vec2<f32>(0.0);
+        for (var i = 0u; i < CHUNK; i++) {
+            s += parts[li * CHUNK + i];
+        }
+        chunks[li] = s;
+    }
+    workgroupBarrier();
+    var t = vec2<f32>(0.0);
+    for (var c = 0u; c < CHUNKS; c++) {
+        t += chunks[c];
+    }
+    return t;
+}
 
 // silu(conv) of channel ch for this token; shifts the history into conv_out when `write`.
 fn conv_channel(ch: u32, write: bool) -> f32 {
@@ -78,26 +105,25 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let kh = h / group;
     let kd = p.hk * p.dk;
     let owner = h % group == 0u;
+    var own = vec2<f32>(0.0);
     for (var i = li; i < p.dk; i += WG) {
-        qs[i] = conv_channel(kh * p.dk + i, owner);
-        ks[i] = conv_channel(kd + kh * p.dk + i, owner);
+        let q = conv_channel(kh * p.dk + i, owner);
+        let k = conv_channel(kd + kh * p.dk + i, owner);
+        qs[i] = q;
+        ks[i] = k;
+        own = fma(vec2<f32>(q, k), vec2<f32>(q, k), own);
     }
     for (var j = li; j < p.dv; j += WG) {
         vs[j] = conv_channel(2u * kd + h * p.dv + j, true);
     }
-    workgroupBarrier();
-    var qq = 0.0;
-    var kk = 0.0;
-    for (var i = 0u; i < p.dk; i++) {
-        qq = fma(qs[i], qs[i], qq);
-        kk = fma(ks[i], ks[i], kk);
-    }
-    let qn = inverseSqrt(qq + 1e-6) * inverseSqrt(f32(p.dk));
-    let kn = inverseSqrt(kk + 1e-6);
+    let qk = total(li, own);
+    let qn = inverseSqrt(qk.x + 1e-6) * inverseSqrt(f32(p.dk));
+    let kn = inverseSqrt(qk.y + 1e-6);
     let gates = p.c * p.k;
     let vd = p.hv * p.dv;
     let beta = sigmoid(mixed[p.c + vd + h]);
     let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
+    var oo = 0.0;
     for (var j = li; j < p.dv; j += WG) {
         let sb = h * p.dk * p.dv + j;
         var mem = 0.0;
@@ -112,12 +138,9 @@ fn head_step(h: u32, li: u32, keep: bool) {
             o = fma(s, qs[i] * qn, o);
         }
         os[j] = o;
+        oo = fma(o, o, oo);
     }
-    workgroupBarrier();
-    var ss = 0.0;
-    for (var j = 0u; j < p.dv; j++) {
-        ss = fma(os[j], os[j], ss);
-    }
+    let ss = total(li, vec2<f32>(oo, 0.0)).x;
     let scale = inverseSqrt(ss / f32(p.dv) + p.eps);
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
