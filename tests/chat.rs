@@ -247,6 +247,17 @@ fn tokenizer_settings_that_would_panic_or_cut_prompts_are_refused_or_ignored() {
     assert!(e.contains("Strip") && e.contains("stop"), "{e}");
     let nested = json!({"type": "Sequence", "decoders": [{"type": "Strip", "content": " ", "start": 0, "stop": 2}]});
     assert!(load(&|t| t["decoder"] = nested.clone()).is_err(), "inside a sequence too");
+    // A decoder field tokenizers' loader cannot parse (it `expect`s it to) is an error, not a
+    // panic: a number out of f64's range, a lone surrogate, nesting past serde_json's limit.
+    let mut marked = base.clone();
+    marked["decoder"] = json!("@decoder@");
+    let marked = marked.to_string();
+    let deep = format!("{}{}", "[".repeat(200), "]".repeat(200));
+    for raw in ["1e400", r#""\udc00""#, deep.as_str()] {
+        std::fs::write(dir.join("tokenizer.json"), marked.replace(r#""@decoder@""#, raw)).expect("write");
+        let e = TextTokenizer::from_dir(&dir).err().expect("refused").to_string();
+        assert!(e.contains("tokenizer.json"), "{raw}: {e}");
+    }
     // A Precompiled normalizer (tokenizers' loader expects a well-formed charsmap, an empty one
     // panics on the first encode) and a pre-tokenizer length of 0 (chunks(0)): refused before
     // tokenizers reads them, tagged, inside a sequence or untagged.
@@ -299,5 +310,12 @@ fn named_templates_are_picked_as_transformers_picks_them_and_openai_arguments_pa
         "a string has no .tz: the template sees what was given"
     );
     assert_eq!(tok.render_chat(&tools.parse_tool_arguments()).expect("tool_use"), "T1UTC");
+    // Each named template is compiled at load: a list longer than the cap is refused.
+    let many: Vec<_> = (0..=qwen35_wgpu::text::MAX_NAMED_TEMPLATES)
+        .map(|i| json!({"name": format!("t{i}"), "template": "x"}))
+        .collect();
+    std::fs::write(dir.join("tokenizer_config.json"), json!({"chat_template": many}).to_string()).expect("config");
+    let e = TextTokenizer::from_dir(&dir).err().expect("too many templates").to_string();
+    assert!(e.contains("at most 64 named templates, found 65"), "{e}");
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }

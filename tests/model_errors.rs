@@ -130,6 +130,17 @@ fn unreadable_and_malformed_files_are_typed_errors() {
     std::fs::remove_file(dir.join("model.safetensors")).expect("rm");
     assert!(matches!(Checkpoint::open_dir(&dir), Err(ModelError::NoWeights { .. })));
 
+    // An entry is read only by the checkpoint it came from (another's file list may hold a
+    // different file, or none, at its index).
+    let (one, other) = (
+        Checkpoint::open_dir(&fixture_model(BASE)).expect("open"),
+        Checkpoint::open_dir(&fixture_model(BASE)).expect("open"),
+    );
+    let name = one.names().next().expect("a tensor").to_string();
+    let entry = other.get(&name).expect("the same name");
+    assert!(other.read(entry).is_ok(), "its own checkpoint reads it");
+    assert!(matches!(one.read(entry), Err(ModelError::Unsupported { .. })), "{name}: another checkpoint's entry");
+
     let dir = scratch_copy(&fixture_model(BASE), "truncated");
     let file = dir.join("model.safetensors");
     let bytes = std::fs::read(&file).expect("read");

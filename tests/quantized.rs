@@ -316,6 +316,31 @@ fn mlx_saves_refuse_colliding_names() {
     std::fs::remove_dir_all(&src).ok();
 }
 
+/// A matrix to quantize with no rows and a width whose word count overflows (a header the
+/// safetensors sizes accept: zero bytes) is a typed error, not an overflow.
+#[test]
+fn mlx_saves_refuse_empty_matrices_of_absurd_width() {
+    let src = scratch_copy(&fixture_model("mlx_source_bf16"), "mlx-absurd-width");
+    let file = src.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let up = st.names().into_iter().find(|n| n.ends_with("layers.0.mlp.up_proj.weight")).expect("up_proj").to_string();
+    let mut views: Vec<(String, safetensors::tensor::TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| *n != up).map(|(n, v)| (n.to_string(), v)).collect();
+    views.push((
+        up.clone(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![0, 1 << 62], &[]).expect("view"),
+    ));
+    let out = safetensors::serialize(views, None).expect("serialize");
+    std::fs::write(&file, out).expect("write");
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-absurd-width-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("no rows, 2^62 columns").to_string();
+    assert!(e.contains(&up) && e.contains("row"), "{e}");
+    assert!(!dir.exists(), "nothing written");
+    std::fs::remove_dir_all(&src).ok();
+}
+
 /// A save into a directory whose index would shadow the saved file, or into the source itself,
 /// is refused before anything is written; a save whose config cannot be moved into place (a
 /// directory holds its name) leaves the earlier weights and no temporary behind.

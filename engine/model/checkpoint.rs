@@ -20,6 +20,8 @@ pub struct TensorEntry {
     pub dtype: String,
     /// The shape.
     pub shape: Vec<usize>,
+    /// The checkpoint it belongs to ([`Checkpoint::read`] refuses another's entry).
+    checkpoint: u64,
     file: usize,
     begin: u64,
     end: u64,
@@ -35,6 +37,8 @@ impl TensorEntry {
 
 /// The tensors of one or more safetensors files, by name.
 pub struct Checkpoint {
+    /// Unique per opened checkpoint, in each of its entries.
+    id: u64,
     files: Vec<(PathBuf, u64)>,
     tensors: HashMap<String, TensorEntry>,
     metadata: HashMap<String, String>,
@@ -99,7 +103,10 @@ impl Checkpoint {
             let data_start = read_header(path, i, &mut tensors, &mut metadata)?;
             files.push((path.clone(), data_start));
         }
-        Ok(Self { files, tensors, metadata })
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        tensors.values_mut().for_each(|e: &mut TensorEntry| e.checkpoint = id);
+        Ok(Self { id, files, tensors, metadata })
     }
 
     /// The `__metadata__` string map of the header(s).
@@ -132,7 +139,9 @@ impl Checkpoint {
     /// A tensor's raw little-endian bytes, values unchecked (the adapter parser checks its own
     /// bound and names the value).
     pub(crate) fn read_raw(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
-        let (path, data_start) = &self.files[entry.file];
+        let Some((path, data_start)) = self.files.get(entry.file).filter(|_| entry.checkpoint == self.id) else {
+            return Err(ModelError::Unsupported { what: "reading a tensor entry of another checkpoint".into() });
+        };
         let io = |source| ModelError::Io { path: path.clone(), source };
         let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;
@@ -331,7 +340,7 @@ fn checked_entry(name: &str, e: RawEntry, file: usize, data_len: u64) -> Result<
             ));
         }
     }
-    Ok(TensorEntry { dtype: e.dtype, shape, file, begin, end })
+    Ok(TensorEntry { dtype: e.dtype, shape, checkpoint: 0, file, begin, end })
 }
 
 /// Read and check the header of file number `file` into `tensors` and `metadata`; returns where

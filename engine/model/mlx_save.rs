@@ -118,6 +118,16 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
             let cols = entry.shape[1];
             match recipe.spec(&rest, cols) {
                 Some((bits, group)) => {
+                    let rows = entry.shape[0];
+                    let words = cols.checked_mul(bits as usize).map(|b| b / 32).filter(|_| rows > 0).ok_or_else(|| {
+                        ModelError::BadSafetensors {
+                            path: src.to_path_buf(),
+                            message: format!(
+                                "{name}: expected a matrix of at least one row and at most 2^61 columns to quantize, found shape {:?}",
+                                entry.shape
+                            ),
+                        }
+                    })?;
                     let q = quantize_bytes(&bytes, dtype, cols, bits, group).ok_or_else(|| {
                         ModelError::UnsupportedDtype { name: name.into(), found: entry.dtype.clone() }
                     })?;
@@ -125,11 +135,11 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
                         HalfType::BF16 => StDtype::BF16,
                         HalfType::F16 => StDtype::F16,
                     };
-                    let (rows, groups) = (entry.shape[0], cols / group as usize);
+                    let groups = cols / group as usize;
                     tensors.push((
                         mlx.clone(),
                         StDtype::U32,
-                        vec![rows, cols * bits as usize / 32],
+                        vec![rows, words],
                         bytemuck::cast_slice(&q.words).to_vec(),
                     ));
                     tensors.push((

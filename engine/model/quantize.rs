@@ -77,13 +77,14 @@ pub fn scale_type(dtype: Dtype) -> HalfType {
 
 /// [`quantize_affine`] of a float matrix's raw bytes, one row widened at a time; `None` if
 /// `dtype` is not a float dtype, or `bits` / `group` are not ones the kernels decode
-/// ([`Affine::BITS`], [`Affine::GROUPS`]) with `cols` a multiple of `group`.
+/// ([`Affine::BITS`], [`Affine::GROUPS`]) with `cols` a multiple of `group`, or a row of
+/// `cols` values does not fit in `usize` bytes.
 pub fn quantize_bytes(bytes: &[u8], dtype: Dtype, cols: usize, bits: u32, group: u32) -> Option<AffineData> {
     let format = Affine { bits, group, scales: scale_type(dtype) };
     if !quantizable(format, cols) {
         return None;
     }
-    let row_bytes = dtype.row_bytes(cols);
+    let row_bytes = dtype.matrix_bytes(1, cols)?;
     let rows = bytes.len() / row_bytes.max(1);
     let mut out = AffineData {
         format,

@@ -55,6 +55,10 @@ pub enum TextError {
 /// The largest `tokenizer.json` read (Qwen's is 11 MB).
 pub const MAX_TOKENIZER_BYTES: u64 = 64 << 20;
 
+/// The most named chat templates read from `tokenizer_config.json` (each is compiled once at
+/// load; checkpoints name one to three: `default`, `tool_use`, `rag`).
+pub const MAX_NAMED_TEMPLATES: usize = 64;
+
 /// A tokenizer with its special tokens and (optional) chat template.
 pub struct TextTokenizer {
     inner: tokenizers::Tokenizer,
@@ -116,6 +120,12 @@ impl TextTokenizer {
             match config.get("chat_template") {
                 Some(serde_json::Value::String(s)) => templates.push(("default".into(), ChatTemplate::new(s.clone())?)),
                 Some(serde_json::Value::Array(list)) => {
+                    if list.len() > MAX_NAMED_TEMPLATES {
+                        return Err(TextError::Template(format!(
+                            "tokenizer_config.json chat_template: expected at most {MAX_NAMED_TEMPLATES} named templates, found {}",
+                            list.len()
+                        )));
+                    }
                     for t in list {
                         let name = t.get("name").and_then(|n| n.as_str());
                         let source = t.get("template").and_then(|t| t.as_str());
@@ -258,13 +268,18 @@ struct Stages {
     normalizer: serde_json::Value,
     #[serde(default)]
     pre_tokenizer: serde_json::Value,
+    /// Read only to be parsed: tokenizers `expect`s its decoder field to parse as JSON (a number
+    /// out of f64's range, a lone surrogate or nesting past serde_json's depth limit there
+    /// panics), and a `Value` parses it the same way.
+    #[serde(default, rename = "decoder")]
+    _decoder: serde_json::Value,
 }
 
-/// Refuse normalizers and pre-tokenizers tokenizers panics on, before it reads them: a
-/// `Precompiled` normalizer (its loader `expect`s a well-formed charsmap, and an empty or
-/// inconsistent one indexes out of bounds on the first encode; Qwen's tokenizers normalize by
-/// NFC) and a pre-tokenizer `length` of 0 (`FixedLength` splits with `chunks(0)`). Untagged
-/// stages are screened by their fields, at any depth of a `Sequence`.
+/// Refuse what tokenizers panics on, before it reads the file: a `decoder` field that does not
+/// parse as JSON, a `Precompiled` normalizer (its loader `expect`s a well-formed charsmap,
+/// and an empty or inconsistent one indexes out of bounds on the first encode; Qwen's tokenizers
+/// normalize by NFC) and a pre-tokenizer `length` of 0 (`FixedLength` splits with `chunks(0)`).
+/// Untagged stages are screened by their fields, at any depth of a `Sequence`.
 fn screen_stages(json: &str) -> Result<(), TextError> {
     let refuse = |message: String| TextError::Tokenizer { during: "loading tokenizer.json", message };
     let stages: Stages = serde_json::from_str(json).map_err(|e| refuse(e.to_string()))?;
