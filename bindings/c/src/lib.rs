@@ -16,7 +16,7 @@
 
 #![allow(non_camel_case_types)]
 
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -115,8 +115,10 @@ static NEXT_ENGINE: AtomicU64 = AtomicU64::new(1);
 
 thread_local! {
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
-    /// The engine whose streaming callback this thread is running (0: none).
-    static IN_CALLBACK: Cell<qe_engine> = const { Cell::new(0) };
+    /// The engines whose streaming callbacks this thread is running, innermost last (a callback
+    /// may run another engine's generation, whose callback runs inside it); the calls running
+    /// them hold their locks.
+    static IN_CALLBACK: RefCell<Vec<qe_engine>> = const { RefCell::new(Vec::new()) };
 }
 
 /// A failed call: its status and message.
@@ -183,10 +185,10 @@ fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
     engines().get(&handle).cloned().ok_or_else(|| not_open(handle))
 }
 
-/// The engine's state, refused from inside its own streaming callback (the lock is held by the
-/// call running it: waiting would never end).
+/// The engine's state, refused from inside its own streaming callback, at any depth of nested
+/// callbacks (the lock is held by the call running it: waiting would never end).
 fn lock(e: &Engine) -> Res<MutexGuard<'_, State>> {
-    if IN_CALLBACK.with(Cell::get) == e.id {
+    if IN_CALLBACK.with(|c| c.borrow().contains(&e.id)) {
         return Err(Fail::arg(format!(
             "engine {} is running this thread's streaming callback: only qe_cancel, qe_last_error, \
              qe_string_free and other engines may be called from it",
@@ -790,10 +792,10 @@ impl<'a> Sink<'a> {
             return false;
         }
         let Some(f) = self.cb else { return true };
-        let outer = IN_CALLBACK.with(|c| c.replace(self.entry.engine.id));
+        IN_CALLBACK.with(|c| c.borrow_mut().push(self.entry.engine.id));
         // SAFETY: the caller's callback, given valid text for the duration of the call.
         let go_on = unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) } != 0;
-        IN_CALLBACK.with(|c| c.set(outer));
+        IN_CALLBACK.with(|c| c.borrow_mut().pop());
         self.stopped = !go_on;
         go_on
     }

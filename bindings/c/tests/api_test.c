@@ -112,16 +112,30 @@ static void *cancel_loop(void *arg) {
     return NULL;
 }
 
-/* A callback that calls back into engines: the one it runs on (refused, not a deadlock) and
-   another (allowed). */
+/* A callback that calls back into engines: the one it runs on (refused, not a deadlock),
+   another (allowed), and another's generation whose own callback calls the first engine
+   (refused too: its lock is held further out). */
 typedef struct {
     qe_engine engine;
     qe_session session;
     qe_engine other;
+    qe_session other_session;
     qe_status same;
     qe_status other_status;
+    qe_status nested_generate;
+    qe_status nested_outer;
     int calls;
 } reentrant;
+
+static int32_t call_outer_engine(const char *text, size_t len, void *user) {
+    reentrant *r = (reentrant *)user;
+    (void)text;
+    (void)len;
+    char *json = NULL;
+    r->nested_outer = qe_session_adapters(r->engine, r->session, &json);
+    qe_string_free(json);
+    return 0;
+}
 
 static int32_t call_back_in(const char *text, size_t len, void *user) {
     reentrant *r = (reentrant *)user;
@@ -132,6 +146,10 @@ static int32_t call_back_in(const char *text, size_t len, void *user) {
     qe_string_free(json);
     json = NULL;
     r->other_status = qe_adapters_list(r->other, &json);
+    qe_string_free(json);
+    json = NULL;
+    r->nested_generate = qe_generate(r->other, r->other_session, "Hi", "{\"max_tokens\": 8, \"stop_at_eos\": false}",
+                                     call_outer_engine, r, &json);
     qe_string_free(json);
     r->calls++;
     return 0;
@@ -422,7 +440,7 @@ int main(int argc, char **argv) {
 
     /* The callback may not call its own engine (refused, not a deadlock), may call another, and
        is not called again after returning 0, even with text held back for stop strings. */
-    reentrant r = {e2, t2, e, QE_OK, QE_PANIC, 0};
+    reentrant r = {e2, t2, e, s, QE_OK, QE_PANIC, QE_PANIC, QE_OK, 0};
     reply = NULL;
     st = qe_generate(e2, t2, "Hello", "{\"max_tokens\": 16, \"stop\": [\"###\"], \"stop_at_eos\": false}",
                      call_back_in, &r, &reply);
@@ -431,6 +449,8 @@ int main(int argc, char **argv) {
     CHECK(r.calls == 1, "the callback returned 0 once and was called %d times", r.calls);
     CHECK(r.same == QE_INVALID_ARGUMENT, "its own engine from the callback: %d", (int)r.same);
     CHECK(r.other_status == QE_OK, "another engine from the callback: %d", (int)r.other_status);
+    CHECK(r.nested_generate == QE_OK, "another engine's generation from the callback: %d", (int)r.nested_generate);
+    CHECK(r.nested_outer == QE_INVALID_ARGUMENT, "the outer engine from the nested callback: %d", (int)r.nested_outer);
 
     /* A NUL in a trainable adapter's id is refused before anything changes. */
     char *nul_id = NULL;
