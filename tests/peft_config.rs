@@ -257,21 +257,29 @@ fn an_adapter_past_the_element_bound_is_refused_from_its_header() {
     std::fs::remove_dir_all(&dir).ok();
 }
 
+/// Patterns that backtrack exponentially in Python's `re` get Python's answer, fast: the
+/// look-ahead's body runs on the linear engine, so no key has an `x` to find (q_proj is then not
+/// targeted, the rank pattern applies nowhere and the default rank is the file's), an empty
+/// nest of groups matches no module, and a pattern past the size cap is refused.
 #[test]
 fn catastrophic_regexes_are_bounded() {
     let model = model();
     let owned = pair(Q3, Proj::QProj, 8, 0.01);
-    for config in [
-        json!({"r": 8, "target_modules": r"(?=(.*)*x)(.*)*q_proj"}),
-        json!({"r": 8, "rank_pattern": {r"(?=(.*.*)*x).*": 8}}),
-        json!({"r": 8, "target_modules": "(".repeat(100) + &")".repeat(100)}),
-        json!({"r": 8, "target_modules": "a".repeat(5000)}),
-    ] {
+    let not_targeted = |r: &Result<(), AdapterError>| matches!(r, Err(AdapterError::NotTargeted { why, .. }) if why == "target_modules");
+    let parses = |r: &Result<(), AdapterError>| r.is_ok();
+    let too_long = |r: &Result<(), AdapterError>| matches!(r, Err(AdapterError::BadConfig { field, .. }) if field == "target_modules");
+    let cases: [(Value, &dyn Fn(&Result<(), AdapterError>) -> bool); 4] = [
+        (json!({"r": 8, "target_modules": r"(?=(.*)*x)(.*)*q_proj"}), &not_targeted),
+        (json!({"r": 8, "rank_pattern": {r"(?=(.*.*)*x).*": 8}}), &parses),
+        (json!({"r": 8, "target_modules": "(".repeat(100) + &")".repeat(100)}), &not_targeted),
+        (json!({"r": 8, "target_modules": "a".repeat(5000)}), &too_long),
+    ];
+    for (config, expected) in cases {
         let dir = peft_dir("catastrophic", config.clone(), &refs(&owned));
         let start = Instant::now();
         let result = peft::parse(&dir, &model).map(|_| ());
-        // Refused, or (where the engine's regex gives up early) not targeted: typed, and fast.
-        assert!(start.elapsed().as_secs_f64() < HOSTILE_INPUT_SECONDS, "{config}: {:?}", result.err());
+        assert!(start.elapsed().as_secs_f64() < HOSTILE_INPUT_SECONDS, "{config}: {:?}", result.as_ref().err());
+        assert!(expected(&result), "{config}: {:?}", result.as_ref().err());
     }
 }
 
@@ -383,6 +391,7 @@ fn committed_fixture_adapters_parse_on_the_cpu() {
         covered.insert(name, parsed.deltas.len());
     }
     // The counts the GPU tests check through AdapterInfo, here without a device.
-    assert_eq!(covered["patterns_r16"], 2 * 4 + 6 * 5 + 8 * 3);
-    assert_eq!(covered["layers_0_3"], 2 * 3 + 5 + 4);
+    for name in ["all12_r8", "gdn_mlp_r4_rslora", "patterns_r16", "layers_0_3"] {
+        assert_eq!(covered[name], common::lora_a_tensors(&dir.join(name)), "{name}: the modules peft saved");
+    }
 }

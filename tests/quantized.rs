@@ -35,6 +35,7 @@ fn session(model: &Arc<Model>) -> Session {
 /// Every position of `ours` vs `want` (rows of `vocab` logits): ‖ours − want‖ / ‖want‖ ≤ `rel` and
 /// max |ours − want| ≤ `abs`.
 fn assert_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize, rel: f32, abs: f32) {
+    common::assert_whole_rows(what, ours, want, vocab);
     for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let (r, m) = rel_and_max(o, w);
         assert!(r <= rel && m <= abs, "{what} position {pos}: rel {r:.3e} (≤ {rel}), max abs {m:.3e} (≤ {abs})");

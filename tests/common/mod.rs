@@ -33,28 +33,23 @@ pub fn adapter_required() -> bool {
 /// test-gpu`), a software adapter is an error. `tests/gpu_policy.rs` checks this policy.
 pub fn gpu() -> Option<Arc<GpuContext>> {
     static CTX: OnceLock<Result<Arc<GpuContext>, String>> = OnceLock::new();
-    let ctx = CTX.get_or_init(|| GpuContext::new().map(Arc::new).map_err(|e| e.to_string()));
-    match ctx {
-        Ok(ctx) => {
-            if std::env::var("QWEN35_REJECT_CPU_ADAPTER").as_deref() == Ok("1") && ctx.is_cpu() {
-                panic!("adapter {:?} is a CPU rasteriser; test-gpu needs a real GPU (or --allow-cpu)", ctx.info.name);
-            }
-            Some(ctx.clone())
-        }
-        Err(e) => {
-            if adapter_required() {
-                panic!("no GPU adapter (CI or QWEN35_REQUIRE_ADAPTER is set): {e}");
-            }
-            eprintln!("SKIPPED: no GPU adapter ({e}); set CI=true to make this a failure");
-            None
-        }
-    }
+    under_policy(CTX.get_or_init(|| GpuContext::new().map(Arc::new).map_err(|e| e.to_string())).clone())
 }
 
 /// A context of its own with `options` (not shared), under the same policy as [`gpu`].
 pub fn gpu_with(options: qwen35_wgpu::GpuOptions) -> Option<Arc<GpuContext>> {
-    match GpuContext::with_options(options) {
-        Ok(ctx) => Some(Arc::new(ctx)),
+    under_policy(GpuContext::with_options(options).map(Arc::new).map_err(|e| e.to_string()))
+}
+
+/// [`gpu`]'s policy applied to an attempt to make a context.
+fn under_policy(made: Result<Arc<GpuContext>, String>) -> Option<Arc<GpuContext>> {
+    match made {
+        Ok(ctx) => {
+            if std::env::var("QWEN35_REJECT_CPU_ADAPTER").as_deref() == Ok("1") && ctx.is_cpu() {
+                panic!("adapter {:?} is a CPU rasteriser; test-gpu needs a real GPU (or --allow-cpu)", ctx.info.name);
+            }
+            Some(ctx)
+        }
         Err(e) => {
             if adapter_required() {
                 panic!("no GPU adapter (CI or QWEN35_REQUIRE_ADAPTER is set): {e}");
@@ -118,10 +113,23 @@ pub fn rel_and_max(a: &[f32], b: &[f32]) -> (f32, f32) {
     ((num.sqrt() / den.sqrt().max(1e-30)) as f32, max)
 }
 
+/// `ours` and `want` hold the same number of rows of `vocab` values, at least one (a row-wise
+/// comparison by `zip` would pass an empty or short `ours`).
+pub fn assert_whole_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
+    assert!(
+        vocab > 0 && !want.is_empty() && want.len() % vocab == 0 && ours.len() == want.len(),
+        "{what}: expected {} values ({} rows of {vocab}), found {}",
+        want.len(),
+        want.len() / vocab.max(1),
+        ours.len()
+    );
+}
+
 /// Every row of `vocab` logits of `ours` against `want` within the logits tolerances
 /// ([`tolerance::LOGITS_REL`], [`tolerance::LOGITS_MAX_ABS`]).
 pub fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
     use tolerance::{LOGITS_MAX_ABS, LOGITS_REL};
+    assert_whole_rows(what, ours, want, vocab);
     for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let (rel, max) = rel_and_max(o, w);
         assert!(
@@ -155,6 +163,15 @@ pub fn assert_close(what: &str, ours: &[f32], want: &[f32], atol: f32, rtol: f32
             worst.join("\n  ")
         );
     }
+}
+
+/// The modules a PEFT adapter directory's file adapts: its `lora_A` tensors, counted in the file
+/// peft wrote (the oracle for the modules the engine reports covered).
+pub fn lora_a_tensors(adapter: &Path) -> usize {
+    let path = adapter.join("adapter_model.safetensors");
+    let bytes = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    st.names().iter().filter(|n| n.contains(".lora_A.")).count()
 }
 
 /// Copy a fixture directory into a fresh temporary directory for a test to damage.
