@@ -41,6 +41,35 @@ fn absurd_session_sizes_are_typed_errors() {
     Session::new(model, opts()).expect("a sane session still opens");
 }
 
+/// The RoPE table against its formula in f64, cos and sin of p · θ^(−2i/R) at every position
+/// and frequency, for the fixture's config and the published Qwen 3.5 one (R = 64 of a 256-wide
+/// head, θ = 10^7), over 4,096 positions (further than any reference fixture reaches).
+#[test]
+fn the_rope_table_is_its_formula() {
+    use common::tolerance::{ROPE_ABS_ULPS, ROPE_ULPS_PER_POSITION};
+    let fixture = qwen35_wgpu::TextConfig::from_dir(&common::fixture_model("odd_untied_f32")).expect("config");
+    let mut published = fixture.clone();
+    (published.rotary_dim, published.rope_theta) = (64, 1e7);
+    let positions = 4096;
+    for c in [fixture, published] {
+        let table = qwen35_wgpu::runtime::rope_table(&c, positions).expect("table");
+        let half = c.rotary_dim / 2;
+        assert_eq!(table.len(), positions * half * 2, "[positions, R/2] of (cos, sin)");
+        let ulp = (-24f64).exp2();
+        for p in 0..positions {
+            for i in 0..half {
+                let angle = p as f64 * c.rope_theta.powf(-((2 * i) as f64) / c.rotary_dim as f64);
+                let bound = (ROPE_ULPS_PER_POSITION * p as f64 + ROPE_ABS_ULPS) * ulp;
+                let at = 2 * (p * half + i);
+                for (what, got, want) in [("cos", table[at], angle.cos()), ("sin", table[at + 1], angle.sin())] {
+                    let err = (got as f64 - want).abs();
+                    assert!(err <= bound, "R {} θ {}: {what} at position {p}, frequency {i}: {got} vs {want} (err {err:.2e} > {bound:.2e})", c.rotary_dim, c.rope_theta);
+                }
+            }
+        }
+    }
+}
+
 /// The fixture with `lm_head.weight` changed by `f` (element index, value) → value.
 fn head_edited_dir(tag: &str, f: impl Fn(usize, f32) -> f32) -> std::path::PathBuf {
     damaged_model(BASE, tag, |t: &mut Tensors| {

@@ -115,3 +115,13 @@ pub const TOPK_MASS_REL: f64 = 1e-5;
 /// same inputs, so a step that did not reach the stack gives exactly 0; the floor only keeps
 /// the check clear of a change in the last bit of one logit.
 pub const STEP_EFFECT_REL: f32 = 1e-6;
+
+/// The RoPE table's cos / sin vs the formula in f64 (cos(p · θ^(−2i/R))), absolute, per unit of
+/// position, in units of 2^-24: the table rounds as transformers does, in f32, the inverse
+/// frequency (powf and a division: ≤ 2 ulp, so the angle ≤ 2 p ulp) and the angle p · inv (≤ 1 p
+/// ulp since inv ≤ 1); cos and sin move by at most the angle's error. One more per position
+/// for slack; the f32 output's own rounding is ROPE_ABS_ULPS.
+pub const ROPE_ULPS_PER_POSITION: f64 = 4.0;
+
+/// The RoPE table's output rounding to f32, in units of 2^-24 (half an ulp of values ≤ 1, twice).
+pub const ROPE_ABS_ULPS: f64 = 2.0;

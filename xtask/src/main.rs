@@ -28,8 +28,9 @@ cargo xtask <command>
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
-                       run the GPU suite on this machine's real adapter (Metal on Apple Silicon);
-                       refuses a CPU adapter unless --allow-cpu
+                       run every test (release build, the long ones and the C API's included)
+                       on this machine's real adapter (Metal on Apple Silicon); refuses a CPU
+                       adapter unless --allow-cpu
   header               regenerate bindings/c/include/qwen35_wgpu.h with cbindgen (a test fails
                        when the committed header is stale)
   xcframework          macOS only: the C API as a static library for aarch64 and x86_64 macOS,
@@ -367,15 +368,16 @@ fn test_gpu(allow_cpu: bool) -> Result<()> {
         bail!("the adapter is a CPU rasteriser ({name}); pass --allow-cpu to run on it anyway");
     }
     eprintln!("GPU adapter: {name}");
-    let mut cmd = cargo();
-    cmd.args(["test", "--release"])
-        .args(["--test", "parity", "--test", "kernels", "--test", "model_errors", "--test", "lora", "--test", "demo"])
-        .args(["--test", "concurrency", "--test", "context_limit"])
-        .env("QWEN35_REQUIRE_ADAPTER", "1");
-    if !allow_cpu {
-        cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
+    // Every test (the quantized kernels, learning, batches and the fused, run-ahead paths a CPU
+    // adapter does not take among them), the long ones included, then the C API's.
+    for args in [&["--release", "--workspace"][..], &["--release", "--test", "context_limit", "--", "--ignored"]] {
+        let mut cmd = cargo_test(args);
+        if !allow_cpu {
+            cmd.env("QWEN35_REJECT_CPU_ADAPTER", "1");
+        }
+        run(cmd)?;
     }
-    run(cmd)
+    c_api_test()
 }
 
 /// The project's Python (a venv under target/ with the pinned oracle), created on first use.
