@@ -88,8 +88,27 @@ impl Sampler {
     /// (transformers' rule: positive logits are divided by the penalty, negative multiplied, once
     /// per distinct id however often it occurs); an empty row is a `BadParam` error.
     pub fn sample_after(&mut self, logits: &[f32], history: &[u32]) -> Result<u32, RunError> {
+        let l = self.penalized_row(logits, history);
+        self.sample(&l)
+    }
+
+    /// The distribution [`Sampler::sample_after`] draws from: the tokens it keeps after the
+    /// repetition penalty, the temperature, top-k and top-p (best first, ties by id), each with
+    /// its probability (the kept weights renormalised; one token with probability 1 when greedy).
+    /// The random state is not touched.
+    pub fn distribution(&self, logits: &[f32], history: &[u32]) -> Result<Vec<(u32, f64)>, RunError> {
+        let l = self.penalized_row(logits, history);
+        let Some(cand) = self.scaled(&l)? else {
+            return Ok(vec![(argmax(&l), 1.0)]);
+        };
+        let (kept, w, total) = self.kept(cand);
+        Ok(kept.iter().zip(w).map(|(&(id, _), w)| (id, w / total)).collect())
+    }
+
+    /// `logits` with the repetition penalty applied to the distinct ids in `history`.
+    fn penalized_row<'a>(&self, logits: &'a [f32], history: &[u32]) -> std::borrow::Cow<'a, [f32]> {
         if !self.penalizes() {
-            return self.sample(logits);
+            return std::borrow::Cow::Borrowed(logits);
         }
         let mut l = logits.to_vec();
         let distinct: std::collections::BTreeSet<u32> = history.iter().copied().collect();
@@ -98,7 +117,7 @@ impl Sampler {
                 *v = self.penalized(*v);
             }
         }
-        self.sample(&l)
+        std::borrow::Cow::Owned(l)
     }
 
     fn penalized(&self, v: f32) -> f32 {
@@ -227,6 +246,16 @@ impl Sampler {
 
     /// Pick a token from one row of logits (an empty row is a `BadParam` error).
     pub fn sample(&mut self, logits: &[f32]) -> Result<u32, RunError> {
+        match self.scaled(logits)? {
+            Some(cand) => Ok(self.choose(cand)),
+            None => Ok(argmax(logits)),
+        }
+    }
+
+    /// The (id, logit / temperature) pairs of a row, or `None` when the choice is the argmax:
+    /// greedy, or logits so large that the division overflows (|l| > 3.4e33 at the smallest
+    /// temperature; the distribution is the argmax's). An empty row is a `BadParam` error.
+    fn scaled(&self, logits: &[f32]) -> Result<Option<Vec<(u32, f32)>>, RunError> {
         if logits.is_empty() {
             return Err(RunError::BadParam {
                 name: "logits",
@@ -234,27 +263,28 @@ impl Sampler {
                 expected: "at least one logit",
             });
         }
-        if self.temperature == 0.0 {
-            return Ok(argmax(logits));
-        }
-        // Logits so large that the division overflows (|l| > 3.4e33 at the smallest temperature):
-        // the distribution is the argmax's.
         let best = argmax(logits);
-        if logits.get(best as usize).is_some_and(|&l| !(l / self.temperature).is_finite()) {
-            return Ok(best);
+        if self.temperature == 0.0 || logits.get(best as usize).is_some_and(|&l| !(l / self.temperature).is_finite()) {
+            return Ok(None);
         }
-        let cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect();
-        Ok(self.choose(cand))
+        Ok(Some(logits.iter().enumerate().map(|(i, &l)| (i as u32, l / self.temperature)).collect()))
     }
 
-    /// Sort (id, scaled logit) candidates, keep top-k, then top-p, and draw.
-    fn choose(&mut self, mut cand: Vec<(u32, f32)>) -> u32 {
+    /// Draw from the (id, scaled logit) candidates [`Sampler::kept`] keeps.
+    fn choose(&mut self, cand: Vec<(u32, f32)>) -> u32 {
+        let (kept, w, total) = self.kept(cand);
+        self.draw(&kept, &w, total)
+    }
+
+    /// The candidates top-k, then top-p keep (sorted best first), their weights relative to the
+    /// best, and the weights' sum.
+    fn kept(&self, mut cand: Vec<(u32, f32)>) -> (Vec<(u32, f32)>, Vec<f64>, f64) {
         cand.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if self.top_k > 0 {
             cand.truncate(self.top_k.max(1));
         }
         let max = cand[0].1;
-        let w: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
+        let mut w: Vec<f64> = cand.iter().map(|&(_, l)| ((l - max) as f64).exp()).collect();
         let total: f64 = w.iter().sum();
         // The nucleus where the cumulated probability first reaches top-p (no margin: this is
         // the whole row), else every candidate.
@@ -263,7 +293,9 @@ impl Sampler {
         // The kept weights renormalised by their own sum (the top-p nucleus's draw depends on
         // the nucleus alone, which is what lets candidates reproduce it exactly).
         let kept = if keep == w.len() { total } else { w[..keep].iter().sum() };
-        self.draw(&cand[..keep], &w[..keep], kept)
+        cand.truncate(keep);
+        w.truncate(keep);
+        (cand, w, kept)
     }
 
     /// Draw from `cand` with weights `w` summing to `total`.

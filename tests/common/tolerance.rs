@@ -125,3 +125,9 @@ pub const ROPE_ULPS_PER_POSITION: f64 = 4.0;
 
 /// The RoPE table's output rounding to f32, in units of 2^-24 (half an ulp of values ≤ 1, twice).
 pub const ROPE_ABS_ULPS: f64 = 2.0;
+
+/// A kept token's probability vs transformers' (its processors on the same f32 scores, the
+/// softmax in f64), absolute: the engine exponentiates f32 differences `l − max` (one rounding
+/// of up to |l − max| · 2^-24, under 2e-6 relative for the differences that carry weight here)
+/// and renormalises in f64.
+pub const SAMPLING_PROB_ABS: f64 = 1e-6;

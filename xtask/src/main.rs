@@ -116,6 +116,7 @@ fn main() -> Result<()> {
                 "make_adapter_sets.py",
                 "make_learn.py",
                 "make_peft_semantics.py",
+                "make_sampling.py",
             ])?;
             mlx_fixtures()
         }
