@@ -346,13 +346,15 @@ fn test_long() -> Result<()> {
     run(cargo_test(&["--test", "context_limit", "--", "--ignored"]))
 }
 
-/// The short fuzz run that `test` ends with (in a child, so that it runs on the test backend).
+/// What `test` ends with: the fuzzer's check of its own fault detection, then the short fuzz run
+/// (in a child, so that it runs on the test backend).
 fn fuzz_short() -> Result<()> {
     if !cfg!(unix) {
         eprintln!("skipping `cargo xtask fuzz --short`: the fuzzer needs a Unix host");
         return Ok(());
     }
     let exe = std::env::current_exe().context("xtask's own path")?;
+    fuzz::harness_check(&root(), &exe, test_backend().as_deref())?;
     let mut cmd = Command::new(exe);
     cmd.args(["fuzz", "--short"]);
     if let Some(backend) = test_backend() {

@@ -505,3 +505,52 @@ pub fn run(root: &Path, args: &[String]) -> Result<()> {
     }
     Ok(())
 }
+
+/// The injections of the harness check (input index, the symptoms it must be reported with).
+const INJECTED: [(u64, &str, &[&str]); 5] = [
+    (2, "abort", &["abort"]),
+    (5, "hang", &["hang"]),
+    (9, "panic", &["panic"]),
+    (13, "alloc", &["abort-alloc"]),
+    // A multiple of the check interval: the changed scale shows in the logits too.
+    (16, "state", &["state-changed", "logits-changed"]),
+];
+
+/// The fuzzer's own fault detection: 24 adapter inputs run through `fuzz` (the executable
+/// `xtask`, with `backend` as WGPU_BACKEND) with an abort, a hang, a panic, a 1 TiB allocation
+/// and a changed adapter state injected (`QWEN35_FUZZ_INJECT`); the run must fail and report
+/// exactly those inputs, each with its symptoms. Its summary is overwritten by the next run.
+pub fn harness_check(root: &Path, xtask: &Path, backend: Option<&str>) -> Result<()> {
+    let spec: Vec<String> = INJECTED.iter().map(|(i, what, _)| format!("{what}@{i}")).collect();
+    let mut cmd = Command::new(xtask);
+    cmd.args(["fuzz", "--adapters", "24", "--models", "0", "--timeout", "5", "--check-every", "4"])
+        .env("QWEN35_FUZZ_INJECT", spec.join(","))
+        .stdout(Stdio::null());
+    if let Some(b) = backend {
+        cmd.env("WGPU_BACKEND", b);
+    }
+    let status = cmd.status().context("running the fuzzer with injected faults")?;
+    if status.success() {
+        bail!("fuzz harness check: the run with injected faults ({}) passed", spec.join(","));
+    }
+    let path = root.join("target/fuzz/summary.json");
+    let summary: Value = serde_json::from_str(&std::fs::read_to_string(&path).context("the harness check's summary")?)?;
+    let mut found: BTreeMap<u64, Vec<String>> = BTreeMap::new();
+    for f in summary["faults"].as_array().context("faults")? {
+        let symptom = f["symptom"].as_str().unwrap_or("?").to_string();
+        for r in f["reproducers"].as_array().context("reproducers")? {
+            let input = r.as_str().and_then(|p| p.rsplit_once("adapter-")).and_then(|(_, n)| n.parse().ok());
+            found.entry(input.context("a reproducer named adapter-N")?).or_default().push(symptom.clone());
+        }
+    }
+    let mut want: BTreeMap<u64, Vec<String>> =
+        INJECTED.iter().map(|(i, _, symptoms)| (*i, symptoms.iter().map(|s| s.to_string()).collect())).collect();
+    for v in want.values_mut().chain(found.values_mut()) {
+        v.sort();
+    }
+    if found != want {
+        bail!("fuzz harness check: expected the faults {want:?} (input → symptoms), the fuzzer reported {found:?}");
+    }
+    eprintln!("fuzz harness check: the 5 injected faults reported as such");
+    Ok(())
+}
