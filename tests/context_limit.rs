@@ -1,6 +1,7 @@
 //! Decoding to the context limit: a session filled one token at a time up to `max_context` gives
 //! finite logits at every position and the logits of a full prefill of the same ids, and past
-//! the limit feeding and generating are typed `ContextFull` errors that change nothing.
+//! the limit feeding and generating are typed `ContextFull` errors that change nothing; and a
+//! 1,024-token prompt's logits and continuation are transformers'.
 
 mod common;
 
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use common::tolerance::LONG_DECODE_REL;
-use common::{fixture_model, gpu, rel_and_max};
+use common::{check_logits, fixture_model, gpu, rel_and_max, Reference};
 use qwen35_wgpu::{GenerateParams, Model, RunError, Session, SessionOptions};
 
 /// The smallest fixture model (4 layers, 2 of them attention, hidden 38, vocabulary 101).
@@ -96,6 +97,33 @@ fn decode_to_a_1024_token_context_limit_matches_prefill() {
 #[ignore = "4,096 decode steps and a 4,096-token prefill: 65 s (release) to 100 s (test build) on lavapipe; run by `cargo xtask test-long`"]
 fn decode_to_a_4096_token_context_limit_matches_prefill() {
     decode_to_the_limit(4096);
+}
+
+/// A 1,024-token prompt against transformers (`reference/long_context.safetensors` from
+/// `make_long_context.py`): the logits of a full prefill at every 16th position and the last 16,
+/// and the greedy continuation through the caches, with the fused decode and without.
+#[test]
+fn a_long_prompt_matches_transformers() {
+    let Some(ctx) = gpu() else { return };
+    let model = Arc::new(Model::load(ctx, &fixture_model(MODEL)).expect("model"));
+    let vocab = model.config.vocab_size;
+    let r = Reference::load("long_context");
+    let ids = r.ids("ids");
+    let positions = r.ids("positions");
+    let (_, want) = r.f32("logits");
+    let generated = r.ids("generated");
+    let opts = SessionOptions { max_context: ids.len() + generated.len(), max_batch: 128 };
+    let full = Session::new(model.clone(), opts.clone()).expect("session").feed_all(&ids).expect("prefill");
+    assert_eq!(full.rows, ids.len());
+    let ours: Vec<f32> =
+        positions.iter().flat_map(|&p| full.data[p as usize * vocab..(p as usize + 1) * vocab].to_vec()).collect();
+    check_logits(&format!("{} positions of {}", positions.len(), ids.len()), &ours, &want, vocab);
+    let params = GenerateParams { max_tokens: generated.len(), stop_at_eos: false, ..Default::default() };
+    for fused in [false, true] {
+        let mut s = Session::new(model.clone(), opts.clone()).expect("session");
+        s.set_fused_decode(fused);
+        assert_eq!(s.generate(&ids, &params, |_| true).expect("generate"), generated, "fused {fused}: greedy ids");
+    }
 }
 
 #[test]

@@ -117,6 +117,7 @@ fn main() -> Result<()> {
                 "make_learn.py",
                 "make_peft_semantics.py",
                 "make_sampling.py",
+                "make_long_context.py",
             ])?;
             mlx_fixtures()
         }
