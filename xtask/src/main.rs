@@ -248,7 +248,8 @@ fn test() -> Result<()> {
 }
 
 /// Build the C API (cdylib), compile bindings/c/tests/api_test.c against it with the system
-/// C compiler and run it on the demo model; its exit code is the result.
+/// C compiler and run it on the demo model with transformers + peft's answers to its question
+/// (`reference/demo.json`); its exit code is the result.
 fn c_api_test() -> Result<()> {
     if !cfg!(unix) {
         eprintln!("skipping the C API test: it is built with a Unix cc");
@@ -275,8 +276,20 @@ fn c_api_test() -> Result<()> {
         .args(["-lqwen35_wgpu_c", "-lpthread", "-lm"])
         .arg(format!("-Wl,-rpath,{}", lib_dir.display()));
     run(cc)?;
+    // The answers transformers + peft give to the test's question (its QUESTION).
+    let demo: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(root.join("tests/fixtures/reference/demo.json")).context("demo.json")?,
+    )?;
     let mut test = Command::new(&exe);
     test.arg(root.join("examples/assets/demo")).arg(&scratch);
+    for adapter in ["base", "shout", "french"] {
+        let answer = demo["outputs"][adapter]
+            .as_array()
+            .and_then(|o| o.iter().find(|a| a["question"] == "What color is the sky?"))
+            .and_then(|a| a["text"].as_str())
+            .with_context(|| format!("demo.json: the {adapter} answer to the C test's question"))?;
+        test.arg(answer);
+    }
     if let Some(backend) = test_backend() {
         test.env("WGPU_BACKEND", backend);
     }
