@@ -293,53 +293,50 @@ fn tensors_of(path: &std::path::Path) -> std::collections::BTreeMap<String, (Str
         .collect()
 }
 
+/// save_mlx's error (as text) on a scratch copy of the bf16 source with one BF16 tensor written
+/// over or beside its tensors: `edit` gets the source's names and returns the tensor's name,
+/// shape and bytes. The refused save must write nothing.
+fn refused_save(tag: &str, edit: impl FnOnce(&[String]) -> (String, Vec<usize>, Vec<u8>)) -> String {
+    use safetensors::tensor::TensorView;
+    let src = scratch_copy(&fixture_model("mlx_source_bf16"), tag);
+    let file = src.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
+    let names: Vec<String> = st.names().into_iter().map(String::from).collect();
+    let (name, shape, data) = edit(&names);
+    let mut views: Vec<(String, TensorView)> =
+        st.tensors().into_iter().filter(|(n, _)| *n != name).map(|(n, v)| (n.to_string(), v)).collect();
+    views.push((name, TensorView::new(safetensors::Dtype::BF16, shape, &data).expect("view")));
+    std::fs::write(&file, safetensors::serialize(views, None).expect("serialize")).expect("write");
+    let dir = std::env::temp_dir().join(format!("qwen35-{tag}-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err(tag).to_string();
+    assert!(!dir.exists(), "{tag}: nothing written");
+    std::fs::remove_dir_all(&src).ok();
+    e
+}
+
 /// A source tensor that would land on the name of another one's output (a stray `.scales`
 /// beside a quantized weight) is refused, and nothing is written.
 #[test]
 fn mlx_saves_refuse_colliding_names() {
-    let src = scratch_copy(&fixture_model("mlx_source_bf16"), "mlx-collide");
-    let file = src.join("model.safetensors");
-    let bytes = std::fs::read(&file).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let embed = st.names().into_iter().find(|n| n.ends_with("embed_tokens.weight")).expect("embed").to_string();
-    let stray = embed.replace(".weight", ".scales");
-    let extra = [0u8; 4];
-    let mut views: Vec<(String, safetensors::tensor::TensorView)> =
-        st.tensors().into_iter().map(|(n, v)| (n.to_string(), v)).collect();
-    views.push((stray, safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![2], &extra).expect("view")));
-    let out = safetensors::serialize(views, None).expect("serialize");
-    std::fs::write(&file, out).expect("write");
-    let dir = std::env::temp_dir().join(format!("qwen35-mlx-collide-out-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("two tensors on one name").to_string();
+    let e = refused_save("mlx-collide", |names| {
+        let embed = names.iter().find(|n| n.ends_with("embed_tokens.weight")).expect("embed");
+        (embed.replace(".weight", ".scales"), vec![2], vec![0; 4])
+    });
     assert!(e.contains("embed_tokens.scales"), "{e}");
-    assert!(!dir.exists(), "nothing written");
-    std::fs::remove_dir_all(&src).ok();
 }
 
 /// A matrix to quantize with no rows and a width whose word count overflows (a header the
 /// safetensors sizes accept: zero bytes) is a typed error, not an overflow.
 #[test]
 fn mlx_saves_refuse_empty_matrices_of_absurd_width() {
-    let src = scratch_copy(&fixture_model("mlx_source_bf16"), "mlx-absurd-width");
-    let file = src.join("model.safetensors");
-    let bytes = std::fs::read(&file).expect("read");
-    let st = safetensors::SafeTensors::deserialize(&bytes).expect("safetensors");
-    let up = st.names().into_iter().find(|n| n.ends_with("layers.0.mlp.up_proj.weight")).expect("up_proj").to_string();
-    let mut views: Vec<(String, safetensors::tensor::TensorView)> =
-        st.tensors().into_iter().filter(|(n, _)| *n != up).map(|(n, v)| (n.to_string(), v)).collect();
-    views.push((
-        up.clone(),
-        safetensors::tensor::TensorView::new(safetensors::Dtype::BF16, vec![0, 1 << 62], &[]).expect("view"),
-    ));
-    let out = safetensors::serialize(views, None).expect("serialize");
-    std::fs::write(&file, out).expect("write");
-    let dir = std::env::temp_dir().join(format!("qwen35-mlx-absurd-width-out-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("no rows, 2^62 columns").to_string();
+    let mut up = String::new();
+    let e = refused_save("mlx-absurd-width", |names| {
+        up = names.iter().find(|n| n.ends_with("layers.0.mlp.up_proj.weight")).expect("up_proj").clone();
+        (up.clone(), vec![0, 1 << 62], Vec::new())
+    });
     assert!(e.contains(&up) && e.contains("row"), "{e}");
-    assert!(!dir.exists(), "nothing written");
-    std::fs::remove_dir_all(&src).ok();
 }
 
 /// A save into a directory whose index would shadow the saved file, or into the source itself,
