@@ -193,6 +193,26 @@ pub enum ModelError {
         /// Shape in the file.
         found: Vec<usize>,
     },
+    /// A tensor entry read through a checkpoint other than the one it came from.
+    #[error("a tensor entry of checkpoint {found} read through checkpoint {expected}")]
+    ForeignEntry {
+        /// The checkpoint read through.
+        expected: u64,
+        /// The checkpoint the entry belongs to.
+        found: u64,
+    },
+    /// A matrix to quantize has no rows, or more columns than its quantized words can count.
+    #[error("tensor {name}: expected a matrix of at least one row and at most {max_cols} columns to quantize at {bits} bits, found shape {found:?}")]
+    QuantizeShape {
+        /// The tensor.
+        name: String,
+        /// The bit width.
+        bits: u32,
+        /// The widest matrix the word count fits (`usize::MAX / bits`).
+        max_cols: usize,
+        /// Its shape in the file.
+        found: Vec<usize>,
+    },
     /// A tensor has a dtype this engine does not load.
     #[error("tensor {name}: dtype {found} is not supported (expected F32, BF16 or F16)")]
     UnsupportedDtype {

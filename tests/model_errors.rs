@@ -139,7 +139,7 @@ fn unreadable_and_malformed_files_are_typed_errors() {
     let name = one.names().next().expect("a tensor").to_string();
     let entry = other.get(&name).expect("the same name");
     assert!(other.read(entry).is_ok(), "its own checkpoint reads it");
-    assert!(matches!(one.read(entry), Err(ModelError::Unsupported { .. })), "{name}: another checkpoint's entry");
+    assert!(matches!(one.read(entry), Err(ModelError::ForeignEntry { .. })), "{name}: another checkpoint's entry");
 
     let dir = scratch_copy(&fixture_model(BASE), "truncated");
     let file = dir.join("model.safetensors");

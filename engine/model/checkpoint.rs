@@ -139,9 +139,13 @@ impl Checkpoint {
     /// A tensor's raw little-endian bytes, values unchecked (the adapter parser checks its own
     /// bound and names the value).
     pub(crate) fn read_raw(&self, entry: &TensorEntry) -> Result<Vec<u8>, ModelError> {
-        let Some((path, data_start)) = self.files.get(entry.file).filter(|_| entry.checkpoint == self.id) else {
-            return Err(ModelError::Unsupported { what: "reading a tensor entry of another checkpoint".into() });
-        };
+        if entry.checkpoint != self.id {
+            return Err(ModelError::ForeignEntry { expected: self.id, found: entry.checkpoint });
+        }
+        let (path, data_start) = self
+            .files
+            .get(entry.file)
+            .ok_or(ModelError::ForeignEntry { expected: self.id, found: entry.checkpoint })?;
         let io = |source| ModelError::Io { path: path.clone(), source };
         let (mut f, _) = open_regular(path, "safetensors file")?;
         f.seek(SeekFrom::Start(data_start + entry.begin)).map_err(io)?;

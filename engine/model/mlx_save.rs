@@ -119,15 +119,15 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
             match recipe.spec(&rest, cols) {
                 Some((bits, group)) => {
                     let rows = entry.shape[0];
-                    let words = cols.checked_mul(bits as usize).map(|b| b / 32).filter(|_| rows > 0).ok_or_else(|| {
-                        ModelError::BadSafetensors {
-                            path: src.to_path_buf(),
-                            message: format!(
-                                "{name}: expected a matrix of at least one row and at most 2^61 columns to quantize, found shape {:?}",
-                                entry.shape
-                            ),
-                        }
-                    })?;
+                    let words =
+                        cols.checked_mul(bits as usize).map(|b| b / 32).filter(|_| rows > 0).ok_or_else(|| {
+                            ModelError::QuantizeShape {
+                                name: name.into(),
+                                bits,
+                                max_cols: usize::MAX / bits as usize,
+                                found: entry.shape.clone(),
+                            }
+                        })?;
                     let q = quantize_bytes(&bytes, dtype, cols, bits, group).ok_or_else(|| {
                         ModelError::UnsupportedDtype { name: name.into(), found: entry.dtype.clone() }
                     })?;
