@@ -41,8 +41,9 @@ typedef uint64_t qe_session;
 // during the call) and the caller's `user` pointer. Return nonzero to go on, 0 to stop the
 // generation (the call then returns QE_OK with the text so far; the callback is not called
 // again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
-// engines may be made: a call on the same engine returns QE_INVALID_ARGUMENT (it would wait
-// for the very call that runs the callback).
+// engines may be made: a call on an engine whose callback this thread is running, the same
+// engine or one further out when callbacks nest, returns QE_INVALID_ARGUMENT (it would wait
+// for the very call that runs that callback).
 typedef int32_t (*qe_delta_fn)(const char *text, size_t len, void *user);
 
 // Success.

@@ -74,8 +74,9 @@ pub type qe_session = u64;
 /// during the call) and the caller's `user` pointer. Return nonzero to go on, 0 to stop the
 /// generation (the call then returns QE_OK with the text so far; the callback is not called
 /// again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
-/// engines may be made: a call on the same engine returns QE_INVALID_ARGUMENT (it would wait
-/// for the very call that runs the callback).
+/// engines may be made: a call on an engine whose callback this thread is running, the same
+/// engine or one further out when callbacks nest, returns QE_INVALID_ARGUMENT (it would wait
+/// for the very call that runs that callback).
 pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
 /// The ABI version: bumped whenever a function's signature or meaning changes.
@@ -190,8 +191,8 @@ fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
 fn lock(e: &Engine) -> Res<MutexGuard<'_, State>> {
     if IN_CALLBACK.with(|c| c.borrow().contains(&e.id)) {
         return Err(Fail::arg(format!(
-            "engine {} is running this thread's streaming callback: only qe_cancel, qe_last_error, \
-             qe_string_free and other engines may be called from it",
+            "engine {} is running a streaming callback on this thread: only qe_cancel, qe_last_error, \
+             qe_string_free and engines not running one here may be called from it",
             e.id
         )));
     }
