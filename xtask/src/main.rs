@@ -23,14 +23,14 @@ cargo xtask <command>
                        adapter exists), then run every test (also `test-long`'s) on Vulkan
                        (Linux), the parity tests once more on GL (installing Mesa's GL driver
                        when missing), the C API's test program (bindings/c/tests/api_test.c, built
-                       with the system cc), then `fuzz --short`; with CI=true a missing adapter
-                       fails
+                       with the system cc), the fuzzer's check of its own fault detection, then
+                       `fuzz --short`; with CI=true a missing adapter fails
   test-long            the tests too slow for `test` (`#[ignore]`d with a reason: decoding to a
                        4,096-token context limit), on the adapter and in the build `test` uses
   test-gpu [--allow-cpu]
-                       run every test (release build, the long ones and the C API's included)
-                       on this machine's real adapter (Metal on Apple Silicon); refuses a CPU
-                       adapter unless --allow-cpu
+                       run every test (a release build; the long ones and the C API's, a debug
+                       build, included) on this machine's real adapter (Metal on Apple Silicon);
+                       refuses a CPU adapter unless --allow-cpu
   header               regenerate bindings/c/include/qwen35_wgpu.h with cbindgen (a test fails
                        when the committed header is stale)
   xcframework          macOS only: the C API as a static library for aarch64 and x86_64 macOS,
