@@ -21,9 +21,7 @@ fn session(model: &Arc<Model>) -> Session {
 }
 
 fn check_logits(what: &str, ours: &[f32], want: &[f32], vocab: usize) -> Result<(), String> {
-    if want.is_empty() || want.len() % vocab != 0 || ours.len() != want.len() {
-        return Err(format!("{what}: expected {} logits (whole rows of {vocab}), found {}", want.len(), ours.len()));
-    }
+    common::whole_rows(what, ours, want, vocab)?;
     for (pos, (o, w)) in ours.chunks(vocab).zip(want.chunks(vocab)).enumerate() {
         let (rel, max) = rel_and_max(o, w);
         if !(rel <= LOGITS_REL && max <= LOGITS_MAX_ABS) {

@@ -178,10 +178,10 @@ fn only_the_subgroup_shaders_use_subgroup_operations() {
 #[test]
 fn the_suite_check_rejects_broken_shaders() {
     let type_error = "@compute @workgroup_size(64) fn main() { let x: f32 = 1u; }";
-    let e = check_source(type_error).err().expect("a type error");
+    let e = check_source(type_error).expect_err("a type error");
     assert!(e.contains("does not parse"), "{e}");
     let shader = |decl: &str| format!("{decl} @compute @workgroup_size(64) fn main() {{ _ = x; }}");
-    let e = check_source(&shader("var<private> x: f64 = 1.0lf;")).err().expect("f64 on Metal");
+    let e = check_source(&shader("var<private> x: f64 = 1.0lf;")).expect_err("f64 on Metal");
     assert!(e.contains("does not validate") && e.contains("FLOAT64"), "{e}");
     assert!(check_source(&shader("var<private> x: f32 = 1.0;")).is_ok(), "the same in f32");
 }

@@ -113,16 +113,25 @@ pub fn rel_and_max(a: &[f32], b: &[f32]) -> (f32, f32) {
     ((num.sqrt() / den.sqrt().max(1e-30)) as f32, max)
 }
 
-/// `ours` and `want` hold the same number of rows of `vocab` values, at least one (a row-wise
-/// comparison by `zip` would pass an empty or short `ours`).
-pub fn assert_whole_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
-    assert!(
-        vocab > 0 && !want.is_empty() && want.len() % vocab == 0 && ours.len() == want.len(),
+/// Whether `ours` and `want` hold the same number of rows of `vocab` values, at least one (a
+/// row-wise comparison by `zip` would pass an empty or short `ours`); the mismatch if not.
+pub fn whole_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize) -> Result<(), String> {
+    if vocab > 0 && !want.is_empty() && want.len().is_multiple_of(vocab) && ours.len() == want.len() {
+        return Ok(());
+    }
+    Err(format!(
         "{what}: expected {} values ({} rows of {vocab}), found {}",
         want.len(),
         want.len() / vocab.max(1),
         ours.len()
-    );
+    ))
+}
+
+/// [`whole_rows`], asserted.
+pub fn assert_whole_rows(what: &str, ours: &[f32], want: &[f32], vocab: usize) {
+    if let Err(e) = whole_rows(what, ours, want, vocab) {
+        panic!("{e}");
+    }
 }
 
 /// Every row of `vocab` logits of `ours` against `want` within the logits tolerances

@@ -23,6 +23,9 @@ from transformers import Qwen3_5ForCausalLM
 MODEL = "odd_untied_f32"
 PROMPT = 1024
 GREEDY_TOKENS = 16
+# The smallest top-two logit gap a greedy step may have: 10x the engine's logits tolerance
+# (LOGITS_MAX_ABS, 2e-3), so that rounding cannot flip a choice.
+MIN_GREEDY_GAP = 2e-2
 
 
 def main():
@@ -37,7 +40,7 @@ def main():
     model = Qwen3_5ForCausalLM.from_pretrained(os.path.join(root, "tests/fixtures/models", MODEL),
                                                dtype=torch.float32, attn_implementation="eager").eval()
     vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(20261204)
+    gen = torch.Generator().manual_seed(6)
     ids = torch.randint(0, vocab, (PROMPT,), generator=gen, dtype=torch.int64)
     positions = sorted(set(range(0, PROMPT, 16)) | set(range(PROMPT - 16, PROMPT)))
     with torch.no_grad():
@@ -45,6 +48,13 @@ def main():
         generated = greedy_with_cache(model, ids[None], GREEDY_TOKENS)
         if not torch.equal(generated, greedy_with_cache(model, ids[None], GREEDY_TOKENS)):
             raise SystemExit("greedy ids differ between two runs")
+        # Each greedy choice clear of the runner-up (the engine must pick the same ids, fused
+        # and not): the top-two gaps of the continuation's logits, from a full prefill.
+        steps = model(input_ids=torch.cat([ids, generated[:-1]])[None], use_cache=False).logits[0, PROMPT - 1:]
+        top2 = steps.topk(2, dim=-1).values
+        gap = float((top2[:, 0] - top2[:, 1]).min())
+        if gap < MIN_GREEDY_GAP:
+            raise SystemExit(f"a greedy step's top two logits are {gap} apart (< {MIN_GREEDY_GAP})")
     out = os.path.join(root, "tests/fixtures/reference/long_context.safetensors")
     save_file({
         "ids": ids,
@@ -52,7 +62,8 @@ def main():
         "logits": logits[positions].contiguous(),
         "generated": generated,
     }, out)
-    print(f"wrote {out} ({PROMPT} prompt tokens, {len(positions)} logit rows, {GREEDY_TOKENS} generated)")
+    print(f"wrote {out} ({PROMPT} prompt tokens, {len(positions)} logit rows, {GREEDY_TOKENS} generated, "
+          f"smallest greedy gap {gap:.3g})")
 
 
 if __name__ == "__main__":
