@@ -59,8 +59,8 @@ var<workgroup> os: array<f32, MAX_D>;
 var<workgroup> parts: array<vec2<f32>, WG>;
 var<workgroup> chunks: array<vec2<f32>, CHUNKS>;
 
-// The workgroup's sum of every invocation's `own`, returned to all. Begins with a barrier, so the
-// workgroup-memory writes before the call are visible after it.
+// The workgroup's sum of every invocation's `own`, returned to all. Stores `own`, then a barrier,
+// so the workgroup-memory writes before the call are visible after it.
 fn total(li: u32, own: vec2<f32>) -> vec2<f32> {
     parts[li] = own;
     workgroupBarrier();
