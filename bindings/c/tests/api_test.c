@@ -127,13 +127,19 @@ typedef struct {
     int calls;
 } reentrant;
 
+/* The status of asking the callback's own engine for its session's adapters (the reply freed). */
+static qe_status ask_own_engine(const reentrant *r) {
+    char *json = NULL;
+    qe_status st = qe_session_adapters(r->engine, r->session, &json);
+    qe_string_free(json);
+    return st;
+}
+
 static int32_t call_outer_engine(const char *text, size_t len, void *user) {
     reentrant *r = (reentrant *)user;
     (void)text;
     (void)len;
-    char *json = NULL;
-    r->nested_outer = qe_session_adapters(r->engine, r->session, &json);
-    qe_string_free(json);
+    r->nested_outer = ask_own_engine(r);
     return 0;
 }
 
@@ -141,10 +147,8 @@ static int32_t call_back_in(const char *text, size_t len, void *user) {
     reentrant *r = (reentrant *)user;
     (void)text;
     (void)len;
+    r->same = ask_own_engine(r);
     char *json = NULL;
-    r->same = qe_session_adapters(r->engine, r->session, &json);
-    qe_string_free(json);
-    json = NULL;
     r->other_status = qe_adapters_list(r->other, &json);
     qe_string_free(json);
     json = NULL;
