@@ -311,10 +311,10 @@ pub fn batch_tokens(m: usize) -> u32 {
     MATVEC_BATCH_TOKENS.iter().copied().find(|&t| t as usize >= m).unwrap_or(MAX_BATCH_TOKENS as u32)
 }
 
-/// Invocations along K of the batched matvec for `n` rows: as [`matvec_lanes`], with 4 rows per
-/// invocation (rows per workgroup = 4 · 64 / LANES).
+/// Invocations along K of the batched matvec for `n` rows: as [`matvec_lanes`] (8 rows per
+/// invocation, rows per workgroup = 8 · 64 / LANES).
 pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
-    lanes_for(n, 4, min_groups)
+    lanes_for(n, 8, min_groups)
 }
 
 /// Tokens per matmul tile for `m` tokens: 128 unless half a tile would be padding; up to 64
@@ -480,8 +480,8 @@ pub fn linear_rows(
             seg_scale,
         };
         let groups = if io.m == 1 || batch {
-            // Rows per workgroup: 8 per invocation row group (4 with SwiGLU or batched).
-            let per_group = if fuse.glu || batch { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
+            // Rows per workgroup: 8 per invocation row group (4 with SwiGLU).
+            let per_group = if fuse.glu { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
             grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
             let (tm, tn) = matmul_overrides(variant);
