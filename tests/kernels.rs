@@ -1099,14 +1099,20 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let seed = 300 + step as u64 * 5 + di as u64;
                 let mixed = rand(c, seed, 2.0);
                 let zba = rand(vd + 2 * d.hv, seed + 1, 3.0);
-                let cat: Vec<f32> = mixed.iter().chain(&zba).copied().collect();
+                // The token's row and its output row after others on some steps (a batch's
+                // session row: mixed_at, core_at).
+                let (lead_in, lead_out) = [(0, 0), (13, 7), (0, 0), (c + vd + 2 * d.hv, vd)][step];
+                let cat: Vec<f32> = [vec![5.0; lead_in], mixed.clone(), zba.clone()].concat();
                 // out_proj's shrink split by head on some steps (aligned value head dims).
                 let rank = [0, 5, 8, 0][step] * usize::from(d.dv % 4 == 0);
                 let a = rand(rank * vd, seed + 2, 1.0);
                 let ab = upload(&ctx, if rank == 0 { &[0.0; 4] } else { &a });
                 let abg = ctx.weights_bind_group(&ab, "a");
-                let (mb, core) = (upload(&ctx, &cat), upload(&ctx, &vec![7.0; vd + d.hv * rank.next_multiple_of(4)]));
+                let out_len = vd + d.hv * rank.next_multiple_of(4);
+                let (mb, core) = (upload(&ctx, &cat), upload(&ctx, &vec![7.0; lead_out + out_len]));
                 let params = GdnParams {
+                    mixed_at: lead_in as u32,
+                    core_at: lead_out as u32,
                     t: 1,
                     c: c as u32,
                     k: k as u32,
@@ -1132,11 +1138,13 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let (b, ga) = (&zba[vd..vd + d.hv], &zba[vd + d.hv..]);
                 let o = cpu::delta_rule(&y, b, ga, &gate, &mut cpu_state, 1, *d);
                 let want = cpu::rms_norm_gated(&o, &zba[..vd], &norm_w, d.dv, 1e-6);
-                let what = format!("gdn step {d:?} K{k} step {step} shrink rank {rank}");
-                let got = read(&ctx, &core, vd + d.hv * rank.next_multiple_of(4));
+                let what = format!("gdn step {d:?} K{k} step {step} shrink rank {rank} rows at {lead_in}/{lead_out}");
+                let all = read(&ctx, &core, lead_out + out_len);
+                assert!(all[..lead_out].iter().all(|&v| v == 7.0), "{what}: wrote before its output row");
+                let got = &all[lead_out..];
                 assert_close(&what, &got[..vd], &want, KERNEL_ATOL, KERNEL_RTOL);
                 if rank > 0 {
-                    check_head_parts(&what, &got, &a, &want, rank, d.hv);
+                    check_head_parts(&what, got, &a, &want, rank, d.hv);
                 }
                 let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
@@ -1210,7 +1218,7 @@ fn attention_matches_reference_across_steps() {
                 scale: (hd as f32).powf(-0.5),
                 k_offset: k_offset as u32,
                 v_offset: v_offset as u32,
-                lora_rank: 0,
+                ..Default::default()
             };
             let io =
                 AttnIo { qg: &qgb, kraw: &kb, vraw: &vb, q: &qb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
@@ -1282,14 +1290,18 @@ fn single_token_attention_matches_reference_across_positions() {
                 s_max: s_max as u32,
                 eps: 1e-6,
                 scale: (hd as f32).powf(-0.5),
-                k_offset: 0,
-                v_offset: 0,
-                lora_rank: 0,
+                ..Default::default()
             };
-            let out = upload(&ctx, &vec![7.0; t * attn + hq * rank.next_multiple_of(4)]);
+            // A single token's rows after others on some steps (a batch's session row: q_offset,
+            // out_offset; the multi-token kernels take none).
+            let (lead_in, lead_out) = if t == 1 { [(0, 0), (11, 5), (qg.len() * 3, attn)][step % 3] } else { (0, 0) };
+            let out_len = t * attn + hq * rank.next_multiple_of(4);
+            let out = upload(&ctx, &vec![7.0; lead_out + out_len]);
             if t == 1 {
-                let cat: Vec<f32> = qg.iter().chain(&k).chain(&v).copied().collect();
-                (params.k_offset, params.v_offset) = (qg.len() as u32, (qg.len() + k.len()) as u32);
+                let cat: Vec<f32> = [vec![5.0; lead_in], qg.clone(), k.clone(), v.clone()].concat();
+                (params.q_offset, params.out_offset) = (lead_in as u32, lead_out as u32);
+                (params.k_offset, params.v_offset) =
+                    ((lead_in + qg.len()) as u32, (lead_in + qg.len() + k.len()) as u32);
                 let cb = upload(&ctx, &cat);
                 let io = AttnOneIo { qkv: &cb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
                 let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
@@ -1311,11 +1323,15 @@ fn single_token_attention_matches_reference_across_positions() {
             }
             let dims = cpu::AttnDims { hq, hkv, hd, rot, pos0, eps: 1e-6 };
             let want = cpu::attention(&qg, &k, &v, &q_norm, &k_norm, &table, &mut cpu_k, &mut cpu_v, t, dims);
-            let what = format!("attention hq{hq} hkv{hkv} hd{hd} rot{rot} {t} token(s) at {pos0}");
-            let got = read(&ctx, &out, t * attn + hq * rank.next_multiple_of(4));
+            let what = format!(
+                "attention hq{hq} hkv{hkv} hd{hd} rot{rot} {t} token(s) at {pos0}, rows at {lead_in}/{lead_out}"
+            );
+            let all = read(&ctx, &out, lead_out + out_len);
+            assert!(all[..lead_out].iter().all(|&v| v == 7.0), "{what}: wrote before its output row");
+            let got = &all[lead_out..];
             assert_close(&what, &got[..t * attn], &want, KERNEL_ATOL, KERNEL_RTOL);
             if rank > 0 {
-                check_head_parts(&what, &got, &a, &want, rank, hq);
+                check_head_parts(&what, got, &a, &want, rank, hq);
             }
             pos0 += t;
         }

@@ -15,6 +15,10 @@ struct Params {
     k_offset: u32,   // first element of the raw keys in their buffer (one token: after q|gate)
     v_offset: u32,   // first element of the raw values in their buffer
     lora_rank: u32,  // attend_one_lora: the rank of o_proj's shrink (otherwise unused)
+    q_offset: u32,   // attend_one: first element of the q|gate rows in qkv (a batch's session row)
+    out_offset: u32, // attend_one: first element of the output row in out
+    _pad0: u32,
+    _pad1: u32,
 }
 
 const WG: u32 = 64u;

@@ -3,8 +3,8 @@
 // there for the layouts), with the token's own key and value kept in workgroup memory.
 //
 // One workgroup per query head. It normalises and rotates its query and its KV head's new key
-// (the raw rows of the concatenated q|gate, k, v projection output `qkv`, from k_offset and
-// v_offset), attends over the cache's first pos0 positions with the online softmax of
+// (the raw rows of the concatenated q|gate, k, v projection output `qkv`: q|gate from q_offset,
+// k from k_offset, v from v_offset; its output row goes to `out` from out_offset), attends over the cache's first pos0 positions with the online softmax of
 // attention.wgsl, then merges the new key as one more block. The first query head of each KV
 // head writes the key and value into the cache at pos0; no workgroup reads that position from
 // the cache, so the heads of a group need no ordering.
@@ -60,7 +60,7 @@ fn attend_head(h: u32, li: u32) {
     let kvh = h / (p.hq / p.hkv);
     let pos = p.pos0;
     let hd = p.hd;
-    norm_rope(h * 2u * hd, 0u, false, pos, li);
+    norm_rope(p.q_offset + h * 2u * hd, 0u, false, pos, li);
     norm_rope(p.k_offset + kvh * hd, hd, true, pos, li);
     let cb = (kvh * p.s_max + pos) * hd;
     let owner = h % (p.hq / p.hkv) == 0u;
@@ -89,12 +89,12 @@ fn attend_head(h: u32, li: u32) {
     let corr = exp(o.m - bm);
     let pr = exp(score - bm);
     let l = o.l * corr + pr;
-    let gb = h * 2u * hd + hd;
+    let gb = p.q_offset + h * 2u * hd + hd;
     for (var i = 0u; i < MAX_DIMS; i++) {
         let d = li + i * WG;
         if (d < hd) {
             let y = fma(pr, vs[d], o.acc[i] * corr) / l * sigmoid(qkv[gb + d]);
-            out[h * hd + d] = y;
+            out[p.out_offset + h * hd + d] = y;
             vs[d] = y;
         }
     }
@@ -113,7 +113,7 @@ fn attend_one_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocati
     let hd = p.hd;
     let k4 = p.hq * hd / 4u;
     let rank_pad = (p.lora_rank + 3u) & ~3u;
-    let at = p.hq * hd + h * rank_pad;
+    let at = p.out_offset + p.hq * hd + h * rank_pad;
     for (var r = li; r < rank_pad; r += WG) {
         var sum = 0.0;
         if (r < p.lora_rank) {

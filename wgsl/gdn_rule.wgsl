@@ -28,9 +28,9 @@ struct Params {
     dv: u32,
     eps: f32,        // gdn_step.wgsl's gated norm (unused here)
     lora_rank: u32,  // gdn_step.wgsl's LoRA shrink (unused here)
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    mixed_at: u32,   // gdn_step.wgsl's row offsets (unused here)
+    core_at: u32,
+    _pad: u32,
 }
 
 const WG: u32 = 64u;

@@ -8,10 +8,11 @@
 // invocation adds the chunks: CHUNK + CHUNKS loads each instead of Dk or Dv.
 //
 // mixed:      [C + Vd + 2 Hv]  the concatenated input projections' output: in_proj_qkv's (C),
-//                           then in_proj_z's, in_proj_b's and in_proj_a's (zba below = from C)
+//                           then in_proj_z's, in_proj_b's and in_proj_a's (zba below = from C),
+//                           from element mixed_at (0 for a session; a batch's row per session)
 // conv_in:    [C, K-1]      conv history before the token; conv_out: after it (another buffer)
 // state_in:   [Hv, Dk, Dv]  recurrent state before the token; state_out: after it
-// core:       [Vd]          gated-normed output (the input of out_proj)
+// core:       [Vd]          gated-normed output (the input of out_proj), from element core_at
 // prm:        [C*K conv taps | A_log (Hv) | dt_bias (Hv) | norm weight (Dv)]
 // A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
 // key head's q/k conv history (the others read the same inputs and compute the same values).
@@ -31,9 +32,9 @@ struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
     dv: u32,
     eps: f32,
     lora_rank: u32,   // gdn_decode_lora: the rank of the shrink (otherwise unused)
-    _pad0: u32,
-    _pad1: u32,
-    _pad2: u32,
+    mixed_at: u32,    // first element of the token's row in mixed (a batch's session row)
+    core_at: u32,     // first element of its output row in core
+    _pad: u32,
 }
 
 const WG: u32 = 128u;
@@ -90,7 +91,7 @@ fn conv_channel(ch: u32, write: bool) -> f32 {
             conv_out[ch * km1 + j - 1u] = v;
         }
     }
-    let cur = mixed[ch];
+    let cur = mixed[p.mixed_at + ch];
     acc = fma(prm[ch * p.k + km1], cur, acc);
     if (write && km1 > 0u) {
         conv_out[ch * km1 + km1 - 1u] = cur;
@@ -121,8 +122,8 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let kn = inverseSqrt(qk.y + 1e-6);
     let gates = p.c * p.k;
     let vd = p.hv * p.dv;
-    let beta = sigmoid(mixed[p.c + vd + h]);
-    let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
+    let beta = sigmoid(mixed[p.mixed_at + p.c + vd + h]);
+    let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.mixed_at + p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
     var oo = 0.0;
     for (var j = li; j < p.dv; j += WG) {
         let sb = h * p.dk * p.dv + j;
@@ -144,9 +145,9 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let scale = inverseSqrt(ss / f32(p.dv) + p.eps);
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
-        let zv = mixed[p.c + h * p.dv + j];
+        let zv = mixed[p.mixed_at + p.c + h * p.dv + j];
         let o = os[j] * scale * prm[nw + j] * silu(zv);
-        core[h * p.dv + j] = o;
+        core[p.core_at + h * p.dv + j] = o;
         if (keep) {
             qs[j] = o;
         }
@@ -165,7 +166,7 @@ fn gdn_decode_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocati
     workgroupBarrier();
     let vd = p.hv * p.dv;
     let rank_pad = (p.lora_rank + 3u) & ~3u;
-    let at = vd + h * rank_pad;
+    let at = p.core_at + vd + h * rank_pad;
     for (var r = li; r < rank_pad; r += WG) {
         var sum = 0.0;
         if (r < p.lora_rank) {

@@ -35,6 +35,13 @@ pub struct AttnParams {
     pub v_offset: u32,
     /// `attend_one_lora`: the total rank of o_proj's shrink (0 otherwise).
     pub lora_rank: u32,
+    /// `attend_one`: first element of the q|gate rows in `qkv` (a batch's row of one session; 0
+    /// otherwise).
+    pub q_offset: u32,
+    /// `attend_one`: first element of the output row in `out`.
+    pub out_offset: u32,
+    /// Padding.
+    pub _pad: [u32; 2],
 }
 
 /// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`); the

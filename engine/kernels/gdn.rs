@@ -27,8 +27,13 @@ pub struct GdnParams {
     pub eps: f32,
     /// `gdn_decode_lora`: the total rank of out_proj's shrink (0 otherwise).
     pub lora_rank: u32,
+    /// `gdn_decode`: the first element of the token's row in `mixed` (a batch's row of one
+    /// session; 0 otherwise).
+    pub mixed_at: u32,
+    /// `gdn_decode`: the first element of its output row in `core`.
+    pub core_at: u32,
     /// Padding.
-    pub _pad: [u32; 3],
+    pub _pad: u32,
 }
 
 /// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`); the config check rejects wider ones.

@@ -11,8 +11,9 @@ use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32_via, IoBindCache, Profile, Recorder, Staging};
-use crate::kernels::attention::{attention_one, AttnOneIo};
-use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnStepIo};
+use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
+use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
+use crate::kernels::matmul::LinearIo;
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
@@ -107,7 +108,7 @@ impl Batch {
         }
         let ctx = model.ctx.clone();
         let c = &model.config;
-        let scratch = Scratch::new(&ctx, c, rows)?;
+        let scratch = Scratch::new(&ctx, c, rows, rows)?;
         let ids = ctx.storage_buffer("batch ids", (rows * 4) as u64, true)?;
         let logits = ctx.storage_buffer("batch logits", (rows * c.vocab_size * 4) as u64, true)?;
         let staging = Staging::new(&ctx, "batch logits readback", (rows * c.vocab_size * 4) as u64);
@@ -618,9 +619,10 @@ impl Batch {
     }
 }
 
-/// A GDN layer for every row: the input projections for all rows, then per session its row
-/// through the conv, delta rule and gated norm on its own states (copied into and out of the
-/// session's scratch), then out_proj for all rows.
+/// A GDN layer for every row: the input projections for all rows (row k of `mixer_in` is
+/// session k's qkv|z|b|a), then per session the fused step reading its row and writing its output
+/// row of `mid_b` on its own states, then out_proj for all rows. Where the fused step does not fit
+/// (wide heads), each row is copied into the session's scratch for the unfused kernels and back.
 #[allow(clippy::too_many_arguments)]
 fn gdn_rows(
     rec: &mut Recorder,
@@ -634,39 +636,37 @@ fn gdn_rows(
 ) -> Result<(), GpuError> {
     let n = sessions.len();
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
-    let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
-    project(rec, c, part(0), &lin(src.x, &sc.wide_a, n, cd), src, &s)?;
-    project(rec, c, part(1), &lin(src.x, &sc.mid_a, n, vd), src, &s)?;
-    project(rec, c, part(2), &lin(src.x, &sc.beta, n, hv), src, &s)?;
-    project(rec, c, part(3), &lin(src.x, &sc.decay, n, hv), src, &s)?;
-    let params = gdn_params(c, 1);
+    let width = cd + vd + 2 * hv;
+    // Each part (one LoRA segment each) into its columns of the rows.
+    for (i, at) in [0, cd, cd + vd, cd + vd + hv].into_iter().enumerate() {
+        let part = Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
+        project(rec, c, part, &LinearIo { y_offset: at, ..lin(src.x, &sc.mixer_in, n, width) }, src, &s)?;
+    }
     let f = |e: usize| (e * 4) as u64;
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Gdn { conv, state } = &sess.states[layer] else {
             return Err(mismatch(layer));
         };
         let (from, to) = (sess.parity, 1 - sess.parity);
-        let own = &sess.scratch;
+        let row = k * width;
         if gdn_step_fits(c) {
-            let m = &own.mixer_in;
-            rec.copy(&sc.wide_a, f(k * cd), m, 0, f(cd));
-            rec.copy(&sc.mid_a, f(k * vd), m, f(cd), f(vd));
-            rec.copy(&sc.beta, f(k * hv), m, f(cd + vd), f(hv));
-            rec.copy(&sc.decay, f(k * hv), m, f(cd + vd + hv), f(hv));
             let io = GdnStepIo {
-                mixed: m,
+                mixed: &sc.mixer_in,
                 conv_in: &conv[from],
                 conv_out: &conv[to],
                 state_in: &state[from],
                 state_out: &state[to],
-                core: &own.mid_b,
+                core: &sc.mid_b,
             };
+            let params = GdnParams { mixed_at: row as u32, core_at: (k * vd) as u32, ..gdn_params(c, 1) };
             gdn_step(rec, &w.step_params, &params, &io, None)?;
         } else {
-            rec.copy(&sc.wide_a, f(k * cd), &own.wide_a, 0, f(cd));
-            rec.copy(&sc.mid_a, f(k * vd), &own.mid_a, 0, f(vd));
-            rec.copy(&sc.beta, f(k * hv), &own.beta, 0, f(hv));
-            rec.copy(&sc.decay, f(k * hv), &own.decay, 0, f(hv));
+            let own = &sess.scratch;
+            let m = &sc.mixer_in;
+            rec.copy(m, f(row), &own.wide_a, 0, f(cd));
+            rec.copy(m, f(row + cd), &own.mid_a, 0, f(vd));
+            rec.copy(m, f(row + cd + vd), &own.beta, 0, f(hv));
+            rec.copy(m, f(row + cd + vd + hv), &own.decay, 0, f(hv));
             let io = GdnIo {
                 mixed: &own.wide_a,
                 conv_y: &own.wide_b,
@@ -678,7 +678,7 @@ fn gdn_rows(
                 state_in: &state[from],
                 state_out: &state[to],
             };
-            gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
+            gated_delta(rec, &w.conv_w, &w.gate_p, &gdn_params(c, 1), &io)?;
             let norm = NormIo {
                 x: &own.mid_a,
                 y: &own.mid_b,
@@ -689,14 +689,15 @@ fn gdn_rows(
                 eps: c.rms_norm_eps,
             };
             rms_norm_gated(rec, &w.norm, &norm)?;
+            rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
         }
-        rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
     }
     mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, n, None)
 }
 
-/// An attention layer for every row: q|gate, k and v for all rows, then per session its row
-/// through q/k norm, RoPE at its position, its KV cache and attention, then o_proj for all rows.
+/// An attention layer for every row: q|gate, k and v for all rows (row k of `mixer_in` is
+/// session k's q|gate|k|v), then per session its row through q/k norm, RoPE at its position, its
+/// KV cache and attention into its output row of `mid_b`, then o_proj for all rows.
 #[allow(clippy::too_many_arguments)]
 fn attention_rows(
     rec: &mut Recorder,
@@ -710,24 +711,24 @@ fn attention_rows(
 ) -> Result<(), GpuError> {
     let n = sessions.len();
     let (q_out, kv, attn) = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_heads * c.head_dim);
-    let part = |parts| Parts { w: &w.qkv, order: &ATTN_IN, parts };
-    project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, n, q_out), src, &s)?;
-    project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, n, kv), src, &s)?;
-    project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, n, kv), src, &s)?;
-    let f = |e: usize| (e * 4) as u64;
+    let width = q_out + 2 * kv;
+    // Each part (one LoRA segment each) into its columns of the rows.
+    for (i, at) in [0, q_out, q_out + kv].into_iter().enumerate() {
+        let part = Parts { w: &w.qkv, order: &ATTN_IN, parts: i..i + 1 };
+        project(rec, c, part, &LinearIo { y_offset: at, ..lin(src.x, &sc.mixer_in, n, width) }, src, &s)?;
+    }
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Attention { k: k_cache, v: v_cache } = &sess.states[layer] else {
             return Err(mismatch(layer));
         };
-        let own = &sess.scratch;
-        let m = &own.mixer_in;
-        rec.copy(&sc.wide_a, f(k * q_out), m, 0, f(q_out));
-        rec.copy(&sc.mid_a, f(k * kv), m, f(q_out), f(kv));
-        rec.copy(&sc.mid_c, f(k * kv), m, f(q_out + kv), f(kv));
-        let params = attn_params(c, (1, sess.pos, sess.opts.max_context), (q_out, q_out + kv));
-        let io = AttnOneIo { qkv: m, k_cache, v_cache, rope: &sess.rope, out: &own.mid_b };
+        let row = k * width;
+        let params = AttnParams {
+            q_offset: row as u32,
+            out_offset: (k * attn) as u32,
+            ..attn_params(c, (1, sess.pos, sess.opts.max_context), (row + q_out, row + q_out + kv))
+        };
+        let io = AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &sess.rope, out: &sc.mid_b };
         attention_one(rec, &w.qk_norm, &params, &io, None)?;
-        rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * attn), f(attn));
     }
     mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n, None)
 }

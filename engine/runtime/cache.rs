@@ -50,14 +50,23 @@ pub struct Scratch {
     pub mlp_g: wgpu::Buffer,
     /// `[rows, I]` MLP up.
     pub mlp_u: wgpu::Buffer,
-    /// `[max(C + Vd + 2·Hv, 2·Hq·hd + 2·Hkv·hd)]`: a single token's concatenated mixer input
-    /// projections (GDN qkv|z|b|a, or attention q|k|v).
+    /// `[mixer_rows, max(C + Vd + 2·Hv, 2·Hq·hd + 2·Hkv·hd)]`: a single token's concatenated
+    /// mixer input projections (GDN qkv|z|b|a, or attention q|k|v), a row per session of a batch.
     pub mixer_in: wgpu::Buffer,
 }
 
+/// Width of a [`Scratch::mixer_in`] row: the wider of a GDN layer's and an attention layer's
+/// concatenated input projections.
+pub fn mixer_width(c: &TextConfig) -> usize {
+    let q_out = 2 * c.num_heads * c.head_dim;
+    let kv = c.num_kv_heads * c.head_dim;
+    (c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads).max(q_out + 2 * kv)
+}
+
 impl Scratch {
-    /// Allocate scratch for `rows` tokens.
-    pub fn new(ctx: &GpuContext, c: &TextConfig, rows: usize) -> Result<Self, GpuError> {
+    /// Allocate scratch for `rows` tokens, with `mixer_rows` rows of single-token mixer input
+    /// (1 for a session, a batch's sessions for a batch).
+    pub fn new(ctx: &GpuContext, c: &TextConfig, rows: usize, mixer_rows: usize) -> Result<Self, GpuError> {
         // u64 products: the session bounds rows and the config every width, so none overflows.
         let f = |name: &str, width: usize| ctx.storage_buffer(name, rows as u64 * width as u64 * 4, true);
         let q_out = 2 * c.num_heads * c.head_dim;
@@ -75,11 +84,7 @@ impl Scratch {
             decay: f("decay", c.linear_value_heads)?,
             mlp_g: f("mlp_g", c.intermediate_size)?,
             mlp_u: f("mlp_u", c.intermediate_size)?,
-            mixer_in: ctx.storage_buffer(
-                "mixer_in",
-                ((c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads).max(q_out + 2 * kv) * 4) as u64,
-                true,
-            )?,
+            mixer_in: ctx.storage_buffer("mixer_in", mixer_rows as u64 * mixer_width(c) as u64 * 4, true)?,
         })
     }
 }

@@ -331,6 +331,9 @@ pub(crate) fn attn_params(
         k_offset: k_offset as u32,
         v_offset: v_offset as u32,
         lora_rank: 0,
+        q_offset: 0,
+        out_offset: 0,
+        _pad: [0; 2],
     }
 }
 

@@ -256,7 +256,7 @@ impl Session {
                 GpuError::BufferTooLarge { name: "rope".into(), needed: rope_bytes, limit: ctx.max_binding() }.into()
             );
         }
-        let scratch = Scratch::new(&ctx, c, opts.max_batch)?;
+        let scratch = Scratch::new(&ctx, c, opts.max_batch, 1)?;
         let states = layer_states(&ctx, c, opts.max_context)?;
         let ids = ctx.storage_buffer("ids", (opts.max_batch * 4) as u64, true)?;
         let mut table = rope_table(c, opts.max_context)?;
