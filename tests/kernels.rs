@@ -14,9 +14,9 @@ use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneI
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
-    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_tile, matvec_batch_lanes, matvec_lanes, Fuse,
-    FusedNorm, LinearIo, LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES,
-    MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_tile, matvec_lanes, Fuse, FusedNorm, LinearIo,
+    LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES, MATVEC_BATCH_TOKENS,
+    MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
@@ -706,7 +706,7 @@ fn batched_matvec_sweep_matches_reference() {
         (6, 32 * g - 5, 1032),
         (2, 64 * g + 1, 8),
     ];
-    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _)| matvec_batch_lanes(n, g)).collect();
+    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _)| matvec_lanes(n, g)).collect();
     assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "LANES variants covered");
     let toks: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| batch_tokens(m)).collect();
     assert_eq!(toks.into_iter().collect::<Vec<_>>(), MATVEC_BATCH_TOKENS.to_vec(), "TOK variants covered");

@@ -283,20 +283,15 @@ pub struct LinearIo<'a> {
     pub accumulate: bool,
 }
 
-/// Invocations along K for a chunk of `n` rows: the most rows per workgroup (64, 32, 16, then 8)
-/// that still gives the device `min_groups` workgroups. More rows per workgroup read x once for
-/// more rows, stream 128 contiguous bytes per row and step (8 lanes × 16 bytes) and leave fewer
-/// partial sums to reduce; fewer rows keep a narrow projection (the LoRA shrinks: a few dozen
-/// rows) spread over the device.
+/// Invocations along K (LANES) of the single-token and the batched matvec for a chunk of `n`
+/// rows: both give an invocation 8 rows, so a workgroup 8 · 64 / LANES. The most rows per
+/// workgroup (64, 32, 16, then 8) that still gives the device `min_groups` workgroups; LANES 64
+/// when none does. More rows per workgroup read x once for more rows, stream 128 contiguous bytes
+/// per row and step (8 lanes × 16 bytes) and leave fewer partial sums to reduce; fewer rows keep
+/// a narrow projection (the LoRA shrinks: a few dozen rows) spread over the device.
 pub fn matvec_lanes(n: usize, min_groups: usize) -> u32 {
-    lanes_for(n, 8, min_groups)
-}
-
-/// The most rows per workgroup (`per_invocation` · 64 / LANES, LANES 8 to 32) that still give
-/// `min_groups` workgroups for `n` rows; LANES 64 when none does.
-fn lanes_for(n: usize, per_invocation: usize, min_groups: usize) -> u32 {
     for lanes in [8, 16, 32] {
-        if n.div_ceil(per_invocation * 64 / lanes as usize) >= min_groups {
+        if n.div_ceil(8 * 64 / lanes as usize) >= min_groups {
             return lanes;
         }
     }
@@ -309,12 +304,6 @@ pub const MAX_BATCH_TOKENS: usize = 8;
 /// `TOK` of the batched matvec for `m` tokens: the smallest variant that holds them.
 pub fn batch_tokens(m: usize) -> u32 {
     MATVEC_BATCH_TOKENS.iter().copied().find(|&t| t as usize >= m).unwrap_or(MAX_BATCH_TOKENS as u32)
-}
-
-/// Invocations along K of the batched matvec for `n` rows: as [`matvec_lanes`] (8 rows per
-/// invocation, rows per workgroup = 8 · 64 / LANES).
-pub fn matvec_batch_lanes(n: usize, min_groups: usize) -> u32 {
-    lanes_for(n, 8, min_groups)
 }
 
 /// Tokens per matmul tile for `m` tokens: 128 unless half a tile would be padding; up to 64
@@ -447,7 +436,7 @@ pub fn linear_rows(
                 matvec_variant(lanes, fuse.code())
             }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
-                matvec_variant(matvec_batch_lanes(n_rows, g), batch_tokens(io.m))
+                matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m))
             }
             _ => matmul_tile(io.m, n_out, g),
         };

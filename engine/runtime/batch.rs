@@ -642,6 +642,7 @@ fn gdn_rows(
         let part = Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
         project(rec, c, part, &LinearIo { y_offset: at, ..lin(src.x, &sc.mixer_in, n, width) }, src, &s)?;
     }
+    let params = gdn_params(c, 1);
     let f = |e: usize| (e * 4) as u64;
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Gdn { conv, state } = &sess.states[layer] else {
@@ -658,7 +659,7 @@ fn gdn_rows(
                 state_out: &state[to],
                 core: &sc.mid_b,
             };
-            let params = GdnParams { mixed_at: row as u32, core_at: (k * vd) as u32, ..gdn_params(c, 1) };
+            let params = GdnParams { mixed_at: row as u32, core_at: (k * vd) as u32, ..params };
             gdn_step(rec, &w.step_params, &params, &io, None)?;
         } else {
             let own = &sess.scratch;
@@ -678,7 +679,7 @@ fn gdn_rows(
                 state_in: &state[from],
                 state_out: &state[to],
             };
-            gated_delta(rec, &w.conv_w, &w.gate_p, &gdn_params(c, 1), &io)?;
+            gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
             let norm = NormIo {
                 x: &own.mid_a,
                 y: &own.mid_b,

@@ -57,7 +57,7 @@ pub struct Scratch {
 
 /// Width of a [`Scratch::mixer_in`] row: the wider of a GDN layer's and an attention layer's
 /// concatenated input projections.
-pub fn mixer_width(c: &TextConfig) -> usize {
+fn mixer_width(c: &TextConfig) -> usize {
     let q_out = 2 * c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
     (c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads).max(q_out + 2 * kv)
