@@ -1,12 +1,15 @@
-//! Plain f32 CPU implementations of every kernel: the oracle of the kernel tests, and readable
+//! Plain CPU implementations of every kernel (f32; `linear` sums in f64): the oracle of the kernel tests, and readable
 //! documentation of what each shader computes. Layouts match the WGSL files.
 
-/// `y[m, n] = Σ_k x[m, k] · w[n, k]` (nn.Linear).
+/// `y[m, n] = Σ_k x[m, k] · w[n, k]` (nn.Linear), each sum in f64 and rounded once. A
+/// sequential f32 sum over k = 1,024 terms with cancellation errs by ~1e-4 of its terms' size
+/// (seen: an output of −0.226 from terms summing to 253 in magnitude, off by 2.4e-5), more than
+/// the GPU's blocked sums: the oracle's own rounding must stay below the kernels'.
 pub fn linear(x: &[f32], w: &[f32], m: usize, n: usize, k: usize) -> Vec<f32> {
     let mut y = vec![0.0; m * n];
     for i in 0..m {
         for j in 0..n {
-            y[i * n + j] = (0..k).map(|t| x[i * k + t] * w[j * k + t]).sum();
+            y[i * n + j] = (0..k).map(|t| f64::from(x[i * k + t]) * f64::from(w[j * k + t])).sum::<f64>() as f32;
         }
     }
     y
