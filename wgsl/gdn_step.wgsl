@@ -99,6 +99,17 @@ fn conv_channel(ch: u32, write: bool) -> f32 {
     return silu(acc);
 }
 
+// State rows i .. i+3 of the column at state_in[sb] (rows Dv apart).
+fn state_rows(sb: u32, i: u32) -> vec4<f32> {
+    let dv = p.dv;
+    return vec4<f32>(state_in[sb + i * dv], state_in[sb + (i + 1u) * dv], state_in[sb + (i + 2u) * dv], state_in[sb + (i + 3u) * dv]);
+}
+
+// The head's convolved keys i .. i+3.
+fn key_rows(i: u32) -> vec4<f32> {
+    return vec4<f32>(ks[i], ks[i + 1u], ks[i + 2u], ks[i + 3u]);
+}
+
 // Value head h's step; its output row is left in qs[0..Dv) when `keep` (qs is not read after the
 // barrier before the output norm).
 fn head_step(h: u32, li: u32, keep: bool) {
@@ -124,16 +135,33 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let vd = p.hv * p.dv;
     let beta = sigmoid(mixed[p.mixed_at + p.c + vd + h]);
     let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.mixed_at + p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
+    // Column j of the state: both sums over its Dk rows four rows at a time (four independent
+    // sums, their loads in flight together), then the Dk mod 4 tail.
     var oo = 0.0;
     for (var j = li; j < p.dv; j += WG) {
         let sb = h * p.dk * p.dv + j;
-        var mem = 0.0;
-        for (var i = 0u; i < p.dk; i++) {
+        var m4 = vec4<f32>(0.0);
+        var i = 0u;
+        for (; i + 4u <= p.dk; i += 4u) {
+            m4 = fma(state_rows(sb, i) * decay, key_rows(i) * kn, m4);
+        }
+        var mem = (m4.x + m4.y) + (m4.z + m4.w);
+        for (; i < p.dk; i++) {
             mem = fma(state_in[sb + i * p.dv] * decay, ks[i] * kn, mem);
         }
         let delta = beta * (vs[j] - mem);
-        var o = 0.0;
-        for (var i = 0u; i < p.dk; i++) {
+        var o4 = vec4<f32>(0.0);
+        i = 0u;
+        for (; i + 4u <= p.dk; i += 4u) {
+            let s = fma(key_rows(i) * kn, vec4<f32>(delta), state_rows(sb, i) * decay);
+            state_out[sb + i * p.dv] = s.x;
+            state_out[sb + (i + 1u) * p.dv] = s.y;
+            state_out[sb + (i + 2u) * p.dv] = s.z;
+            state_out[sb + (i + 3u) * p.dv] = s.w;
+            o4 = fma(s, vec4<f32>(qs[i], qs[i + 1u], qs[i + 2u], qs[i + 3u]) * qn, o4);
+        }
+        var o = (o4.x + o4.y) + (o4.z + o4.w);
+        for (; i < p.dk; i++) {
             let s = fma(ks[i] * kn, delta, state_in[sb + i * p.dv] * decay);
             state_out[sb + i * p.dv] = s;
             o = fma(s, qs[i] * qn, o);
