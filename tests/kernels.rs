@@ -10,7 +10,9 @@ use qwen35_wgpu::gpu::{
     read_f32, Affine, AffineData, GpuContext, GpuOptions, GpuVector, GpuWeight, HalfType, IoBindCache, Recorder,
     Subgroups,
 };
-use qwen35_wgpu::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
+use qwen35_wgpu::kernels::attention::{
+    attention, attention_one, attention_splits, AttnIo, AttnOneIo, AttnParams, ATTN_MAX_SPLITS,
+};
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
@@ -1255,9 +1257,13 @@ fn check_head_parts(what: &str, got: &[f32], a: &[f32], out: &[f32], rank: usize
 fn single_token_attention_matches_reference_across_positions() {
     let Some(ctx) = ctx() else { return };
     // (hq, hkv, hd, rot) as in the multi-token sweep; tokens at positions 0 and 1 (an empty and
-    // a one-key cache), after a multi-token step at 63, 64 and 65 (the block edge of 64 keys).
-    for &(hq, hkv, hd, rot) in &[(1, 1, 8, 2), (3, 1, 24, 6), (4, 2, 64, 16), (8, 2, 256, 64), (2, 2, 130, 0)] {
-        let s_max = 80;
+    // a one-key cache), after a multi-token step at 63, 64 and 65 (the block edge of 64 keys: one
+    // split, then two). One long cache: tokens at 2202 .. 2204, past ATTN_MAX_SPLITS splits of
+    // one block, so splits of two blocks, the last one partial.
+    let configs = [(1, 1, 8, 2, 61), (3, 1, 24, 6, 61), (4, 2, 64, 16, 61), (8, 2, 256, 64, 61), (2, 2, 130, 0, 61)];
+    let mut splits_seen = std::collections::BTreeSet::new();
+    for &(hq, hkv, hd, rot, prefill) in configs.iter().chain(&[(2, 1, 8, 2, 2200)]) {
+        let s_max = prefill + 19;
         let (table, rope) = rope_for(&ctx, (hq, hkv, hd, rot), s_max);
         let (q_norm, k_norm) = (rand(hd, 3, 0.3), rand(hd, 4, 0.3));
         let (qn, kn) =
@@ -1269,7 +1275,8 @@ fn single_token_attention_matches_reference_across_positions() {
         let (mut cpu_k, mut cpu_v) = (vec![Vec::new(); hkv], vec![Vec::new(); hkv]);
         let attn = hq * hd;
         let mut pos0 = 0;
-        for (step, t) in [1usize, 1, 61, 1, 1, 1].into_iter().enumerate() {
+        let part = upload(&ctx, &vec![0.0; hq * ATTN_MAX_SPLITS as usize * (hd + 2)]);
+        for (step, t) in [1usize, 1, prefill, 1, 1, 1].into_iter().enumerate() {
             let seed = 60 + step as u64;
             let qg = rand(t * hq * 2 * hd, seed, 2.0);
             let k = rand(t * hkv * hd, seed + 1, 2.0);
@@ -1303,8 +1310,9 @@ fn single_token_attention_matches_reference_across_positions() {
                 (params.k_offset, params.v_offset) =
                     ((lead_in + qg.len()) as u32, (lead_in + qg.len() + k.len()) as u32);
                 let cb = upload(&ctx, &cat);
-                let io = AttnOneIo { qkv: &cb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
+                let io = AttnOneIo { qkv: &cb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out, part: &part };
                 let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
+                splits_seen.insert(attention_splits(pos0 as u32));
                 run(&ctx, |rec| attention_one(rec, &qkn, &params, &io, shrink));
             } else {
                 let (qgb, kb, vb, qb) =
@@ -1343,6 +1351,13 @@ fn single_token_attention_matches_reference_across_positions() {
             assert_close(&format!("hd{hd} value cache {h}"), &row(&vs), &cpu_v[h], EXACT, EXACT);
         }
     }
+    // One split (an empty, a one-key and a one-block cache), two splits of one block, and the
+    // most splits of two blocks were run.
+    let (max, block) = (ATTN_MAX_SPLITS, 64);
+    for want in [(1, block), (2, block), (2202u32.div_ceil(2 * block), 2 * block)] {
+        assert!(splits_seen.contains(&want), "split {want:?} not exercised: {splits_seen:?}");
+    }
+    assert!(2202u32.div_ceil(2 * block) <= max && 2202 > max * block, "the long cache needs blocks of two");
 }
 
 #[test]

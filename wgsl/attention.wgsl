@@ -25,7 +25,7 @@ fn attend(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index)
         qs[d] = q[qb + d];
     }
     workgroupBarrier();
-    let o = attend_cached(kvh, p.pos0 + t + 1u, li);
+    let o = attend_cached(kvh, 0u, p.pos0 + t + 1u, li);
     let ob = (t * p.hq + h) * p.hd;
     let gb = (t * p.hq + h) * 2u * p.hd + p.hd;
     for (var i = 0u; i < MAX_DIMS; i++) {

@@ -19,17 +19,17 @@ struct Online {
     acc: array<f32, MAX_DIMS>,
 }
 
-// Attention of the query in qs over cache positions 0 .. n_keys of KV head kvh, in blocks of WG
+// Attention of the query in qs over cache positions k0 .. k1 of KV head kvh, in blocks of WG
 // keys: each invocation scores one key of the block, then accumulates MAX_DIMS output dims over
 // the whole block.
-fn attend_cached(kvh: u32, n_keys: u32, li: u32) -> Online {
+fn attend_cached(kvh: u32, k0: u32, k1: u32, li: u32) -> Online {
     var m = -3.4e38;
     var l = 0.0;
     var acc: array<f32, MAX_DIMS>;
-    for (var s0 = 0u; s0 < n_keys; s0 += WG) {
+    for (var s0 = k0; s0 < k1; s0 += WG) {
         let s = s0 + li;
         var score = -3.4e38;
-        if (s < n_keys) {
+        if (s < k1) {
             let kb = (kvh * p.s_max + s) * p.hd;
             var dot = 0.0;
             for (var d = 0u; d < p.hd; d++) {
@@ -45,7 +45,7 @@ fn attend_cached(kvh: u32, n_keys: u32, li: u32) -> Online {
         }
         workgroupBarrier();
         var pr = 0.0;
-        if (s < n_keys) {
+        if (s < k1) {
             pr = exp(score - bm);
         }
         ps[li] = pr;
@@ -56,7 +56,7 @@ fn attend_cached(kvh: u32, n_keys: u32, li: u32) -> Online {
             bl += ps[j];
         }
         l = l * corr + bl;
-        let block = min(WG, n_keys - s0);
+        let block = min(WG, k1 - s0);
         for (var i = 0u; i < MAX_DIMS; i++) {
             let d = li + i * WG;
             if (d < p.hd) {

@@ -17,8 +17,8 @@ struct Params {
     lora_rank: u32,  // attend_one_lora: the rank of o_proj's shrink (otherwise unused)
     q_offset: u32,   // attend_one: first element of the q|gate rows in qkv (a batch's session row)
     out_offset: u32, // attend_one: first element of the output row in out
-    _pad0: u32,
-    _pad1: u32,
+    splits: u32,     // attend_one: workgroups per head over the cached keys (and its parts)
+    split_keys: u32, // attend_one: cached keys per split (a multiple of WG)
 }
 
 const WG: u32 = 64u;

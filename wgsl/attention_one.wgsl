@@ -1,24 +1,32 @@
-// Gated full attention for one token (decode) in one dispatch: what attention_prep.wgsl's
-// prep_q and prep_kv and attention.wgsl's attend do for a step of one token (the same math, see
-// there for the layouts), with the token's own key and value kept in workgroup memory.
+// Gated full attention for one token (decode) in two dispatches, split over the cached keys as
+// flash-decoding does: what attention_prep.wgsl's prep_q and prep_kv and attention.wgsl's attend
+// do for a step of one token (the same math, see there for the layouts), with the token's own key
+// and value kept in workgroup memory.
 //
-// One workgroup per query head. It normalises and rotates its query and its KV head's new key
-// (the raw rows of the concatenated q|gate, k, v projection output `qkv`: q|gate from q_offset,
-// k from k_offset, v from v_offset; its output row goes to `out` from out_offset), attends over the cache's first pos0 positions with the online softmax of
-// attention.wgsl, then merges the new key as one more block. The first query head of each KV
-// head writes the key and value into the cache at pos0; no workgroup reads that position from
-// the cache, so the heads of a group need no ordering.
+// attend_one: one workgroup per (query head, split). It normalises and rotates its query, attends
+// over its split's cached keys (split_keys positions from split · split_keys, up to pos0) with the
+// online softmax of attention.wgsl and writes the unnormalised result as its part: [m, l,
+// acc[0 .. hd)] at part[(h · splits + split) · (hd + 2)]. The last split also normalises and
+// rotates its KV head's new key (the raw rows of the concatenated q|gate, k, v projection output
+// `qkv`: q|gate from q_offset, k from k_offset, v from v_offset) and merges it as one more block;
+// its query head that is first of its KV head writes the key and value into the cache at pos0. No
+// workgroup reads that position from the cache, so nothing orders the writer and the readers.
+// Splits spread a long cache over many workgroups: one workgroup per head walked every key.
 //
-// attend_one_lora also writes the LoRA shrink of o_proj's input, split by head: after the
-// output row out[0 .. Hq*hd], part h (of rank_pad = rank rounded up to 4 floats, the padding
-// zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's [rank, Hq*hd]
-// shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink dispatch).
+// attend_one_merge: one workgroup per query head combines the head's parts (each rescaled by
+// exp(m − max m)), divides by the summed l, applies the gate and writes its output row to `out`
+// from out_offset. attend_one_merge_lora also writes the LoRA shrink of o_proj's input, split by
+// head: after the output row out[0 .. Hq*hd], part h (of rank_pad = rank rounded up to 4 floats,
+// the padding zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's
+// [rank, Hq*hd] shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink
+// dispatch).
 
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
+@group(0) @binding(6) var<storage, read_write> part: array<f32>;  // [Hq, splits, 2 + hd]
 @group(1) @binding(0) var<storage, read> qk_norm: array<f32>;   // [q_norm (hd) | k_norm (hd)]
-@group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // attend_one_lora: A
+@group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // attend_one_merge_lora: A
 
 var<workgroup> ks: array<f32, 512>;   // the token's rotated key (the query is in qs)
 var<workgroup> vs: array<f32, 512>;   // the token's value row; then the head's output
@@ -55,45 +63,94 @@ fn norm_rope(sb: u32, nb: u32, key: bool, pos: u32, li: u32) {
     }
 }
 
-// The head's gated output row, left in vs[0..hd) and written to out[h*hd..].
-fn attend_head(h: u32, li: u32) {
+// Split `split` of query head h: its part of the head's attention (see the top).
+fn attend_split(h: u32, split: u32, li: u32) {
     let kvh = h / (p.hq / p.hkv);
     let pos = p.pos0;
     let hd = p.hd;
+    let last = split + 1u == p.splits;
     norm_rope(p.q_offset + h * 2u * hd, 0u, false, pos, li);
-    norm_rope(p.k_offset + kvh * hd, hd, true, pos, li);
-    let cb = (kvh * p.s_max + pos) * hd;
-    let owner = h % (p.hq / p.hkv) == 0u;
-    for (var d = li; d < hd; d += WG) {
-        let v = qkv[p.v_offset + kvh * hd + d];
-        vs[d] = v;
+    if (last) {
+        norm_rope(p.k_offset + kvh * hd, hd, true, pos, li);
+        let cb = (kvh * p.s_max + pos) * hd;
+        let owner = h % (p.hq / p.hkv) == 0u;
+        for (var d = li; d < hd; d += WG) {
+            let v = qkv[p.v_offset + kvh * hd + d];
+            vs[d] = v;
+            if (owner) {
+                vc[cb + d] = v;
+            }
+        }
+        workgroupBarrier();
         if (owner) {
-            vc[cb + d] = v;
+            for (var d = li; d < hd; d += WG) {
+                kc[cb + d] = ks[d];
+            }
         }
     }
     workgroupBarrier();
-    if (owner) {
-        for (var d = li; d < hd; d += WG) {
-            kc[cb + d] = ks[d];
+    let k0 = split * p.split_keys;
+    var o = attend_cached(kvh, k0, min(k0 + p.split_keys, pos), li);
+    if (last) {
+        // The token's own key, from workgroup memory, as a last block of one.
+        var dot = 0.0;
+        for (var d = 0u; d < hd; d++) {
+            dot = fma(qs[d], ks[d], dot);
+        }
+        let score = dot * p.scale;
+        let bm = max(o.m, score);
+        let corr = exp(o.m - bm);
+        let pr = exp(score - bm);
+        o.l = o.l * corr + pr;
+        o.m = bm;
+        for (var i = 0u; i < MAX_DIMS; i++) {
+            let d = li + i * WG;
+            if (d < hd) {
+                o.acc[i] = fma(pr, vs[d], o.acc[i] * corr);
+            }
         }
     }
-    // The cached keys 0 .. pos (attention_cached.wgsl).
-    let o = attend_cached(kvh, pos, li);
-    // The token's own key, from workgroup memory, as a last block of one.
-    var dot = 0.0;
-    for (var d = 0u; d < hd; d++) {
-        dot = fma(qs[d], ks[d], dot);
+    let pb = (h * p.splits + split) * (hd + 2u);
+    if (li == 0u) {
+        part[pb] = o.m;
+        part[pb + 1u] = o.l;
     }
-    let score = dot * p.scale;
-    let bm = max(o.m, score);
-    let corr = exp(o.m - bm);
-    let pr = exp(score - bm);
-    let l = o.l * corr + pr;
+    for (var i = 0u; i < MAX_DIMS; i++) {
+        let d = li + i * WG;
+        if (d < hd) {
+            part[pb + 2u + d] = o.acc[i];
+        }
+    }
+}
+
+// Query head h's parts combined: its gated output row, left in vs[0..hd) and written to
+// out[out_offset + h*hd ..].
+fn merge_head(h: u32, li: u32) {
+    let hd = p.hd;
+    let stride = hd + 2u;
+    let base = h * p.splits * stride;
+    var m = -3.4e38;
+    for (var s = 0u; s < p.splits; s++) {
+        m = max(m, part[base + s * stride]);
+    }
+    var l = 0.0;
+    var acc: array<f32, MAX_DIMS>;
+    for (var s = 0u; s < p.splits; s++) {
+        let pb = base + s * stride;
+        let c = exp(part[pb] - m);
+        l = fma(part[pb + 1u], c, l);
+        for (var i = 0u; i < MAX_DIMS; i++) {
+            let d = li + i * WG;
+            if (d < hd) {
+                acc[i] = fma(part[pb + 2u + d], c, acc[i]);
+            }
+        }
+    }
     let gb = p.q_offset + h * 2u * hd + hd;
     for (var i = 0u; i < MAX_DIMS; i++) {
         let d = li + i * WG;
         if (d < hd) {
-            let y = fma(pr, vs[d], o.acc[i] * corr) / l * sigmoid(qkv[gb + d]);
+            let y = acc[i] / l * sigmoid(qkv[gb + d]);
             out[p.out_offset + h * hd + d] = y;
             vs[d] = y;
         }
@@ -102,13 +159,18 @@ fn attend_head(h: u32, li: u32) {
 
 @compute @workgroup_size(64)
 fn attend_one(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    attend_head(wg.x, li);
+    attend_split(wg.x, wg.y, li);
 }
 
 @compute @workgroup_size(64)
-fn attend_one_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn attend_one_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    merge_head(wg.x, li);
+}
+
+@compute @workgroup_size(64)
+fn attend_one_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
-    attend_head(h, li);
+    merge_head(h, li);
     workgroupBarrier();
     let hd = p.hd;
     let k4 = p.hq * hd / 4u;

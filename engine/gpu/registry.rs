@@ -243,10 +243,13 @@ pub enum Kernel {
     TopkFinal,
     /// `GdnDecode` that also writes out_proj's LoRA shrink split by head.
     GdnDecodeLora,
-    /// One token's attention in one dispatch: q/k norm + RoPE, cache write, attention.
+    /// One token's attention over a split of the cached keys: q/k norm + RoPE, cache write, the
+    /// split's unnormalised part.
     AttendOne,
-    /// `AttendOne` that also writes o_proj's LoRA shrink split by head.
-    AttendOneLora,
+    /// One token's attention: each head's `AttendOne` parts combined and gated.
+    AttendOneMerge,
+    /// `AttendOneMerge` that also writes o_proj's LoRA shrink split by head.
+    AttendOneMergeLora,
     /// Embedding gather from a table split in up to 4 bindings, in one dispatch.
     EmbedSplit,
     /// `Matvec` reducing by subgroup shuffles (no barrier).
@@ -270,7 +273,7 @@ pub struct KernelDesc {
     /// Whether it binds a group-1 weight buffer.
     pub weights: bool,
     /// Whether it binds a group-2 adapter slot (LoRA B; LoRA A for the split shrinks of
-    /// `gdn_decode_lora` and `attend_one_lora` and the shrink of `rms_norm_shrink`).
+    /// `gdn_decode_lora` and `attend_one_merge_lora` and the shrink of `rms_norm_shrink`).
     pub lora: bool,
     /// Whether the shader has the `ACCUMULATE` override.
     pub accumulate: bool,
@@ -289,7 +292,7 @@ fn matmul_tile_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 41] = [
+pub const KERNELS: [KernelDesc; 42] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -679,7 +682,7 @@ pub const KERNELS: [KernelDesc; 41] = [
         kernel: Kernel::AttendOne,
         shader: Shader::AttentionOne,
         entry: "attend_one",
-        io: &[R, R, W, W, W],
+        io: &[R, R, W, W, W, W],
         weights: true,
         lora: false,
         accumulate: false,
@@ -687,10 +690,21 @@ pub const KERNELS: [KernelDesc; 41] = [
         variants: no_variants,
     },
     KernelDesc {
-        kernel: Kernel::AttendOneLora,
+        kernel: Kernel::AttendOneMerge,
         shader: Shader::AttentionOne,
-        entry: "attend_one_lora",
-        io: &[R, R, W, W, W],
+        entry: "attend_one_merge",
+        io: &[R, R, W, W, W, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendOneMergeLora,
+        shader: Shader::AttentionOne,
+        entry: "attend_one_merge_lora",
+        io: &[R, R, W, W, W, W],
         weights: true,
         lora: true,
         accumulate: false,

@@ -33,15 +33,32 @@ pub struct AttnParams {
     pub k_offset: u32,
     /// First element of the raw values in `vraw`.
     pub v_offset: u32,
-    /// `attend_one_lora`: the total rank of o_proj's shrink (0 otherwise).
+    /// `attend_one_merge_lora`: the total rank of o_proj's shrink (0 otherwise).
     pub lora_rank: u32,
     /// `attend_one`: first element of the q|gate rows in `qkv` (a batch's row of one session; 0
     /// otherwise).
     pub q_offset: u32,
     /// `attend_one`: first element of the output row in `out`.
     pub out_offset: u32,
-    /// Padding.
-    pub _pad: [u32; 2],
+    /// `attend_one`: workgroups per query head over the cached keys ([`attention_one`] sets it).
+    pub splits: u32,
+    /// `attend_one`: cached keys per split, a multiple of 64 ([`attention_one`] sets it).
+    pub split_keys: u32,
+}
+
+/// Most workgroups per query head a single-token step spreads the cached keys over
+/// ([`attention_one`]); [`AttnOneIo::part`] holds `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats.
+pub const ATTN_MAX_SPLITS: u32 = 32;
+
+/// Keys per split: one block of the kernel's 64 (its workgroup size) per split up to
+/// `64 · ATTN_MAX_SPLITS` cached keys, then as many blocks as keep the splits at the maximum.
+const SPLIT_BLOCK: u32 = 64;
+
+/// `(splits, split_keys)` for a single-token step over `cached` keys: every split but the last
+/// full, at least one split (the token's own key is in the last).
+pub fn attention_splits(cached: u32) -> (u32, u32) {
+    let keys = cached.div_ceil(ATTN_MAX_SPLITS).next_multiple_of(SPLIT_BLOCK).max(SPLIT_BLOCK);
+    (cached.div_ceil(keys).max(1), keys)
 }
 
 /// Largest head_dim the attention kernel supports (WG × MAX_DIMS in `attention.wgsl`); the
@@ -112,12 +129,15 @@ pub struct AttnOneIo<'a> {
     pub rope: &'a wgpu::Buffer,
     /// Gated output `[Hq·hd]` (then the shrink's parts, with `shrink`).
     pub out: &'a wgpu::Buffer,
+    /// The splits' parts: at least `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats.
+    pub part: &'a wgpu::Buffer,
 }
 
-/// Record one token's attention in one dispatch (`attention_one.wgsl`): q/k norm + RoPE, the
-/// cache write and the attention, one workgroup per query head. `qk_norm` is `[q_norm | k_norm]`.
-/// With `shrink`, each head also writes its part of o_proj's LoRA shrink into `out` after the
-/// output row (`Hq` parts of the rank rounded up to 4, from element `Hq·hd`).
+/// Record one token's attention (`attention_one.wgsl`) in two dispatches: q/k norm + RoPE, the
+/// cache write and the attention over [`attention_splits`] of the cached keys per query head,
+/// then one workgroup per head combining its splits. `qk_norm` is `[q_norm | k_norm]`. With
+/// `shrink`, each head also writes its part of o_proj's LoRA shrink into `out` after the output
+/// row (`Hq` parts of the rank rounded up to 4, from element `Hq·hd`).
 pub fn attention_one(
     rec: &mut Recorder,
     qk_norm: &GpuVector,
@@ -125,14 +145,18 @@ pub fn attention_one(
     io: &AttnOneIo,
     shrink: Option<HeadShrink>,
 ) -> Result<(), GpuError> {
-    let storage = [io.qkv, io.rope, io.k_cache, io.v_cache, io.out];
+    let (splits, split_keys) = attention_splits(params.pos0);
+    let params = AttnParams { splits, split_keys, ..*params };
+    let storage = [io.qkv, io.rope, io.k_cache, io.v_cache, io.out, io.part];
+    let norm = [&qk_norm.bind_group];
+    rec.dispatch(PipelineKey::plain(Kernel::AttendOne), &params, &storage, &norm, [params.hq, splits, 1])?;
     let groups = [params.hq, 1, 1];
     match shrink {
-        None => rec.dispatch(PipelineKey::plain(Kernel::AttendOne), params, &storage, &[&qk_norm.bind_group], groups),
+        None => rec.dispatch(PipelineKey::plain(Kernel::AttendOneMerge), &params, &storage, &norm, groups),
         Some(s) => {
-            let params = AttnParams { lora_rank: s.rank as u32, ..*params };
+            let params = AttnParams { lora_rank: s.rank as u32, ..params };
             let binds = [&qk_norm.bind_group, s.a];
-            rec.dispatch(PipelineKey::plain(Kernel::AttendOneLora), &params, &storage, &binds, groups)
+            rec.dispatch(PipelineKey::plain(Kernel::AttendOneMergeLora), &params, &storage, &binds, groups)
         }
     }
 }

@@ -728,7 +728,8 @@ fn attention_rows(
             out_offset: (k * attn) as u32,
             ..attn_params(c, (1, sess.pos, sess.opts.max_context), (row + q_out, row + q_out + kv))
         };
-        let io = AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &sess.rope, out: &sc.mid_b };
+        let io =
+            AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &sess.rope, out: &sc.mid_b, part: &sc.attn_part };
         attention_one(rec, &w.qk_norm, &params, &io, None)?;
     }
     mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n, None)

@@ -3,6 +3,7 @@
 
 use crate::error::{GpuError, RunError};
 use crate::gpu::GpuContext;
+use crate::kernels::attention::ATTN_MAX_SPLITS;
 use crate::model::{LayerType, TextConfig};
 use crate::runtime::session::MAX_CONTEXT;
 
@@ -53,6 +54,8 @@ pub struct Scratch {
     /// `[mixer_rows, max(C + Vd + 2·Hv, 2·Hq·hd + 2·Hkv·hd)]`: a single token's concatenated
     /// mixer input projections (GDN qkv|z|b|a, or attention q|k|v), a row per session of a batch.
     pub mixer_in: wgpu::Buffer,
+    /// `[Hq, ATTN_MAX_SPLITS, hd + 2]`: a single-token attention step's split parts.
+    pub attn_part: wgpu::Buffer,
 }
 
 /// Width of a [`Scratch::mixer_in`] row: the wider of a GDN layer's and an attention layer's
@@ -61,6 +64,11 @@ fn mixer_width(c: &TextConfig) -> usize {
     let q_out = 2 * c.num_heads * c.head_dim;
     let kv = c.num_kv_heads * c.head_dim;
     (c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads).max(q_out + 2 * kv)
+}
+
+/// Floats of a [`Scratch::attn_part`]: every query head's largest number of split parts.
+fn attn_part_floats(c: &TextConfig) -> u64 {
+    c.num_heads as u64 * u64::from(ATTN_MAX_SPLITS) * (c.head_dim as u64 + 2)
 }
 
 impl Scratch {
@@ -85,6 +93,7 @@ impl Scratch {
             mlp_g: f("mlp_g", c.intermediate_size)?,
             mlp_u: f("mlp_u", c.intermediate_size)?,
             mixer_in: ctx.storage_buffer("mixer_in", mixer_rows as u64 * mixer_width(c) as u64 * 4, true)?,
+            attn_part: ctx.storage_buffer("attn_part", attn_part_floats(c) * 4, true)?,
         })
     }
 }

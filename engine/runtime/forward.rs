@@ -333,7 +333,8 @@ pub(crate) fn attn_params(
         lora_rank: 0,
         q_offset: 0,
         out_offset: 0,
-        _pad: [0; 2],
+        splits: 0,
+        split_keys: 0,
     }
 }
 
@@ -359,7 +360,14 @@ pub(crate) fn attention_block(
         // (which also shrinks o_proj's input when it can).
         project(rec, c, part(0..3), &lin(src.x, &sc.mixer_in, 1, q_out + 2 * kv), src, &s)?;
         let params = attn_params(c, (1, pos0, s_max), (q_out, q_out + kv));
-        let io = AttnOneIo { qkv: &sc.mixer_in, k_cache: cache.0, v_cache: cache.1, rope, out: &sc.mid_b };
+        let io = AttnOneIo {
+            qkv: &sc.mixer_in,
+            k_cache: cache.0,
+            v_cache: cache.1,
+            rope,
+            out: &sc.mid_b,
+            part: &sc.attn_part,
+        };
         let split = head_split(lora, &sc.mid_b, (hq * hd, hq));
         attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
         return mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, split.map(|s| s.shrunk));
