@@ -48,6 +48,7 @@ var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSU
 var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs
 
 const TSUM_VECS: u32 = 64u;
+const_assert TSUM_VECS == WG; // stage_t: an invocation per staged column
 
 // Whether lora_row reads t from tsum (staged by stage_t in the prologue; the reduction's barrier,
 // or the subgroup kernels' own, comes before lora_row reads it): a split shrink
@@ -59,24 +60,39 @@ fn t_staged() -> bool {
 }
 
 // Invocations stage t's columns 4 at a time (the parts start 16-byte aligned, each rank rounded
-// up to 4 floats), times the scale table's factors when there is one.
+// up to 4 floats), times the scale table's factors when there is one. A split shrink's parts are
+// summed by the whole workgroup: WG / cols invocations per column each add every (WG / cols)-th
+// part and leave the sum in tsum, then after a barrier the column's own invocation adds those
+// (a down_proj of the 0.8B layout has hundreds of parts: summed by one invocation per column they
+// were a chain of that many dependent loads in every workgroup). The callers' barrier orders tsum
+// before lora_row reads it.
 fn stage_t(li: u32) {
-    let cols = (p.lora_t_stride + 3u) / 4u;
-    let at = p.lora_parts_at / 4u;
-    for (var c = li; c < cols; c += WG) {
-        var v = vec4<f32>(0.0);
-        if (p.lora_parts > 0u) {
-            for (var q = 0u; q < p.lora_parts; q++) {
-                v += x[at + q * cols + c];
-            }
-        } else {
-            v = t[c];
+    let cols = max((p.lora_t_stride + 3u) / 4u, 1u);
+    var v = vec4<f32>(0.0);
+    if (p.lora_parts > 0u) {
+        let at = p.lora_parts_at / 4u;
+        let groups = WG / cols;
+        let c = li % cols;
+        for (var q = li / cols; q < p.lora_parts && li < groups * cols; q += groups) {
+            v += x[at + q * cols + c];
         }
+        tsum[li] = v;
+        workgroupBarrier();
+        if (li < cols) {
+            v = tsum[li];
+            for (var g = 1u; g < groups; g++) {
+                v += tsum[li + g * cols];
+            }
+        }
+    } else if (li < cols) {
+        v = t[li];
+    }
+    if (li < cols) {
         if (p.lora_sc != NO_TABLE) {
-            let s = p.lora_sc + 4u * c;
+            let s = p.lora_sc + 4u * li;
             v *= vec4<f32>(t_elem(s), t_elem(s + 1u), t_elem(s + 2u), t_elem(s + 3u));
         }
-        tsum[c] = v;
+        tsum[li] = v;
     }
 }
 
