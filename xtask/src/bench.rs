@@ -494,7 +494,8 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
     md.push_str("\n```\n");
     let history = root.join("BENCHMARKS.md");
     let old = std::fs::read_to_string(&history).unwrap_or_default();
-    let kept = old.find("\n## History").map(|i| &old[i..]).unwrap_or("");
+    // The hand-written sections after this run's: the GPU device checks, then the history.
+    let kept = ["\n## On a GPU", "\n## History"].iter().filter_map(|h| old.find(h)).min().map_or("", |i| &old[i..]);
     std::fs::write(&history, md + kept)?;
     eprintln!("wrote {}", history.display());
     Ok(())
