@@ -588,6 +588,38 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
     }
 }
 
+/// A parts buffer too small for the splits of a long cache is refused while recording (the
+/// kernel would write past it), and one that holds them is taken.
+#[test]
+fn a_parts_buffer_too_small_for_the_splits_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let (hq, hd) = (2u32, 8u32);
+    let params = AttnParams { t: 1, pos0: 1000, hq, hkv: 1, hd, s_max: 1024, ..Default::default() };
+    let (splits, _) = attention_splits(params.pos0);
+    assert!(splits > 1, "the case needs several splits");
+    let need = (hq * splits * (hd + 2)) as usize;
+    let qkn = GpuVector::upload(&ctx, "qk", &[0.0; 16]).expect("qk");
+    let any = upload(&ctx, &[0.0; 64]);
+    // Four floats short (uploads round sizes up to 16 bytes), then exactly enough.
+    for (floats, ok) in [(need - 4, false), (need, true)] {
+        let part = upload(&ctx, &vec![0.0; floats]);
+        let io = AttnOneIo { qkv: &any, k_cache: &any, v_cache: &any, rope: &any, out: &any, part: &part };
+        let mut cache = IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
+            label: Some("arena"),
+            size: 4096,
+            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+            mapped_at_creation: false,
+        }));
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let got = attention_one(&mut rec, &qkn, &params, &io, None);
+        match got {
+            Err(GpuError::Validation { message, .. }) => assert!(!ok && message.contains("parts buffer"), "{message}"),
+            Err(e) => panic!("{floats} floats: {e}"),
+            Ok(()) => assert!(ok, "{floats} floats accepted, {need} needed"),
+        }
+    }
+}
+
 #[test]
 fn affine_linear_layers_match_reference() {
     let Some(ctx) = ctx() else { return };

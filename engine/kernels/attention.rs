@@ -146,6 +146,17 @@ pub fn attention_one(
     shrink: Option<HeadShrink>,
 ) -> Result<(), GpuError> {
     let (splits, split_keys) = attention_splits(params.pos0);
+    let need = u64::from(params.hq) * u64::from(splits) * (u64::from(params.hd) + 2) * 4;
+    if io.part.size() < need {
+        return Err(GpuError::Validation {
+            during: "recording AttendOne".into(),
+            message: format!(
+                "the parts buffer holds {} bytes, {splits} splits of {} heads need {need}",
+                io.part.size(),
+                params.hq
+            ),
+        });
+    }
     let params = AttnParams { splits, split_keys, ..*params };
     let storage = [io.qkv, io.rope, io.k_cache, io.v_cache, io.out, io.part];
     let norm = [&qk_norm.bind_group];
