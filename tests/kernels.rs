@@ -16,7 +16,7 @@ use qwen35_wgpu::kernels::attention::{
 use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
-    batch_tokens, glu_shrink_parts, linear, linear_rows, matmul_tile, matvec_lanes, Fuse, FusedNorm, LinearIo,
+    batch_tokens, linear, linear_rows, matmul_tile, matvec_lanes, shrink_out_parts, Fuse, FusedNorm, LinearIo,
     LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES, MATVEC_BATCH_TOKENS,
     MATVEC_LANES,
 };
@@ -170,6 +170,7 @@ fn matvec_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     matvec_sweep(&ctx);
     glu_shrink_out_sweep(&ctx);
+    residual_shrink_out_sweep(&ctx);
 }
 
 /// The matvec sweeps on a context without subgroups (the portable reduction for every shape) and
@@ -187,6 +188,7 @@ fn matvec_sweeps_match_reference_on_both_reduction_paths() {
         }
         matvec_sweep(&ctx);
         glu_shrink_out_sweep(&ctx);
+        residual_shrink_out_sweep(&ctx);
         affine_sweep(&ctx);
     }
 }
@@ -214,7 +216,7 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
         let x = rand(k, seed + 1, 1.0);
         let norm_w = rand(k, seed + 2, 0.5);
         let a = rand(rank * n, seed + 3, 1.0);
-        let count = glu_shrink_parts(ctx, 2 * n);
+        let count = shrink_out_parts(ctx, 2 * n, true);
         lanes.insert(matvec_lanes(2 * n, g));
         let per = 256 / matvec_lanes(2 * n, g) as usize;
         let (at, pad) = (n.next_multiple_of(4), rank.next_multiple_of(4));
@@ -226,7 +228,7 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
         let (tb, bb) = (upload(ctx, &t), upload(ctx, &b));
         let bg = ctx.weights_bind_group(&bb, "b");
         let lora = LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg);
-        let shrink_out = Some(ShrinkOut { a: &ab, rank, at });
+        let shrink_out = Some(ShrinkOut { a: &ab, rank, at, norm: None });
         let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu: true, shrink_out };
         let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
         run(ctx, |rec| linear_rows(rec, WeightRows::all(&gw), &io, (own > 0).then_some(&lora), fuse));
@@ -254,7 +256,7 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
     // Refused, not computed wrongly: parts that do not fit in y.
     let gw = GpuWeight::upload(ctx, "w", Dtype::F32, 8, 8, &[0; 8 * 8 * 4], u64::MAX).expect("weight");
     let (xb, yb, ab) = (upload(ctx, &[1.0; 8]), upload(ctx, &[0.0; 4]), upload(ctx, &[1.0; 4]));
-    let fuse = Fuse { glu: true, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 4 }), ..Fuse::NONE };
+    let fuse = Fuse { glu: true, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 4, norm: None }), ..Fuse::NONE };
     let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: 4, accumulate: false };
     let mut cache = IoBindCache::new(upload(ctx, &[0.0; 64]));
     let mut rec = Recorder::new(ctx, &mut cache);
@@ -263,9 +265,107 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
     // Refused: a shrink out without the SwiGLU that writes it.
     let yb = upload(ctx, &[0.0; 64]);
     let io = LinearIo { y: &yb, y_stride: 8, ..io };
-    let fuse = Fuse { glu: false, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8 }), ..Fuse::NONE };
+    let fuse = Fuse { glu: false, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: None }), ..Fuse::NONE };
     let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    // Refused: a norm weight with SwiGLU, or on a projection that does not accumulate.
+    let nb = upload(ctx, &[0.5; 8]);
+    let fuse =
+        Fuse { glu: true, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: Some(&nb) }), ..Fuse::NONE };
+    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    let fuse = Fuse { shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: Some(&nb) }), ..Fuse::NONE };
+    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+}
+
+/// A residual projection (accumulating, one token) that also writes the next block's input
+/// shrink of the residual times (1 + that block's norm weight), split by workgroup, then the
+/// block's projection fusing the norm and reading those parts (its expand scaled by the norm's
+/// rsqrt): the residual, every part, nothing past the parts, and the reader's outputs against
+/// the reference (the shrink of the normed residual), over every rows-per-workgroup variant,
+/// ranks around the padding, dtypes, with and without a LoRA expand on the residual projection.
+fn residual_shrink_out_sweep(ctx: &GpuContext) {
+    let g = ctx.min_workgroups();
+    // (residual width n, k, rank, dtype, own LoRA rank)
+    let cases = [
+        (1, 8, 1, Dtype::BF16, 0),
+        (5, 13, 4, Dtype::F32, 2),
+        (8 * g - 3, 24, 16, Dtype::BF16, 4),
+        (16 * g + 5, 8, 13, Dtype::F16, 0),
+        (32 * g + 1, 40, 33, Dtype::F32, 8),
+        (64 * g + 3, 16, 2, Dtype::BF16, 3),
+    ];
+    let (n2, scale, eps) = (24, 0.75, 1e-6);
+    let mut lanes = std::collections::BTreeSet::new();
+    for (ci, &(n, k, rank, dtype, own)) in cases.iter().enumerate() {
+        let seed = 1300 + ci as u64 * 11;
+        let (bytes, w) = weight_bytes(&rand(n * k, seed, 1.0), dtype);
+        let gw = GpuWeight::upload(ctx, "w", dtype, n, k, &bytes, u64::MAX).expect("weight");
+        let (bytes2, w2) = weight_bytes(&rand(n2 * n, seed + 1, 1.0), dtype);
+        let gw2 = GpuWeight::upload(ctx, "w2", dtype, n2, n, &bytes2, u64::MAX).expect("weight");
+        let x = rand(k, seed + 2, 1.0);
+        let resid = rand(n, seed + 3, 2.0);
+        let norm_w = rand(n, seed + 4, 0.5);
+        let a = rand(rank * n, seed + 5, 1.0);
+        let b = rand(n2 * rank, seed + 6, 0.3);
+        let count = shrink_out_parts(ctx, n, false);
+        lanes.insert(matvec_lanes(n, g));
+        let per = 512 / matvec_lanes(n, g) as usize;
+        let (at, pad) = (n.next_multiple_of(4), rank.next_multiple_of(4));
+        let y_len = at + count * pad + 4;
+        let mut y0 = resid.clone();
+        y0.resize(y_len, 7.0);
+        let (xb, yb, ab, nb) = (upload(ctx, &x), upload(ctx, &y0), upload(ctx, &a), upload(ctx, &norm_w));
+        let y2b = upload(ctx, &vec![0.0; n2]);
+        // The residual projection's own expand: one segment over its n rows.
+        let t_own = rand(own.max(1), seed + 7, 1.0);
+        let b_own = rand(n * own.max(1), seed + 8, 0.1);
+        let (tb, bb) = (upload(ctx, &t_own), upload(ctx, &b_own));
+        let bg = ctx.weights_bind_group(&bb, "b");
+        let own_lora = LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg);
+        // The reader's expand: t summed from the parts (its t buffer unused).
+        let b2b = upload(ctx, &b);
+        let bg2 = ctx.weights_bind_group(&b2b, "b2");
+        let split = Some(SplitShrink { count, at });
+        let lora = LoraExpand { parts: split, ..LoraExpand::single(&tb, (0, rank), (rank, 0), scale, &bg2) };
+        let out = Fuse { shrink_out: Some(ShrinkOut { a: &ab, rank, at, norm: Some(&nb) }), ..Fuse::NONE };
+        let normed = Fuse { norm: Some(FusedNorm { weight: &nb, eps }), ..Fuse::NONE };
+        let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: true };
+        let io2 = LinearIo { x: &yb, x_offset: 0, m: 1, y: &y2b, y_offset: 0, y_stride: n2, accumulate: false };
+        run(ctx, |rec| {
+            linear_rows(rec, WeightRows::all(&gw), &io, (own > 0).then_some(&own_lora), out)?;
+            linear_rows(rec, WeightRows::all(&gw2), &io2, Some(&lora), normed)
+        });
+        let mut h = cpu::linear(&x, &w, 1, n, k);
+        for (r, v) in h.iter_mut().enumerate() {
+            if own > 0 {
+                *v += 0.5 * (0..own).map(|c| t_own[c] * b_own[r * own + c]).sum::<f32>();
+            }
+            *v += resid[r];
+        }
+        let got = read(ctx, &yb, y_len);
+        let what = format!("residual shrink out n{n} k{k} rank {rank} {dtype:?} own rank {own}");
+        assert_close(&what, &got[..n], &h, KERNEL_ATOL, KERNEL_RTOL);
+        for q in 0..count {
+            let part = &got[at + q * pad..at + (q + 1) * pad];
+            let cols = q * per..((q + 1) * per).min(n);
+            let want: Vec<f32> =
+                (0..rank).map(|r| cols.clone().map(|o| a[r * n + o] * (1.0 + norm_w[o]) * h[o]).sum()).collect();
+            assert_close(&format!("{what}: part {q} of {count}"), &part[..rank], &want, KERNEL_ATOL, KERNEL_RTOL);
+            assert!(part[rank..].iter().all(|&v| v == 0.0), "{what}: padding of part {q}");
+        }
+        assert!(got[at + count * pad..].iter().all(|&v| v == 7.0), "{what}: wrote past the parts");
+        // The reader: W2 · norm(h) + scale · B · (A · norm(h)).
+        let hn = cpu::rms_norm(&h, &norm_w, n, eps);
+        let t = cpu::linear(&hn, &a, 1, rank, n);
+        let mut want = cpu::linear(&hn, &w2, 1, n2, n);
+        for (r, v) in want.iter_mut().enumerate() {
+            *v += scale * (0..rank).map(|c| t[c] * b[r * rank + c]).sum::<f32>();
+        }
+        assert_close(&format!("{what}: the reader"), &read(ctx, &y2b, n2), &want, KERNEL_ATOL, KERNEL_RTOL);
+    }
+    assert_eq!(lanes.len(), 4, "every rows-per-workgroup variant: {lanes:?}");
 }
 
 /// Matvec shapes, dtypes, LoRA segments, fusions and split shrinks against the reference.
@@ -386,13 +486,17 @@ fn matvec_sweep(ctx: &GpuContext) {
                 let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };
                 let prod = cpu::linear(&xin, &w[view0 * k..(view0 + rows) * k], 1, rows, k);
                 let mut vals = prod.clone();
+                // With the norm fused, split parts are of the input before the norm's scale (a
+                // residual projection's shrink out), so the expand takes that scale.
+                let ms = x[x_off..].iter().map(|v| v * v).sum::<f32>() / k as f32;
+                let expand_scale = if norm && split { 1.0 / (ms + 1e-6).sqrt() } else { 1.0 };
                 if rank > 0 {
                     let mut start = 0;
                     for (j, &(r, seg_rows)) in segs.iter().enumerate() {
                         for (i, v) in vals[start..start + seg_rows].iter_mut().enumerate() {
                             let b0 = b_offs[j] + i * r;
                             let d: f32 = (0..r).map(|c| t[t_offs[j] + c] * factor(t_offs[j] + c) * b[b0 + c]).sum();
-                            *v += scales[j] * d;
+                            *v += scales[j] * d * expand_scale;
                         }
                         start += seg_rows;
                     }

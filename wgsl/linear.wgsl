@@ -25,11 +25,16 @@
 //    output row); the kernel sums them into workgroup memory in its prologue. Each shader defines
 //    t_vec and t_one, the t values lora_row reads, and t_scaled, whether they already hold the
 //    scale table's factors.
-// Shrink out (matvec with GLU only): when out_rank > 0, the dispatch also writes the LoRA shrink
-//    of its output for the projection that reads it (down_proj), split by workgroup: part w's
-//    column r at y element out_at + w * (out_rank rounded up to 4) + r, the sum over the
-//    workgroup's outputs o of y[o] * out_a[r, o] (out_a f32 [out_rank, n]); that projection
-//    sums the parts as a split shrink.
+// Shrink out (matvec only): when out_rank > 0, the dispatch also writes the LoRA shrink of its
+//    output for the projections that read it next, split by workgroup: part w's column r at y
+//    element out_at + w * (out_rank rounded up to 4) + r, the sum over the workgroup's outputs o
+//    of y[o] * out_a[r, o] (out_a f32 [out_rank, n]; y[o] as stored, after SwiGLU or the residual
+//    add); those projections sum the parts as a split shrink. A SwiGLU layer writes down_proj's;
+//    a residual projection (o_proj, out_proj, down_proj) writes the next block's input group's,
+//    whose input is the residual through the block's RMSNorm1p: with out_norm = 1 each output is
+//    taken times (1 + aux[o]) (the norm's weight, bound where a fused norm's would be), and the
+//    reading projection, which fuses that norm (NORM), multiplies its expand by the norm's scale
+//    rsqrt(mean(y^2) + eps) that only the whole row gives.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override ACCUMULATE: bool = false;
@@ -56,8 +61,8 @@ struct Params {
     lora_parts_at: u32,
     out_rank: u32,
     out_at: u32,
-    _pad0: u32,
-    _pad1: u32,
+    out_norm: u32,
+    _pad: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,

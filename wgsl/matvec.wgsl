@@ -13,7 +13,8 @@
 // clamped to the last row (computed, never stored), so the loop has no bound tests. The partial
 // sums of a row are reduced through workgroup memory after one barrier; the invocation that
 // stores a row adds its LoRA expand s * t . B[row] (matvec_lora; each row finds its segment of a
-// concatenated weight, linear.wgsl).
+// concatenated weight, linear.wgsl). With out_rank > 0 the workgroup then writes its part of the
+// next projections' shrink from the outputs it stored (shrink out, linear.wgsl).
 //
 // Rows are 16-byte aligned when K is a multiple of 8 (one vec4<u32> of 16-bit weights, two of
 // f32, per group of 8); other K (and an x offset that is not a multiple of 4) take an
@@ -39,13 +40,13 @@ const WG: u32 = 64u;
 const TM: u32 = 8u;
 
 // Parameters, bindings 0-3 and the weight decoder: linear.wgsl (t is bound to x when unused).
-@group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM: its weight (x when unused)
+@group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM, out_norm: a norm weight (x when unused)
 @group(0) @binding(5) var<storage, read> out_a: array<f32>;      // shrink out: A (x when unused)
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSUM_VECS columns)
-var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs
+var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs as stored
 
 const TSUM_VECS: u32 = 64u;
 const_assert TSUM_VECS == WG; // stage_t: an invocation per staged column
@@ -114,6 +115,13 @@ fn t_one(e: u32) -> f32 {
 // Whether the staged t holds the scale table's factors.
 fn t_scaled() -> bool {
     return t_staged();
+}
+
+// The factor of the expand given the norm's scale: with NORM, split-shrink parts are of the
+// input times (1 + aux) before the scale (a residual projection's shrink out), so the expand
+// takes the scale the row's reduction found; a t from its buffer is of the normed input already.
+fn expand_scale(norm_scale: f32) -> f32 {
+    return select(1.0, norm_scale, NORM && p.lora_parts > 0u);
 }
 
 struct Slot {
@@ -294,10 +302,16 @@ fn lane_sum(at: u32) -> f32 {
     return sum;
 }
 
+// A stored row's sums (x; with GLU the gate row in x, the up row in y), scaled by the norm for
+// NORM, and that scale (1 without NORM).
+struct Reduced {
+    v: vec2<f32>,
+    scale: f32,
+}
+
 // One barrier, then the invocation li < outputs (of an output inside the chunk) sums its row's
-// LANES partials (x; with GLU the gate row in x, the up row in y), scaled by the norm for NORM;
-// the entry point adds the LoRA expand and stores.
-fn reduce(s: Slot, part: Partials, li: u32) -> vec2<f32> {
+// LANES partials; the entry point adds the LoRA expand and stores.
+fn reduce(s: Slot, part: Partials, li: u32) -> Reduced {
     let at = s.group * TM * LANES + s.lane;
     red[at] = part.lo.x;
     red[at + LANES] = part.lo.y;
@@ -312,6 +326,7 @@ fn reduce(s: Slot, part: Partials, li: u32) -> vec2<f32> {
     }
     workgroupBarrier();
     var sum = vec2<f32>(0.0);
+    var scale = 1.0;
     if (stores(s, li)) {
         let g = li / outputs();
         let q = li % outputs();
@@ -324,10 +339,11 @@ fn reduce(s: Slot, part: Partials, li: u32) -> vec2<f32> {
             for (var l = 0u; l < LANES; l++) {
                 total += ssq[g * LANES + l];
             }
-            sum *= inverseSqrt(total / f32(p.k) + p.eps);
+            scale = inverseSqrt(total / f32(p.k) + p.eps);
+            sum *= scale;
         }
     }
-    return sum;
+    return Reduced(sum, scale);
 }
 
 // Whether invocation li stores an output (output li of the workgroup, inside the chunk).
@@ -335,22 +351,22 @@ fn stores(s: Slot, li: u32) -> bool {
     return li < outputs() * (WG / LANES) && s.row0 + li < p.n;
 }
 
+// Store output li of the workgroup (and keep it in outs for a shrink out).
 fn store(s: Slot, li: u32, v: vec2<f32>) {
     let idx = p.y_offset + s.row0 + li;
+    var h = v.x;
     if (GLU) {
-        let h = silu(v.x) * v.y;
-        y[idx] = h;
-        outs[li] = h;
+        h = silu(v.x) * v.y;
     } else if (ACCUMULATE) {
-        y[idx] = y[idx] + v.x;
-    } else {
-        y[idx] = v.x;
+        h += y[idx];
     }
+    y[idx] = h;
+    outs[li] = h;
 }
 
-// Shrink out (linear.wgsl; GLU only, uniform: out_rank > 0): after one barrier, invocation r
-// sums the workgroup's outputs times row r of A over their columns and stores the workgroup's
-// part (the rank's padding as zeros).
+// Shrink out (linear.wgsl; uniform: out_rank > 0): after one barrier, invocation r sums the
+// workgroup's outputs (times 1 + the norm weight with out_norm) times row r of A over their
+// columns and stores the workgroup's part (the rank's padding as zeros).
 fn shrink_out(row0: u32, part: u32, li: u32) {
     if (row0 >= p.n) {
         return; // a workgroup past the rows (a two-dimensional grid's last row)
@@ -363,7 +379,12 @@ fn shrink_out(row0: u32, part: u32, li: u32) {
         if (r < p.out_rank) {
             let a0 = r * p.n + row0;
             for (var o = 0u; o < n; o++) {
-                sum = fma(outs[o], out_a[a0 + o], sum);
+                var h = outs[o];
+                if (p.out_norm != 0u) {
+                    let e = row0 + o;
+                    h *= 1.0 + aux[e >> 2u][e & 3u];
+                }
+                sum = fma(h, out_a[a0 + o], sum);
             }
         }
         y[p.out_at + part * pad + r] = sum;
@@ -377,11 +398,11 @@ fn matvec(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    let v = reduce(s, base_partials(s), li);
+    let r = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
-        store(s, li, v);
+        store(s, li, r.v);
     }
-    if (GLU && p.out_rank > 0u) {
+    if (p.out_rank > 0u) {
         shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
@@ -396,16 +417,18 @@ fn matvec_lora(
     if (t_staged()) {
         stage_t(li);
     }
-    var v = reduce(s, base_partials(s), li);
+    let r = reduce(s, base_partials(s), li);
     if (stores(s, li)) {
         let o = s.row0 + li;
-        v.x += lora_row(o, 0u);
+        let f = expand_scale(r.scale);
+        var v = r.v;
+        v.x += f * lora_row(o, 0u);
         if (GLU) {
-            v.y += lora_row(p.n + o, 0u);
+            v.y += f * lora_row(p.n + o, 0u);
         }
         store(s, li, v);
     }
-    if (GLU && p.out_rank > 0u) {
+    if (p.out_rank > 0u) {
         shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }

@@ -86,7 +86,7 @@ fn matvec_sg(
             store(s, o, output_sg(sums, q));
         }
     }
-    if (GLU && p.out_rank > 0u) {
+    if (p.out_rank > 0u) {
         shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
@@ -111,14 +111,15 @@ fn matvec_sg_lora(
         let o = s.group * outputs() + q;
         if (computes(s) && s.row0 + o < p.n) {
             var v = output_sg(sums, q);
-            v.x += lora_row(s.row0 + o, 0u);
+            let f = expand_scale(sums.scale);
+            v.x += f * lora_row(s.row0 + o, 0u);
             if (GLU) {
-                v.y += lora_row(p.n + s.row0 + o, 0u);
+                v.y += f * lora_row(p.n + s.row0 + o, 0u);
             }
             store(s, o, v);
         }
     }
-    if (GLU && p.out_rank > 0u) {
+    if (p.out_rank > 0u) {
         shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }

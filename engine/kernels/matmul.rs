@@ -46,13 +46,15 @@ pub struct MatmulParams {
     pub lora_parts: u32,
     /// Split shrink: the element of x where part 0 starts (a multiple of 4).
     pub lora_parts_at: u32,
-    /// Shrink out (matvec with SwiGLU): the rank of the next projection's shrink written split
-    /// by workgroup (0: none).
+    /// Shrink out (matvec): the rank of the next projections' shrink written split by workgroup
+    /// (0: none).
     pub out_rank: u32,
     /// Shrink out: the element of y where part 0 starts (a multiple of 4).
     pub out_at: u32,
+    /// Shrink out: 1 when each output is taken times (1 + the norm weight) ([`ShrinkOut::norm`]).
+    pub out_norm: u32,
     /// Padding (the segment fields are 16-byte aligned).
-    pub _pad: [u32; 2],
+    pub _pad: u32,
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -74,10 +76,13 @@ pub struct FusedNorm<'a> {
     pub eps: f32,
 }
 
-/// The LoRA shrink of a SwiGLU layer's output for the projection that reads it (down_proj),
-/// written by the SwiGLU dispatch split by workgroup ([`glu_shrink_parts`] parts of `rank`
-/// rounded up to 4, in y from element `at`): that projection sums them as a [`SplitShrink`]
-/// instead of a shrink dispatch of its own.
+/// The LoRA shrink of a single-token layer's output for the projections that read it next,
+/// written by the layer's dispatch split by workgroup ([`shrink_out_parts`] parts of `rank`
+/// rounded up to 4, in y from element `at`): those projections sum them as a [`SplitShrink`]
+/// instead of a shrink dispatch of their own. A SwiGLU layer writes down_proj's; a residual
+/// projection (accumulating into the residual stream) writes the next block's input group's, of
+/// the residual times `1 + norm` (the block's RMSNorm1p weight; the reading projection fuses
+/// that norm and scales the expand by its rsqrt).
 #[derive(Clone, Copy)]
 pub struct ShrinkOut<'a> {
     /// A, f32 `[rank, n]` (n: the layer's outputs).
@@ -86,6 +91,8 @@ pub struct ShrinkOut<'a> {
     pub rank: usize,
     /// The element of y where part 0 starts (a multiple of 4, past the outputs).
     pub at: usize,
+    /// The RMSNorm1p weight `[n]` (f32) the reading projections fuse, for a residual projection.
+    pub norm: Option<&'a wgpu::Buffer>,
 }
 
 /// What a single-token linear layer fuses in, saving the dispatches that would do it.
@@ -96,7 +103,8 @@ pub struct Fuse<'a> {
     /// SwiGLU after the product (`GLU`) over a concatenated `[gate; up]` weight: the rows are
     /// split in halves and `y = silu(gate) · up` (half as many outputs as rows).
     pub glu: bool,
-    /// With SwiGLU: the next projection's LoRA shrink of the output, split by workgroup.
+    /// The next projections' LoRA shrink of the output, split by workgroup (with SwiGLU, or
+    /// accumulating into the residual stream with the next block's norm weight).
     pub shrink_out: Option<ShrinkOut<'a>>,
 }
 
@@ -172,28 +180,48 @@ pub struct SplitShrink {
 /// The largest total rank a split shrink takes (`tsum` in `matvec.wgsl`).
 pub const SPLIT_SHRINK_MAX_RANK: usize = 256;
 
-/// The parts a single-token SwiGLU layer over `rows` weight rows (`[gate; up]`) writes its
-/// [`ShrinkOut`] in: one per workgroup.
-pub fn glu_shrink_parts(ctx: &GpuContext, rows: usize) -> usize {
+/// The parts a single-token layer over `rows` weight rows writes its [`ShrinkOut`] in: one per
+/// workgroup (with SwiGLU the rows are `[gate; up]`, half as many outputs).
+pub fn shrink_out_parts(ctx: &GpuContext, rows: usize, glu: bool) -> usize {
     let lanes = matvec_lanes(rows, ctx.min_workgroups()) as usize;
-    (rows / 2).div_ceil(4 * 64 / lanes)
+    if glu {
+        (rows / 2).div_ceil(4 * 64 / lanes)
+    } else {
+        rows.div_ceil(8 * 64 / lanes)
+    }
 }
 
-/// Why `s` cannot be written by the layer `view` → `io` (SwiGLU when `glu`), if it cannot.
-fn shrink_out_error(ctx: &GpuContext, view: &WeightRows, io: &LinearIo, glu: bool, s: ShrinkOut) -> Option<String> {
-    let n = view.rows.len() / 2;
-    let end = s.at + glu_shrink_parts(ctx, view.rows.len()) * s.rank.next_multiple_of(4);
-    if !glu || io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 {
+/// Why `s` cannot be written by the layer `view` → `io` (SwiGLU when `glu`, `norm` when it fuses
+/// a norm of its input), if it cannot.
+fn shrink_out_error(
+    ctx: &GpuContext,
+    view: &WeightRows,
+    io: &LinearIo,
+    (glu, norm): (bool, bool),
+    s: ShrinkOut,
+) -> Option<String> {
+    let n = if glu { view.rows.len() / 2 } else { view.rows.len() };
+    let end = s.at + shrink_out_parts(ctx, view.rows.len(), glu) * s.rank.next_multiple_of(4);
+    if io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 {
         Some(format!(
-            "a shrink out needs SwiGLU, one token, one binding and y from 0, got SwiGLU {glu}, {} tokens from {}",
+            "a shrink out needs one token, one binding and y from 0, got {} tokens from {}",
             io.m, io.y_offset
+        ))
+    } else if glu == s.norm.is_some() || (s.norm.is_some() && (norm || !io.accumulate)) {
+        Some(format!(
+            "a shrink out is written by SwiGLU (no norm weight) or by a residual projection (accumulating, not fusing a norm, with the next norm's weight): got SwiGLU {glu}, accumulate {}, fused norm {norm}, next norm {}",
+            io.accumulate,
+            s.norm.is_some()
         ))
     } else if s.rank == 0 || s.rank > SPLIT_SHRINK_MAX_RANK || !s.at.is_multiple_of(4) || s.at < n {
         Some(format!(
             "a shrink out takes a rank of 1 to {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4 past the {n} outputs: got rank {}, parts from {}",
             s.rank, s.at
         ))
-    } else if (end * 4) as u64 > io.y.size() || ((s.rank * n) * 4) as u64 > s.a.size() {
+    } else if (end * 4) as u64 > io.y.size()
+        || ((s.rank * n) * 4) as u64 > s.a.size()
+        || s.norm.is_some_and(|w| (n * 4) as u64 > w.size())
+    {
         Some(format!(
             "a shrink out of rank {} over {n} outputs runs past y ({} bytes, parts to element {end}) or A ({} bytes)",
             s.rank,
@@ -376,7 +404,9 @@ pub fn linear_rows(
             "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
             io.m, p.count, p.at
         ))
-    } else if let Some(msg) = fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, fuse.glu, s)) {
+    } else if let Some(msg) =
+        fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, (fuse.glu, fuse.norm.is_some()), s))
+    {
         Some(msg)
     } else if let Some((rank, p)) =
         split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
@@ -393,7 +423,9 @@ pub fn linear_rows(
     if let Some(message) = bad {
         return Err(GpuError::Validation { during: "recording a linear layer".into(), message });
     }
-    let (eps, aux) = fuse.norm.map_or((0.0, io.x), |n| (n.eps, n.weight));
+    // Binding 4: the fused norm's weight, or the one a residual projection's shrink out applies.
+    let next_norm = fuse.shrink_out.and_then(|s| s.norm);
+    let (eps, aux) = fuse.norm.map_or((0.0, next_norm.unwrap_or(io.x)), |n| (n.eps, n.weight));
     let out_a = fuse.shrink_out.map_or(io.x, |s| s.a);
     // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
     // Affine weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
@@ -461,7 +493,8 @@ pub fn linear_rows(
             lora_parts_at: lora.and_then(|l| l.parts).map_or(0, |s| s.at as u32),
             out_rank: fuse.shrink_out.map_or(0, |s| s.rank as u32),
             out_at: fuse.shrink_out.map_or(0, |s| s.at as u32),
-            _pad: [0; 2],
+            out_norm: u32::from(next_norm.is_some()),
+            _pad: 0,
             seg_end,
             seg_rank,
             seg_t,

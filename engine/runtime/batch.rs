@@ -333,13 +333,14 @@ impl Batch {
         for (i, layer) in model.layers.iter().enumerate() {
             let lora =
                 self.lora.as_ref().zip(self.lora_t.as_ref()).map(|(l, t)| LayerLora { bound: &l.bound, t, layer: i });
-            let mixer_in = block_input(&mut rec, c, sc, &layer.input_norm, false, lora, InputGroup::MixerIn, n)?;
+            let mixer_in =
+                block_input(&mut rec, c, sc, &layer.input_norm, false, lora, (InputGroup::MixerIn, None), n)?;
             match &layer.mixer {
                 Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
                 Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
             }
-            let mlp_in = block_input(&mut rec, c, sc, &layer.post_norm, false, lora, InputGroup::MlpIn, n)?;
-            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, lora, n)?;
+            let mlp_in = block_input(&mut rec, c, sc, &layer.post_norm, false, lora, (InputGroup::MlpIn, None), n)?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, None), n)?;
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
@@ -693,7 +694,7 @@ fn gdn_rows(
             rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
         }
     }
-    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, n, None)
+    mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (None, None))
 }
 
 /// An attention layer for every row: q|gate, k and v for all rows (row k of `mixer_in` is
@@ -732,7 +733,7 @@ fn attention_rows(
             AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &sess.rope, out: &sc.mid_b, part: &sc.attn_part };
         attention_one(rec, &w.qk_norm, &params, &io, None)?;
     }
-    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, n, None)
+    mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, None))
 }
 
 /// Every row's session takes the step's token.

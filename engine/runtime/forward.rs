@@ -19,7 +19,7 @@ use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder, WeightChunk}
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    glu_shrink_parts, linear_rows, linear_with, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ShrinkOut,
+    linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ShrinkOut,
     SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
@@ -96,8 +96,34 @@ pub(crate) fn head_split<'a>(
     })
 }
 
+/// The next block's input-group shrink written by a single-token residual projection `w`
+/// (o_proj, out_proj, down_proj) as it adds into the residual stream `hidden`, for a block that
+/// folds its norm `norm` into its projections: the [`ShrinkOut`] that projection takes and what
+/// the block's projections read (the parts after the residual row). None when the adapter does
+/// not cover the group or the split does not apply (`w` or A in more than one binding, A not f32,
+/// a rank above the matvec's, `hidden` too small): the block then takes its shrink dispatch.
+pub(crate) fn residual_split<'a>(
+    ctx: &GpuContext,
+    lora: Option<LayerLora<'a>>,
+    (group, norm): (InputGroup, &'a GpuVector),
+    w: &GpuWeight,
+    hidden: &wgpu::Buffer,
+) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
+    let l = lora?;
+    let (g, chunk) = l.f32_a(group, w.rows)?;
+    let count = shrink_out_parts(ctx, w.rows, false);
+    let at = w.rows.next_multiple_of(4);
+    let fits = WeightRows::all(w).in_one_chunk()
+        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
+        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= hidden.size();
+    let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
+    let out = ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: Some(&norm.buffer) };
+    fits.then_some((out, shrunk))
+}
+
 /// A block's input for the projections of `group` and their LoRA shrink when an adapter covers
-/// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections;
+/// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections, and
+/// the shrink the residual projection before wrote (`written`, [`residual_split`]) or a dispatch;
 /// otherwise `xnorm`, written by a norm dispatch of its own, which for one token also writes the
 /// shrink when A is f32 in one binding (`rms_norm_shrink`: one dispatch instead of two).
 #[allow(clippy::too_many_arguments)]
@@ -108,12 +134,16 @@ pub(crate) fn block_input<'a>(
     norm: &'a GpuVector,
     fold: bool,
     lora: Option<LayerLora<'a>>,
-    group: InputGroup,
+    (group, written): (InputGroup, Option<Shrunk<'a>>),
     t: usize,
 ) -> Result<(Src<'a>, Option<Shrunk<'a>>), GpuError> {
     if fold {
         let src = Src::normed(&sc.hidden, &norm.buffer, c.rms_norm_eps);
-        return Ok((src, shrink(rec, lora, group, src, t)?));
+        let s = match written {
+            Some(s) => Some(s),
+            None => shrink(rec, lora, group, src, t)?,
+        };
+        return Ok((src, s));
     }
     let io = norm_rows(sc, c, 0, t);
     let src = Src::plain(&sc.xnorm);
@@ -237,7 +267,7 @@ pub(crate) fn gdn_block(
     conv: [&wgpu::Buffer; 2],
     state: [&wgpu::Buffer; 2],
     (src, s): (Src, Option<Shrunk>),
-    lora: Option<LayerLora>,
+    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
     t: usize,
 ) -> Result<(), GpuError> {
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
@@ -258,7 +288,7 @@ pub(crate) fn gdn_block(
         };
         let split = head_split(lora, &sc.mid_b, (vd, hv));
         gdn_step(rec, &w.step_params, &params, &io, split.as_ref().map(|s| s.shrink))?;
-        return mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, split.map(|s| s.shrunk));
+        return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, t, (split.map(|s| s.shrunk), next));
     } else {
         project(rec, c, part(0), &lin(src.x, &sc.wide_a, t, cd), src, &s)?;
         project(rec, c, part(1), &lin(src.x, &sc.mid_a, t, vd), src, &s)?;
@@ -287,7 +317,7 @@ pub(crate) fn gdn_block(
         };
         rms_norm_gated(rec, &w.norm, &norm)?;
     }
-    mixer_out(rec, c, sc, &w.out_proj, Proj::OutProj, lora, t, None)
+    mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, t, (None, next))
 }
 
 /// The GDN kernels' parameters for `t` tokens.
@@ -349,7 +379,7 @@ pub(crate) fn attention_block(
     pos0: usize,
     s_max: usize,
     (src, s): (Src, Option<Shrunk>),
-    lora: Option<LayerLora>,
+    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
     (t, one): (usize, bool),
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -370,7 +400,7 @@ pub(crate) fn attention_block(
         };
         let split = head_split(lora, &sc.mid_b, (hq * hd, hq));
         attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
-        return mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, split.map(|s| s.shrunk));
+        return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, t, (split.map(|s| s.shrunk), next));
     }
     project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
     project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
@@ -387,22 +417,21 @@ pub(crate) fn attention_block(
         out: &sc.mid_b,
     };
     attention(rec, &w.q_norm, &w.k_norm, &params, &io)?;
-    mixer_out(rec, c, sc, &w.o_proj, Proj::OProj, lora, t, None)
+    mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, t, (None, next))
 }
 
 /// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
 /// into the residual stream of `t` rows; its shrink is a dispatch of its own unless the mixer
-/// wrote it split by head (`split`, one token: [`head_split`]).
-#[allow(clippy::too_many_arguments)]
+/// wrote it split by head (`split`, one token: [`head_split`]). With `next` it also writes the
+/// MLP's input shrink ([`residual_split`]).
 pub(crate) fn mixer_out(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
-    w: &GpuWeight,
-    proj: Proj,
+    (w, proj): (&GpuWeight, Proj),
     lora: Option<LayerLora>,
     t: usize,
-    split: Option<Shrunk>,
+    (split, next): (Option<Shrunk>, Option<ShrinkOut>),
 ) -> Result<(), GpuError> {
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
@@ -410,18 +439,20 @@ pub(crate) fn mixer_out(
         Some(s) => Some(s),
         None => shrink(rec, lora, InputGroup::MixerOut, mid, t)?,
     };
-    project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, mid, &s)
+    let src = Src { fuse: Fuse { shrink_out: next, ..Fuse::NONE }, ..mid };
+    project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, src, &s)
 }
 
 /// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
-/// the weight is in one binding).
+/// the weight is in one binding). With `next` down_proj also writes the next layer's input
+/// shrink ([`residual_split`]).
 pub(crate) fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &Mlp,
     (src, s): (Src, Option<Shrunk>),
-    lora: Option<LayerLora>,
+    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
@@ -443,7 +474,8 @@ pub(crate) fn mlp_block(
         Some((_, shrunk)) => Some(shrunk),
         None => shrink(rec, lora, InputGroup::MlpOut, act, t)?,
     };
-    project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, act, &s)
+    let src = Src { fuse: Fuse { shrink_out: next, ..Fuse::NONE }, ..act };
+    project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, src, &s)
 }
 
 /// down_proj's shrink written by one token's gate|up SwiGLU dispatch, split by workgroup into
@@ -458,12 +490,12 @@ fn glu_split<'a>(
 ) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
     let l = lora?;
     let (g, chunk) = l.f32_a(InputGroup::MlpOut, n)?;
-    let count = glu_shrink_parts(ctx, 2 * n);
+    let count = shrink_out_parts(ctx, 2 * n, true);
     let at = n.next_multiple_of(4);
     let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
         && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
     let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
-    fits.then_some((ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at }, shrunk))
+    fits.then_some((ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: None }, shrunk))
 }
 
 pub(crate) fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {

@@ -9,7 +9,9 @@ use crate::kernels::norm::rms_norm;
 use crate::lora::InputGroup;
 use crate::model::Mixer;
 use crate::runtime::cache::{LayerState, Scratch};
-use crate::runtime::forward::{attention_block, block_input, gdn_block, lm_head, mlp_block, norm_rows, LayerLora, Src};
+use crate::runtime::forward::{
+    attention_block, block_input, gdn_block, lm_head, mlp_block, norm_rows, residual_split, LayerLora, Src,
+};
 
 use super::{Logits, Session};
 
@@ -137,9 +139,30 @@ impl Session {
             embed(&mut rec, &model.embed, &self.ids, t, &sc.hidden)?;
             capture_slot(&mut rec, sc, captured.as_ref(), 0, slot_bytes);
             let active = self.lora.bound.as_ref().zip(self.lora.t.as_ref());
+            let layer_lora = |i: usize| active.map(|(bound, (t, _))| LayerLora { bound, t, layer: i });
+            // With the norms folded, each residual projection also writes the next block's input
+            // shrink (no shrink dispatch but layer 0's mixer input's).
+            let next_shrink = |i: usize, group, norm, w| {
+                fold.then(|| residual_split(ctx, layer_lora(i), (group, norm), w, &sc.hidden)).flatten()
+            };
+            let mut written = None;
             for (i, layer) in model.layers.iter().enumerate() {
-                let lora = active.map(|(bound, (t, _))| LayerLora { bound, t, layer: i });
-                let mixer_in = block_input(&mut rec, c, sc, &layer.input_norm, fold, lora, InputGroup::MixerIn, t)?;
+                let lora = layer_lora(i);
+                let mixer_in = block_input(
+                    &mut rec,
+                    c,
+                    sc,
+                    &layer.input_norm,
+                    fold,
+                    lora,
+                    (InputGroup::MixerIn, written.take()),
+                    t,
+                )?;
+                let mixer_w = match &layer.mixer {
+                    Mixer::Gdn(w) => &w.out_proj,
+                    Mixer::Attention(w) => &w.o_proj,
+                };
+                let (to_mlp, mlp_shrunk) = next_shrink(i, InputGroup::MlpIn, &layer.post_norm, mixer_w).unzip();
                 if let Capture::Learn { layer, taps, .. } = capture {
                     if layer == i {
                         rec.copy(&sc.xnorm, 0, taps.mixer_in, 0, t as u64 * row);
@@ -148,7 +171,7 @@ impl Session {
                 match (&layer.mixer, &self.states[i]) {
                     (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
                         let (conv, state) = ([&conv[from], &conv[to]], [&state[from], &state[to]]);
-                        gdn_block(&mut rec, c, sc, w, conv, state, mixer_in, lora, t)?
+                        gdn_block(&mut rec, c, sc, w, conv, state, mixer_in, (lora, to_mlp), t)?
                     }
                     (Mixer::Attention(w), LayerState::Attention { k, v }) => {
                         let cache = (k, v);
@@ -163,7 +186,7 @@ impl Session {
                             self.pos,
                             self.opts.max_context,
                             mixer_in,
-                            lora,
+                            (lora, to_mlp),
                             (t, one),
                         )?
                     }
@@ -188,8 +211,15 @@ impl Session {
                         rec.copy(&sc.hidden, row0 as u64 * row, taps.mlp_in, 0, rows as u64 * row);
                     }
                 }
-                let mlp_in = block_input(&mut rec, c, sc, &layer.post_norm, fold, lora, InputGroup::MlpIn, t)?;
-                mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, lora, t)?;
+                let mlp_in =
+                    block_input(&mut rec, c, sc, &layer.post_norm, fold, lora, (InputGroup::MlpIn, mlp_shrunk), t)?;
+                let next = model
+                    .layers
+                    .get(i + 1)
+                    .and_then(|n| next_shrink(i + 1, InputGroup::MixerIn, &n.input_norm, &layer.mlp.down_proj));
+                let to_next;
+                (to_next, written) = next.unzip();
+                mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, to_next), t)?;
                 capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
             }
             let head_src = if fold {
