@@ -262,21 +262,34 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
     let mut rec = Recorder::new(ctx, &mut cache);
     let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
-    // Refused: a shrink out without the SwiGLU that writes it.
+    // Refused for what it is (A and y large enough for every case below): a shrink out without
+    // the SwiGLU or the residual add that writes it, a norm weight with SwiGLU, on a projection
+    // that does not accumulate, or beside a fused norm; the same residual shrink out is recorded.
     let yb = upload(ctx, &[0.0; 64]);
-    let io = LinearIo { y: &yb, y_stride: 8, ..io };
-    let fuse = Fuse { glu: false, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: None }), ..Fuse::NONE };
-    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
-    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
-    // Refused: a norm weight with SwiGLU, or on a projection that does not accumulate.
-    let nb = upload(ctx, &[0.5; 8]);
-    let fuse =
-        Fuse { glu: true, shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: Some(&nb) }), ..Fuse::NONE };
-    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
-    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
-    let fuse = Fuse { shrink_out: Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm: Some(&nb) }), ..Fuse::NONE };
-    let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, None, fuse);
-    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    let (ab, nb) = (upload(ctx, &[1.0; 8]), upload(ctx, &[0.5; 8]));
+    let plain = LinearIo { y: &yb, y_stride: 8, ..io };
+    let residual = LinearIo { accumulate: true, ..plain };
+    let out = |norm| Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm });
+    let fused_norm = Some(FusedNorm { weight: &nb, eps: 1e-6 });
+    for (what, io, fuse) in [
+        ("no SwiGLU, no norm weight", &plain, Fuse { shrink_out: out(None), ..Fuse::NONE }),
+        ("a norm weight with SwiGLU", &plain, Fuse { glu: true, shrink_out: out(Some(&nb)), ..Fuse::NONE }),
+        ("a norm weight, not accumulating", &plain, Fuse { shrink_out: out(Some(&nb)), ..Fuse::NONE }),
+        (
+            "a norm weight beside a fused norm",
+            &residual,
+            Fuse { norm: fused_norm, shrink_out: out(Some(&nb)), ..Fuse::NONE },
+        ),
+    ] {
+        match linear_rows(&mut rec, WeightRows::all(&gw), io, None, fuse) {
+            Err(GpuError::Validation { message, .. }) => {
+                assert!(message.contains("a shrink out is written by SwiGLU"), "{what}: {message}")
+            }
+            other => panic!("{what}: {other:?}"),
+        }
+    }
+    let fuse = Fuse { shrink_out: out(Some(&nb)), ..Fuse::NONE };
+    linear_rows(&mut rec, WeightRows::all(&gw), &residual, None, fuse).expect("a residual shrink out");
 }
 
 /// A residual projection (accumulating, one token) that also writes the next block's input
@@ -316,19 +329,38 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
         let y_len = at + count * pad + 4;
         let mut y0 = resid.clone();
         y0.resize(y_len, 7.0);
-        let (xb, yb, ab, nb) = (upload(ctx, &x), upload(ctx, &y0), upload(ctx, &a), upload(ctx, &norm_w));
-        let y2b = upload(ctx, &vec![0.0; n2]);
-        // The residual projection's own expand: one segment over its n rows.
+        // The residual projection's own expand: one segment over its n rows; in odd cases its t
+        // comes in two parts after x (o_proj and down_proj read their own split shrink).
         let t_own = rand(own.max(1), seed + 7, 1.0);
         let b_own = rand(n * own.max(1), seed + 8, 0.1);
+        let own_split = own > 0 && ci % 2 == 1;
+        let mut xs = x.clone();
+        if own_split {
+            let (x_at, stride) = (k.next_multiple_of(4), own.next_multiple_of(4));
+            let p0 = rand(own, seed + 9, 1.0);
+            xs.resize(x_at + 2 * stride, 0.0);
+            for c in 0..own {
+                xs[x_at + c] = p0[c];
+                xs[x_at + stride + c] = t_own[c] - p0[c];
+            }
+        }
+        let (xb, yb, ab, nb) = (upload(ctx, &xs), upload(ctx, &y0), upload(ctx, &a), upload(ctx, &norm_w));
+        let y2b = upload(ctx, &vec![0.0; n2]);
         let (tb, bb) = (upload(ctx, &t_own), upload(ctx, &b_own));
         let bg = ctx.weights_bind_group(&bb, "b");
-        let own_lora = LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg);
-        // The reader's expand: t summed from the parts (its t buffer unused).
+        let own_parts = own_split.then(|| SplitShrink { count: 2, at: k.next_multiple_of(4) });
+        let own_lora = LoraExpand { parts: own_parts, ..LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg) };
+        // The reader's expand: t summed from the parts, in even cases past the first times a scale
+        // table (an adapter set's per-rank factors) from its t buffer, which holds only that.
+        let factors = exact_factors(rank, seed + 10);
+        let table = (ci % 2 == 0 && ci > 0).then_some(ScaleTableAt { offset: 4, stride: 0 });
+        let factor = |c: usize| if table.is_some() { factors[c] } else { 1.0 };
+        let t2b = upload(ctx, &[vec![0.0; 4], factors.clone()].concat());
         let b2b = upload(ctx, &b);
         let bg2 = ctx.weights_bind_group(&b2b, "b2");
         let split = Some(SplitShrink { count, at });
-        let lora = LoraExpand { parts: split, ..LoraExpand::single(&tb, (0, rank), (rank, 0), scale, &bg2) };
+        let single = LoraExpand::single(&t2b, (0, rank), (rank, 0), scale, &bg2);
+        let lora = LoraExpand { parts: split, table, ..single };
         let out = Fuse { shrink_out: Some(ShrinkOut { a: &ab, rank, at, norm: Some(&nb) }), ..Fuse::NONE };
         let normed = Fuse { norm: Some(FusedNorm { weight: &nb, eps }), ..Fuse::NONE };
         let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: true };
@@ -345,7 +377,9 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
             *v += resid[r];
         }
         let got = read(ctx, &yb, y_len);
-        let what = format!("residual shrink out n{n} k{k} rank {rank} {dtype:?} own rank {own}");
+        let what = format!(
+            "residual shrink out n{n} k{k} rank {rank} {dtype:?} own rank {own} (split {own_split}), table {table:?}"
+        );
         assert_close(&what, &got[..n], &h, KERNEL_ATOL, KERNEL_RTOL);
         for q in 0..count {
             let part = &got[at + q * pad..at + (q + 1) * pad];
@@ -361,7 +395,7 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
         let t = cpu::linear(&hn, &a, 1, rank, n);
         let mut want = cpu::linear(&hn, &w2, 1, n2, n);
         for (r, v) in want.iter_mut().enumerate() {
-            *v += scale * (0..rank).map(|c| t[c] * b[r * rank + c]).sum::<f32>();
+            *v += scale * (0..rank).map(|c| t[c] * factor(c) * b[r * rank + c]).sum::<f32>();
         }
         assert_close(&format!("{what}: the reader"), &read(ctx, &y2b, n2), &want, KERNEL_ATOL, KERNEL_RTOL);
     }
@@ -405,6 +439,7 @@ fn matvec_sweep(ctx: &GpuContext) {
                 (4, 0, 3, 2, 0),
                 (3, 0, 0, 2, 7),
                 (4, 0, 2, 3, 1),
+                (4, 0, 16, 1, 0),
                 (4, 0, 130, 0, 1),
             ] {
                 // Rank 130: t's 266 columns pass the 256 the matvec stages in workgroup memory,

@@ -22,7 +22,9 @@
 // Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
 //    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
-//    output row); the kernel sums them into workgroup memory in its prologue. Each shader defines
+//    output row, a shrink out per workgroup); the kernel sums them into workgroup memory in its
+//    prologue. With NORM the parts are of x * (1 + aux) before the norm's scale (a residual
+//    projection's shrink out) and the expand is multiplied by that scale. Each shader defines
 //    t_vec and t_one, the t values lora_row reads, and t_scaled, whether they already hold the
 //    scale table's factors.
 // Shrink out (matvec only): when out_rank > 0, the dispatch also writes the LoRA shrink of its

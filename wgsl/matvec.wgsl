@@ -2,7 +2,8 @@
 //
 // nn.Linear for a single row of x, with the LoRA expand optionally fused in (the shrink t = x A^T
 // is a separate dispatch shared by the projections of an input group, or summed here from the
-// per-head parts the token mixer's decode kernel wrote: linear.wgsl).
+// parts the dispatch before wrote: per head by the token mixer's decode kernel, per workgroup by
+// a shrink out: linear.wgsl).
 //
 // Layout: a workgroup of 64 invocations is 64 / LANES row groups of LANES invocations. Each
 // invocation owns TM = 8 consecutive rows; the LANES invocations of a row group stride along K
@@ -46,7 +47,7 @@ const TM: u32 = 8u;
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSUM_VECS columns)
-var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs as stored
+var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs as stored (times 1 + aux with out_norm)
 
 const TSUM_VECS: u32 = 64u;
 const_assert TSUM_VECS == WG; // stage_t: an invocation per staged column
@@ -351,7 +352,8 @@ fn stores(s: Slot, li: u32) -> bool {
     return li < outputs() * (WG / LANES) && s.row0 + li < p.n;
 }
 
-// Store output li of the workgroup (and keep it in outs for a shrink out).
+// Store output li of the workgroup (and keep it in outs for a shrink out, times 1 + the norm
+// weight with out_norm).
 fn store(s: Slot, li: u32, v: vec2<f32>) {
     let idx = p.y_offset + s.row0 + li;
     var h = v.x;
@@ -361,12 +363,18 @@ fn store(s: Slot, li: u32, v: vec2<f32>) {
         h += y[idx];
     }
     y[idx] = h;
-    outs[li] = h;
+    if (p.out_rank > 0u) {
+        if (p.out_norm != 0u) {
+            let e = s.row0 + li;
+            h *= 1.0 + aux[e >> 2u][e & 3u];
+        }
+        outs[li] = h;
+    }
 }
 
 // Shrink out (linear.wgsl; uniform: out_rank > 0): after one barrier, invocation r sums the
-// workgroup's outputs (times 1 + the norm weight with out_norm) times row r of A over their
-// columns and stores the workgroup's part (the rank's padding as zeros).
+// workgroup's outputs as kept by store times row r of A over their columns and stores the
+// workgroup's part (the rank's padding as zeros).
 fn shrink_out(row0: u32, part: u32, li: u32) {
     if (row0 >= p.n) {
         return; // a workgroup past the rows (a two-dimensional grid's last row)
@@ -379,12 +387,7 @@ fn shrink_out(row0: u32, part: u32, li: u32) {
         if (r < p.out_rank) {
             let a0 = r * p.n + row0;
             for (var o = 0u; o < n; o++) {
-                var h = outs[o];
-                if (p.out_norm != 0u) {
-                    let e = row0 + o;
-                    h *= 1.0 + aux[e >> 2u][e & 3u];
-                }
-                sum = fma(h, out_a[a0 + o], sum);
+                sum = fma(outs[o], out_a[a0 + o], sum);
             }
         }
         y[p.out_at + part * pad + r] = sum;

@@ -162,16 +162,19 @@ pub struct LoraExpand<'a> {
     pub segments: Vec<LoraSegment>,
     /// Per-rank-column factors (an adapter set's scales), if any.
     pub table: Option<ScaleTableAt>,
-    /// Where t comes from instead of `t` when the shrink was split by head (matvec only).
+    /// Where t comes from instead of `t` when the dispatch before split the shrink (matvec only).
     pub parts: Option<SplitShrink>,
 }
 
-/// A shrink the token mixer's decode kernel split by head (`gdn_step.wgsl`,
-/// `attention_one.wgsl`): `count` parts of `t_stride` columns rounded up to 4, in the linear
-/// layer's input x from element `at`; the matvec sums them in its prologue.
+/// A shrink the dispatch before the linear layer wrote in parts: split by head by the token
+/// mixer's decode kernel (`gdn_step.wgsl`, `attention_one.wgsl`), or by workgroup by a
+/// [`ShrinkOut`]. `count` parts of `t_stride` columns rounded up to 4, in the linear layer's input
+/// x from element `at`; the matvec sums them in its prologue. With a fused norm
+/// ([`Fuse::norm`]) the parts are of `x · (1 + w)` before the norm's scale (a residual
+/// projection's shrink out) and the matvec multiplies its expand by that scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SplitShrink {
-    /// Parts (one per head).
+    /// Parts (one per head or workgroup).
     pub count: usize,
     /// The element of x where part 0 starts (a multiple of 4).
     pub at: usize,
@@ -223,10 +226,11 @@ fn shrink_out_error(
         || s.norm.is_some_and(|w| (n * 4) as u64 > w.size())
     {
         Some(format!(
-            "a shrink out of rank {} over {n} outputs runs past y ({} bytes, parts to element {end}) or A ({} bytes)",
+            "a shrink out of rank {} over {n} outputs runs past y ({} bytes, parts to element {end}), A ({} bytes) or the norm weight ({} bytes)",
             s.rank,
             io.y.size(),
-            s.a.size()
+            s.a.size(),
+            s.norm.map_or(0, |w| w.size())
         ))
     } else {
         None

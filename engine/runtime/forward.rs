@@ -38,7 +38,8 @@ pub(crate) struct LayerLora<'a> {
 }
 
 /// The shrink of one input group (`t = x·A_catᵀ`), when the adapter covers it: in t's buffer,
-/// or split by head after the token mixer's output row (`parts`).
+/// or in parts after the input row (`parts`: split by head by the token mixer, or by workgroup
+/// by the SwiGLU dispatch or the residual projection before the block).
 pub(crate) struct Shrunk<'a> {
     lora: LayerLora<'a>,
     group: &'a LoraGroup,
@@ -145,6 +146,7 @@ pub(crate) fn block_input<'a>(
         };
         return Ok((src, s));
     }
+    debug_assert!(written.is_none(), "a shrink written for a block that does not fold its norm");
     let io = norm_rows(sc, c, 0, t);
     let src = Src::plain(&sc.xnorm);
     let one = t == 1 && c.hidden_size.is_multiple_of(4);
