@@ -165,9 +165,16 @@ fn segment_b(segments: &[(usize, usize)], seed: u64) -> (Vec<f32>, Vec<usize>) {
     (b, offsets)
 }
 
+/// The default context: where the subgroup is narrower than 64 lanes (lavapipe's 8 in CI) the
+/// wider row groups run the subgroup kernels with `SPLIT`.
 #[test]
 fn matvec_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
+    if ctx.info.backend == wgpu::Backend::Vulkan && common::adapter_required() {
+        let size = ctx.subgroup_size();
+        assert!(size.is_some_and(|s| s < 64), "{}: subgroup size {size:?}, so CI would not test SPLIT", ctx.info.name);
+        assert_eq!(ctx.subgroup_matvec(64), Some(true), "row groups of 64 lanes run with SPLIT");
+    }
     matvec_sweep(&ctx);
     glu_shrink_out_sweep(&ctx);
     residual_shrink_out_sweep(&ctx);

@@ -4,16 +4,30 @@
 //
 // No subgroup size is assumed: a row group is `l = min(LANES, subgroup size)` consecutive lanes
 // of one subgroup (by subgroup id and subgroup invocation id), striding along K by l. Subgroups
-// must be full (subgroup_size_probe checks that, and their order, once per device). The workgroup's rows (8 * 64 / LANES, as
-// the host dispatched them) belong to its first 64 / LANES row groups; when the subgroup is
-// narrower than LANES there are more row groups than that and the others stay idle, slower but
-// exact. The host picks LANES <= the subgroup size it measured, so every lane works. After the
-// product, log2(l) shuffle-xor steps leave each lane of a row group holding its 8 rows' sums;
-// lane q stores output q of the group (and q + l, ... when l < 8).
+// must be full (subgroup_size_probe checks that, and their order, once per device). The
+// workgroup's rows (8 * 64 / LANES, as the host dispatched them) belong to its first 64 / LANES
+// row groups; when the subgroup is narrower than LANES there are more row groups than that and
+// the others stay idle, slower but exact. After the product, log2(l) shuffle-xor steps leave
+// each lane of a row group holding its 8 rows' sums; lane q stores output q of the group (and
+// q + l, ... when l < 8).
+//
+// SPLIT (the host sets it where LANES is wider than the subgroup it measured): a row group is
+// LANES consecutive invocations, as in the portable kernel, so every lane works; each block of
+// l lanes (one subgroup, or all of the row group when the subgroup turns out at least LANES wide)
+// sums its 8 rows by shuffles, its first lane leaves them in workgroup memory, and after one
+// barrier every lane of the row group adds its LANES / l blocks' sums in block order.
 
-fn slot_sg(wg: vec3<u32>, nwg: vec3<u32>, sg_id: u32, sg_lane: u32, sg_size: u32) -> Slot {
-    let l = min(LANES, sg_size);
+override SPLIT: bool = false;
+
+var<workgroup> blocks: array<vec4<f32>, 128>; // SPLIT: each block's sums of rows 0-3, 4-7
+var<workgroup> block_ssq: array<f32, 64>;     // SPLIT, NORM: each block's sum of x^2
+
+fn slot_sg(wg: vec3<u32>, nwg: vec3<u32>, li: u32, sg_id: u32, sg_lane: u32, sg_size: u32) -> Slot {
     let row0 = (wg.y * nwg.x + wg.x) * outputs() * (WG / LANES);
+    if (SPLIT) {
+        return Slot(row0, li / LANES, li % LANES, LANES);
+    }
+    let l = min(LANES, sg_size);
     return Slot(row0, sg_id * (sg_size / l) + sg_lane / l, sg_lane % l, l);
 }
 
@@ -47,14 +61,37 @@ struct Sums {
     scale: f32,
 }
 
-fn reduce_sg(s: Slot) -> Sums {
+fn reduce_sg(s: Slot, li: u32, sg_size: u32) -> Sums {
     var part = Partials(vec4<f32>(0.0), vec4<f32>(0.0), 0.0);
     if (computes(s)) {
         part = base_partials(s);
     }
-    var sums = Sums(block_sum4(part.lo, s.stride), block_sum4(part.hi, s.stride), 1.0);
+    let l = min(s.stride, sg_size);
+    var sums = Sums(block_sum4(part.lo, l), block_sum4(part.hi, l), 1.0);
+    var ssq = 0.0;
     if (NORM) {
-        sums.scale = inverseSqrt(block_sum(part.ssq, s.stride) / f32(p.k) + p.eps);
+        ssq = block_sum(part.ssq, l);
+    }
+    if (SPLIT) {
+        let b = li / l;
+        if (li % l == 0u) {
+            blocks[2u * b] = sums.lo;
+            blocks[2u * b + 1u] = sums.hi;
+            block_ssq[b] = ssq;
+        }
+        workgroupBarrier();
+        let first = s.group * (LANES / l);
+        sums.lo = vec4<f32>(0.0);
+        sums.hi = vec4<f32>(0.0);
+        ssq = 0.0;
+        for (var j = first; j < first + LANES / l; j++) {
+            sums.lo += blocks[2u * j];
+            sums.hi += blocks[2u * j + 1u];
+            ssq += block_ssq[j];
+        }
+    }
+    if (NORM) {
+        sums.scale = inverseSqrt(ssq / f32(p.k) + p.eps);
     }
     return sums;
 }
@@ -78,8 +115,8 @@ fn matvec_sg(
     @builtin(subgroup_invocation_id) sg_lane: u32,
     @builtin(subgroup_size) sg_size: u32,
 ) {
-    let s = slot_sg(wg, nwg, sg_id, sg_lane, sg_size);
-    let sums = reduce_sg(s);
+    let s = slot_sg(wg, nwg, li, sg_id, sg_lane, sg_size);
+    let sums = reduce_sg(s, li, sg_size);
     for (var q = s.lane; q < outputs(); q += s.stride) {
         let o = s.group * outputs() + q;
         if (computes(s) && s.row0 + o < p.n) {
@@ -100,13 +137,13 @@ fn matvec_sg_lora(
     @builtin(subgroup_invocation_id) sg_lane: u32,
     @builtin(subgroup_size) sg_size: u32,
 ) {
-    let s = slot_sg(wg, nwg, sg_id, sg_lane, sg_size);
+    let s = slot_sg(wg, nwg, li, sg_id, sg_lane, sg_size);
     if (t_staged()) {
         // The staged t in workgroup memory before any lane's expand reads it.
         stage_t(li);
         workgroupBarrier();
     }
-    let sums = reduce_sg(s);
+    let sums = reduce_sg(s, li, sg_size);
     for (var q = s.lane; q < outputs(); q += s.stride) {
         let o = s.group * outputs() + q;
         if (computes(s) && s.row0 + o < p.n) {

@@ -36,11 +36,13 @@ pub struct GpuOptions {
 pub enum Subgroups {
     /// Never: the portable kernels only.
     Off,
-    /// Where the adapter has `SUBGROUP` and a row group fits in one subgroup (the default).
+    /// Where the adapter has `SUBGROUP` (the default): a row group wider than the subgroup sums
+    /// its subgroups' shuffled sums in workgroup memory after one barrier (`SPLIT`).
     #[default]
     Auto,
-    /// Where the adapter has `SUBGROUP`, for every shape, also where a row group is wider than
-    /// the subgroup (exact but slower: for testing that path on any device).
+    /// Where the adapter has `SUBGROUP`, for every shape, with row groups wider than the
+    /// subgroup kept in one subgroup (the others idle: exact but slower, the path a device whose
+    /// pipelines get a narrower subgroup than measured takes; for testing it on any device).
     Always,
 }
 
@@ -222,9 +224,12 @@ impl GpuContext {
         self.subgroup_size
     }
 
-    /// Whether a one-token matvec whose row groups are `lanes` wide runs the subgroup kernel.
-    pub fn subgroup_matvec(&self, lanes: u32) -> bool {
-        self.subgroup_size.is_some_and(|size| self.subgroups == Subgroups::Always || lanes <= size)
+    /// Whether a one-token matvec whose row groups are `lanes` wide runs the subgroup kernel
+    /// (None: the portable one), and if so whether with `SPLIT` (row groups wider than the
+    /// subgroup the device measured, under [`Subgroups::Auto`]).
+    pub fn subgroup_matvec(&self, lanes: u32) -> Option<bool> {
+        let size = self.subgroup_size?;
+        Some(self.subgroups == Subgroups::Auto && lanes > size)
     }
 
     /// Workgroups a dispatch should have to keep the device busy (kernels with a shape choice

@@ -731,7 +731,7 @@ pub const KERNELS: [KernelDesc; 42] = [
         lora: false,
         accumulate: true,
         dtype: true,
-        variants: matvec_variants,
+        variants: matvec_sg_variants,
     },
     KernelDesc {
         kernel: Kernel::MatvecSgLora,
@@ -742,7 +742,7 @@ pub const KERNELS: [KernelDesc; 42] = [
         lora: true,
         accumulate: true,
         dtype: true,
-        variants: matvec_variants,
+        variants: matvec_sg_variants,
     },
     KernelDesc {
         kernel: Kernel::SubgroupSizeProbe,
@@ -835,6 +835,9 @@ impl PipelineKey {
                 c.push(("LANES", lanes as f64));
                 c.push(("NORM", (fuse & 1) as f64));
                 c.push(("GLU", (fuse >> 1 & 1) as f64));
+                if matches!(self.kernel, Kernel::MatvecSg | Kernel::MatvecSgLora) {
+                    c.push(("SPLIT", (fuse >> 2 & 1) as f64));
+                }
             }
             Kernel::Matmul | Kernel::MatmulLora => {
                 let (tm, tn) = matmul_overrides(self.variant);
@@ -893,6 +896,16 @@ pub fn matvec_overrides(variant: u32) -> (u32, u32) {
 pub fn matvec_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
     ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
+}
+
+/// `FUSE` bit of the subgroup matvec whose row groups span several subgroups (`SPLIT` in
+/// `matvec_subgroup.wgsl`).
+pub const MATVEC_SPLIT: u32 = 4;
+
+/// Every subgroup-matvec pipeline variant: the matvec's, each also with [`MATVEC_SPLIT`].
+pub fn matvec_sg_variants() -> &'static [u32] {
+    static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
+    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..8).map(move |f| matvec_variant(l, f))).collect())
 }
 
 /// The `TOK` variants of `matvec_batch.wgsl`: token rows per dispatch.

@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
     matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants,
-    MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
 };
 use crate::gpu::{Kernel, PipelineKey};
 
@@ -465,11 +465,14 @@ pub fn linear_rows(
         let variant = match kernel {
             Kernel::Matvec | Kernel::MatvecLora => {
                 let lanes = matvec_lanes(n_rows, g);
-                // The subgroup twin where a row group fits in one subgroup (no barrier).
-                if rec.ctx().subgroup_matvec(lanes) {
-                    kernel = if lora.is_some() { Kernel::MatvecSgLora } else { Kernel::MatvecSg };
+                // The subgroup twin (no barrier where a row group fits in one subgroup).
+                match rec.ctx().subgroup_matvec(lanes) {
+                    Some(split) => {
+                        kernel = if lora.is_some() { Kernel::MatvecSgLora } else { Kernel::MatvecSg };
+                        matvec_variant(lanes, fuse.code() | if split { MATVEC_SPLIT } else { 0 })
+                    }
+                    None => matvec_variant(lanes, fuse.code()),
                 }
-                matvec_variant(lanes, fuse.code())
             }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m))
