@@ -129,7 +129,7 @@ struct Slot {
     row0: u32, // first output row of the workgroup
     group: u32, // row group of this invocation
     lane: u32, // position along K within the row group
-    stride: u32, // invocations along K in the row group: LANES (matvec_subgroup.wgsl: fewer when
+    stride: u32, // invocations along K in the row group: LANES (matvec_subgroup.wgsl without SPLIT: fewer when
                  // the subgroup is narrower than LANES)
 }
 
