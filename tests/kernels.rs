@@ -54,15 +54,19 @@ fn read(ctx: &GpuContext, b: &wgpu::Buffer, n: usize) -> Vec<f32> {
     read_f32(ctx, b, 0, n).expect("readback")
 }
 
-/// Record with `f` and submit, with a fresh uniform arena.
-fn run(ctx: &GpuContext, f: impl FnOnce(&mut Recorder) -> Result<(), GpuError>) {
-    let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
+/// A bind cache with a fresh uniform arena of `bytes`.
+fn bind_cache(ctx: &GpuContext, bytes: u64) -> IoBindCache {
+    IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
         label: Some("arena"),
-        size: 256 * 1024,
+        size: bytes,
         usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
         mapped_at_creation: false,
-    });
-    let mut cache = IoBindCache::new(arena);
+    }))
+}
+
+/// Record with `f` and submit, with a fresh uniform arena.
+fn run(ctx: &GpuContext, f: impl FnOnce(&mut Recorder) -> Result<(), GpuError>) {
+    let mut cache = bind_cache(ctx, 256 * 1024);
     let mut rec = Recorder::new(ctx, &mut cache);
     f(&mut rec).expect("record");
     rec.submit().expect("submit");
@@ -719,12 +723,7 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
         let parts = Some(SplitShrink { count, at });
         let lora = LoraExpand { parts, ..LoraExpand::single(&tb, (0, rank), (4, 0), 1.0, &bg) };
         let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
-        let mut cache = IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("arena"),
-            size: 4096,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        }));
+        let mut cache = bind_cache(&ctx, 4096);
         let mut rec = Recorder::new(&ctx, &mut cache);
         let err = linear(&mut rec, &gw, &io, Some(&lora)).expect_err("refused");
         assert!(
@@ -750,12 +749,7 @@ fn a_parts_buffer_too_small_for_the_splits_is_a_typed_error() {
     for (floats, ok) in [(need - 4, false), (need, true)] {
         let part = upload(&ctx, &vec![0.0; floats]);
         let io = AttnOneIo { qkv: &any, k_cache: &any, v_cache: &any, rope: &any, out: &any, part: &part };
-        let mut cache = IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("arena"),
-            size: 4096,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        }));
+        let mut cache = bind_cache(&ctx, 4096);
         let mut rec = Recorder::new(&ctx, &mut cache);
         let got = attention_one(&mut rec, &qkn, &params, &io, None);
         match got {
