@@ -99,10 +99,8 @@ pub(crate) fn head_split<'a>(
 
 /// The next block's input-group shrink written by a single-token residual projection `w`
 /// (o_proj, out_proj, down_proj) as it adds into the residual stream `hidden`, for a block that
-/// folds its norm `norm` into its projections: the [`ShrinkOut`] that projection takes and what
-/// the block's projections read (the parts after the residual row). None when the adapter does
-/// not cover the group or the split does not apply (`w` or A in more than one binding, A not f32,
-/// a rank above the matvec's, `hidden` too small): the block then takes its shrink dispatch.
+/// folds its norm `norm` into its projections ([`split_out`], and `w` in one binding); None
+/// where it does not apply: the block then takes its shrink dispatch.
 pub(crate) fn residual_split<'a>(
     ctx: &GpuContext,
     lora: Option<LayerLora<'a>>,
@@ -110,16 +108,33 @@ pub(crate) fn residual_split<'a>(
     w: &GpuWeight,
     hidden: &wgpu::Buffer,
 ) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
+    let one = WeightRows::all(w).in_one_chunk();
+    one.then(|| split_out(ctx, lora, (group, Some(norm)), (w.rows, false), hidden)).flatten()
+}
+
+/// The shrink of `group` (the input group of the projections that read the layer's output)
+/// written by a single-token layer over `rows` weight rows (SwiGLU over `[gate; up]` when
+/// `glu`) split by workgroup after its outputs in `out`, of the outputs times (1 + `norm`) where
+/// the readers fuse that norm: the [`ShrinkOut`] the layer takes and what the readers' expand
+/// reads. None where `head_split` would refuse (the adapter does not cover the group, A not f32
+/// in one binding, a rank above the matvec's, `out` too small).
+fn split_out<'a>(
+    ctx: &GpuContext,
+    lora: Option<LayerLora<'a>>,
+    (group, norm): (InputGroup, Option<&'a GpuVector>),
+    (rows, glu): (usize, bool),
+    out: &wgpu::Buffer,
+) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
     let l = lora?;
-    let (g, chunk) = l.f32_a(group, w.rows)?;
-    let count = shrink_out_parts(ctx, w.rows, false);
-    let at = w.rows.next_multiple_of(4);
-    let fits = WeightRows::all(w).in_one_chunk()
-        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
-        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= hidden.size();
+    let n = if glu { rows / 2 } else { rows };
+    let (g, chunk) = l.f32_a(group, n)?;
+    let count = shrink_out_parts(ctx, rows, glu);
+    let at = n.next_multiple_of(4);
+    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
+        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
     let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
-    let out = ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: Some(&norm.buffer) };
-    fits.then_some((out, shrunk))
+    let write = ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: norm.map(|v| &v.buffer) };
+    fits.then_some((write, shrunk))
 }
 
 /// A block's input for the projections of `group` and their LoRA shrink when an adapter covers
@@ -461,7 +476,8 @@ pub(crate) fn mlp_block(
     let part = |parts| Parts { w: &w.gate_up, order: &MLP_IN, parts };
     let mut split = None;
     if t == 1 && part(0..2).rows(c).in_one_chunk() {
-        split = glu_split(rec.ctx(), lora, &sc.mlp_g, i);
+        // down_proj's shrink, written by the SwiGLU dispatch.
+        split = split_out(rec.ctx(), lora, (InputGroup::MlpOut, None), (2 * i, true), &sc.mlp_g);
         let shrink_out = split.as_ref().map(|(out, _)| *out);
         let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &lin(src.x, &sc.mlp_g, t, i), glu, &s)?;
@@ -478,26 +494,6 @@ pub(crate) fn mlp_block(
     };
     let src = Src { fuse: Fuse { shrink_out: next, ..Fuse::NONE }, ..act };
     project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, src, &s)
-}
-
-/// down_proj's shrink written by one token's gate|up SwiGLU dispatch, split by workgroup into
-/// `out` after its `n` outputs: the [`ShrinkOut`] that dispatch takes and what down_proj's expand
-/// reads. None where `head_split` would refuse (A not f32 in one binding, a rank above the
-/// matvec's, `out` too small): down_proj then takes the shrink dispatch.
-fn glu_split<'a>(
-    ctx: &GpuContext,
-    lora: Option<LayerLora<'a>>,
-    out: &'a wgpu::Buffer,
-    n: usize,
-) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
-    let l = lora?;
-    let (g, chunk) = l.f32_a(InputGroup::MlpOut, n)?;
-    let count = shrink_out_parts(ctx, 2 * n, true);
-    let at = n.next_multiple_of(4);
-    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
-        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
-    let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
-    fits.then_some((ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: None }, shrunk))
 }
 
 pub(crate) fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: usize) -> NormIo<'a> {
