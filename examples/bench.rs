@@ -5,10 +5,12 @@
 //! within one generation, so that the machine's drift does not enter them), the
 //! adapter's load time against reading its file, and adapter swaps between tokens (latency and
 //! bytes uploaded); then one learning step (forward of an event, backward, AdamW) on a rank-16
-//! trainable adapter. Prints one JSON line on stdout; `cargo xtask bench` drives it together with
-//! its peers.
+//! trainable adapter. With `--fusion-ab`, greedy decode with the norms folded into the
+//! projections against without, in blocks alternating within one generation (what decides the
+//! session's default per adapter). Prints one JSON line on stdout; `cargo xtask bench` drives it
+//! together with its peers.
 //!
-//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4|q4-quality] [--prompt 128] [--decode 64] [--repeats 5] [--subgroups auto|off|always]`
+//! `cargo run --release --example bench -- --model DIR [--adapter DIR] [--quantize q8|q4|q4-quality] [--prompt 128] [--decode 64] [--repeats 5] [--subgroups auto|off|always] [--fusion-ab]`
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -76,6 +78,10 @@ struct Args {
     /// default: on for GPUs, off for CPU adapters), `on` or `off`.
     #[arg(long, default_value = "auto", value_parser = parse_run_ahead)]
     run_ahead: RunAhead,
+    /// Also decode with the norms folded into the projections and without, alternating in blocks
+    /// within one generation (base model, and with `--adapter` the adapter too): `fusion_ab`.
+    #[arg(long)]
+    fusion_ab: bool,
 }
 
 /// `--run-ahead`: the session's default, or on or off.
@@ -369,17 +375,24 @@ fn interleaved(
     Ok(out)
 }
 
-/// Greedy decode of every adapter set in `sets`, alternating within one generation: each round
-/// gives every set a block of [`AB_BLOCK`] tokens (in reverse order on odd rounds), switching
-/// sets between tokens (no upload, see `swap_us`), so that sets compared within a round are a
-/// few seconds apart however the machine drifts. A block's first token is not timed (it holds
-/// the switch and, with run-ahead, a discarded step); a block's rate is one over its median token
-/// time (on a shared machine a few tokens of a block take half again as long as the others:
-/// another tenant, not the set). Returns each set's tok/s per round.
-fn decode_ab(model: &Arc<Model>, args: &Args, ids: &[u32], sets: &[(&str, Vec<ActiveAdapter>)]) -> Result<Vec<Series>> {
+/// Greedy decode of `variants` configurations of one session (adapter sets, fused or unfused
+/// steps), alternating within one generation: each round gives every variant a block of
+/// [`AB_BLOCK`] tokens (in reverse order on odd rounds), `apply(session, i)` switching to variant
+/// i between tokens, so that variants compared within a round are a few seconds apart however
+/// the machine drifts. A block's first token is not timed (it holds the switch and, with
+/// run-ahead, a discarded step); a block's rate is one over its median token time (on a shared
+/// machine a few tokens of a block take half again as long as the others: another tenant, not
+/// the variant). Returns each variant's tok/s per round.
+fn decode_ab(
+    model: &Arc<Model>,
+    args: &Args,
+    ids: &[u32],
+    variants: usize,
+    mut apply: impl FnMut(&mut Session, usize) -> Result<()>,
+) -> Result<Vec<Series>> {
     let rounds = 2 * args.repeats.max(1);
     let schedule: Vec<usize> = (0..rounds)
-        .flat_map(|r| if r % 2 == 0 { (0..sets.len()).collect::<Vec<_>>() } else { (0..sets.len()).rev().collect() })
+        .flat_map(|r| if r % 2 == 0 { (0..variants).collect::<Vec<_>>() } else { (0..variants).rev().collect() })
         .collect();
     let prompt = &ids[..ids.len().min(8)];
     let tokens = schedule.len() * AB_BLOCK;
@@ -388,7 +401,7 @@ fn decode_ab(model: &Arc<Model>, args: &Args, ids: &[u32], sets: &[(&str, Vec<Ac
     if let RunAhead(Some(on)) = args.run_ahead {
         session.set_run_ahead(on);
     }
-    session.set_adapters(sets[schedule[0]].1.clone())?;
+    apply(&mut session, schedule[0])?;
     // Token k's time: since the previous token (the first: since the prompt's token).
     let mut times = Vec::with_capacity(tokens);
     let mut last = Instant::now();
@@ -397,14 +410,39 @@ fn decode_ab(model: &Arc<Model>, args: &Args, ids: &[u32], sets: &[(&str, Vec<Ac
         times.push(now.duration_since(last).as_secs_f64());
         last = now;
         if times.len() % AB_BLOCK == 0 && times.len() < tokens {
-            s.set_adapters(sets[schedule[times.len() / AB_BLOCK]].1.clone())?;
+            apply(s, schedule[times.len() / AB_BLOCK])?;
         }
         Ok::<_, anyhow::Error>(true)
     })?;
-    let mut out: Vec<Series> = sets.iter().map(|_| Series::default()).collect();
-    for (b, &set) in schedule.iter().enumerate() {
+    let mut out: Vec<Series> = (0..variants).map(|_| Series::default()).collect();
+    for (b, &variant) in schedule.iter().enumerate() {
         let block = Series(times[b * AB_BLOCK + 1..(b + 1) * AB_BLOCK].to_vec());
-        out[set].0.push(1.0 / block.median());
+        out[variant].0.push(1.0 / block.median());
+    }
+    Ok(out)
+}
+
+/// Greedy decode fused (norms and SwiGLU folded into the projections) against unfused, for the
+/// base model and the first adapter set of `sets` after it, as [`decode_ab`] blocks.
+fn fusion_ab(
+    model: &Arc<Model>,
+    args: &Args,
+    ids: &[u32],
+    sets: &[(&str, Vec<ActiveAdapter>)],
+) -> Result<serde_json::Value> {
+    let variants: Vec<(&str, bool, &Vec<ActiveAdapter>)> =
+        sets.iter().take(2).flat_map(|(name, set)| [(*name, true, set), (*name, false, set)]).collect();
+    let runs = decode_ab(model, args, ids, variants.len(), |s, i| {
+        s.set_fused_decode(variants[i].1);
+        Ok(s.set_adapters(variants[i].2.clone())?)
+    })?;
+    let mut out = serde_json::json!({ "block_tokens": AB_BLOCK, "rounds": runs[0].0.len() });
+    for (pair, (name, _, _)) in runs.chunks(2).zip(variants.iter().step_by(2)) {
+        out[*name] = serde_json::json!({
+            "fused_tok_s": pair[0].json(),
+            "unfused_tok_s": pair[1].json(),
+            "ratio_fused_over_unfused": paired(&pair[0], &pair[1]),
+        });
     }
     Ok(out)
 }
@@ -459,7 +497,12 @@ fn main() -> Result<()> {
         sets.push(("stacked", vec![ActiveAdapter::new(adapter.clone(), 0.5), ActiveAdapter::new(second.clone(), 0.5)]));
     }
     let mut runs = interleaved(&mut session, &ids, &args, &sets)?.into_iter();
-    let ab = if sets.len() > 1 { decode_ab(&model, &args, &ids, &sets)? } else { Vec::new() };
+    let ab = if sets.len() > 1 {
+        decode_ab(&model, &args, &ids, sets.len(), |s, i| Ok(s.set_adapters(sets[i].1.clone())?))?
+    } else {
+        Vec::new()
+    };
+    let fusion = if args.fusion_ab { fusion_ab(&model, &args, &ids, &sets)? } else { serde_json::Value::Null };
     let (prefill, decode) = runs.next().expect("the base set");
     let counts = per_token_counts(&ctx, &mut session, &ids[..ids.len().min(8)], args.decode.min(8))?;
     let sampled_json = sampled_decode(&ctx, &mut session, &ids, &args)?;
@@ -484,6 +527,7 @@ fn main() -> Result<()> {
         "submits_per_token": counts["submits_per_token"],
         "readback_bytes_per_token": counts["readback_bytes_per_token"],
         "sampled": sampled_json,
+        "fusion_ab": fusion,
     });
     if let Some((path, adapter, second, loads)) = loaded {
         let file = path.join("adapter_model.safetensors");

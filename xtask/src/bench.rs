@@ -231,6 +231,7 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
     ours.arg("--adapter").arg(&adapter);
     ours.args(["--prompt", &sizes.prompt.to_string(), "--decode", &sizes.decode.to_string()]);
     ours.args(["--repeats", &sizes.repeats.to_string(), "--chat-turns", "4", "--batch-sessions", "1,2,4,8"]);
+    ours.arg("--fusion-ab");
     if opts.profile {
         ours.arg("--profile");
     }
@@ -377,6 +378,9 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
         engine["dispatches_per_token_unfused"],
         a["dispatches_per_token_unfused"],
     ));
+    if let Some(sentence) = fusion_sentence(&engine["fusion_ab"]) {
+        md.push_str(&sentence);
+    }
     let sampled = &engine["sampled"];
     if sampled.is_object() {
         md.push_str(&format!(
@@ -610,6 +614,23 @@ fn chrono_free_date() -> String {
         .unwrap_or_default()
 }
 
+/// The report's sentence on the bench's `fusion_ab` object (fused against unfused greedy decode,
+/// per-round ratios), if the run has one.
+fn fusion_sentence(fusion: &Value) -> Option<String> {
+    let ratio = |set: &str| {
+        let r = &fusion[set]["ratio_fused_over_unfused"];
+        let bound = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
+        (r.is_object()).then(|| format!("{:.3} ({:.3}–{:.3})", med(r), bound("min"), bound("max")))
+    };
+    let base = ratio("base")?;
+    let adapter = ratio("adapter").map(|r| format!(", with the adapter {r}")).unwrap_or_default();
+    Some(format!(
+        "Fused against unfused greedy decode on this adapter ({} rounds of {}-token blocks alternating in one \
+         generation; tok/s ratio per round, median (min–max)): base {base}{adapter}.\n\n",
+        fusion["rounds"], fusion["block_tokens"],
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -640,5 +661,21 @@ mod tests {
         let apart = series(8.0, 7.9, 8.1);
         assert_eq!(overhead_cell(&without, &apart, &Value::Null), "20.0 %");
         assert_eq!(overhead_verdict(&without, &apart, &Value::Null, 10.0), "not met");
+    }
+
+    #[test]
+    fn the_fusion_sentence_gives_each_set_its_per_round_ratios() {
+        assert_eq!(fusion_sentence(&Value::Null), None);
+        let fusion = serde_json::json!({
+            "rounds": 6,
+            "block_tokens": 8,
+            "base": {"ratio_fused_over_unfused": series(0.8, 0.6, 1.0)},
+            "adapter": {"ratio_fused_over_unfused": series(0.9125, 0.85, 1.2)},
+        });
+        let sentence = fusion_sentence(&fusion).expect("a fusion object");
+        assert!(sentence.contains("(6 rounds of 8-token blocks"), "{sentence}");
+        assert!(sentence.contains("base 0.800 (0.600–1.000), with the adapter 0.912 (0.850–1.200)."), "{sentence}");
+        let base_only = serde_json::json!({"rounds": 2, "block_tokens": 8, "base": fusion["base"].clone()});
+        assert!(fusion_sentence(&base_only).expect("a base ratio").contains("base 0.800 (0.600–1.000).\n"));
     }
 }

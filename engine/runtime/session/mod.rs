@@ -507,7 +507,8 @@ impl Session {
     /// projections that read them (73 fewer dispatches per token at the 0.8B dimensions). The
     /// default is on for GPUs, where a dispatch costs more than re-reading the 4 KiB norm
     /// weight in every workgroup, and off for CPU adapters (lavapipe), where every extra load
-    /// costs instructions and the fold made decode 15 % slower (ARCHITECTURE.md, "Decode").
+    /// costs instructions and the fold makes decode about 20 % slower (`bench --fusion-ab`;
+    /// ARCHITECTURE.md, "Decode").
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused = on;
     }
