@@ -895,7 +895,18 @@ pub fn matvec_overrides(variant: u32) -> (u32, u32) {
 /// Every matvec pipeline variant (for the naga translation test).
 pub fn matvec_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..4).map(move |f| matvec_variant(l, f))).collect())
+    by_lanes(&ALL, 0..4)
+}
+
+/// Every `LANES` paired with every code of `codes` (the variant's second byte), built once into
+/// `all`.
+fn by_lanes(
+    all: &'static std::sync::OnceLock<Vec<u32>>,
+    codes: impl IntoIterator<Item = u32> + Clone,
+) -> &'static [u32] {
+    all.get_or_init(|| {
+        MATVEC_LANES.iter().flat_map(|&l| codes.clone().into_iter().map(move |c| matvec_variant(l, c))).collect()
+    })
 }
 
 /// `FUSE` bit of the subgroup matvec whose row groups span several subgroups (`SPLIT` in
@@ -905,7 +916,7 @@ pub const MATVEC_SPLIT: u32 = 4;
 /// Every subgroup-matvec pipeline variant: the matvec's, each also with [`MATVEC_SPLIT`].
 pub fn matvec_sg_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| MATVEC_LANES.iter().flat_map(|&l| (0..8).map(move |f| matvec_variant(l, f))).collect())
+    by_lanes(&ALL, 0..2 * MATVEC_SPLIT)
 }
 
 /// The `TOK` variants of `matvec_batch.wgsl`: token rows per dispatch.
@@ -914,7 +925,5 @@ pub const MATVEC_BATCH_TOKENS: [u32; 3] = [2, 4, 8];
 /// Every batched-matvec pipeline variant (`LANES | TOK << 8`).
 pub fn matvec_batch_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    ALL.get_or_init(|| {
-        MATVEC_LANES.iter().flat_map(|&l| MATVEC_BATCH_TOKENS.iter().map(move |&t| matvec_variant(l, t))).collect()
-    })
+    by_lanes(&ALL, MATVEC_BATCH_TOKENS)
 }
