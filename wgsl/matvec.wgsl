@@ -129,8 +129,8 @@ struct Slot {
     row0: u32, // first output row of the workgroup
     group: u32, // row group of this invocation
     lane: u32, // position along K within the row group
-    stride: u32, // invocations along K in the row group: LANES (matvec_subgroup.wgsl without SPLIT: fewer when
-                 // the subgroup is narrower than LANES)
+    stride: u32, // invocations along K in the row group: LANES (matvec_subgroup.wgsl without
+                 // SPLIT: fewer when the subgroup is narrower than LANES)
 }
 
 // Output rows per invocation: TM, or 4 (gate, up) pairs with GLU.

@@ -108,8 +108,10 @@ pub(crate) fn residual_split<'a>(
     w: &GpuWeight,
     hidden: &wgpu::Buffer,
 ) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
-    let one = WeightRows::all(w).in_one_chunk();
-    one.then(|| split_out(ctx, lora, (group, Some(norm)), (w.rows, false), hidden)).flatten()
+    if !WeightRows::all(w).in_one_chunk() {
+        return None;
+    }
+    split_out(ctx, lora, (group, Some(norm)), (w.rows, false), hidden)
 }
 
 /// The shrink of `group` (the input group of the projections that read the layer's output)

@@ -620,7 +620,7 @@ fn fusion_sentence(fusion: &Value) -> Option<String> {
     let ratio = |set: &str| {
         let r = &fusion[set]["ratio_fused_over_unfused"];
         let bound = |k: &str| r[k].as_f64().unwrap_or(f64::NAN);
-        (r.is_object()).then(|| format!("{:.3} ({:.3}–{:.3})", med(r), bound("min"), bound("max")))
+        r.is_object().then(|| format!("{:.3} ({:.3}–{:.3})", med(r), bound("min"), bound("max")))
     };
     let base = ratio("base")?;
     let adapter = ratio("adapter").map(|r| format!(", with the adapter {r}")).unwrap_or_default();
