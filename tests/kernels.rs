@@ -17,8 +17,8 @@ use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStep
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, linear, linear_rows, matmul_tile, matvec_lanes, shrink_out_parts, Fuse, FusedNorm, LinearIo,
-    LoraExpand, LoraSegment, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES, MATVEC_BATCH_TOKENS,
-    MATVEC_LANES,
+    LoraExpand, LoraSegment, NormOut, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES,
+    MATVEC_BATCH_TOKENS, MATVEC_LANES,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
@@ -240,7 +240,8 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
         let bg = ctx.weights_bind_group(&bb, "b");
         let lora = LoraExpand::single(&tb, (0, own), (own, 0), 0.5, &bg);
         let shrink_out = Some(ShrinkOut { a: &ab, rank, at, norm: None });
-        let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu: true, shrink_out };
+        let fused = norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None });
+        let fuse = Fuse { norm: fused, glu: true, shrink_out, norm_out: None };
         let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
         run(ctx, |rec| linear_rows(rec, WeightRows::all(&gw), &io, (own > 0).then_some(&lora), fuse));
         let xin = if norm { cpu::rms_norm(&x, &norm_w, k, 1e-6) } else { x.clone() };
@@ -281,7 +282,7 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
     let plain = LinearIo { y: &yb, y_stride: 8, ..io };
     let residual = LinearIo { accumulate: true, ..plain };
     let out = |norm| Some(ShrinkOut { a: &ab, rank: 1, at: 8, norm });
-    let fused_norm = Some(FusedNorm { weight: &nb, eps: 1e-6 });
+    let fused_norm = Some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None });
     for (what, io, fuse) in [
         ("no SwiGLU, no norm weight", &plain, Fuse { shrink_out: out(None), ..Fuse::NONE }),
         ("a norm weight with SwiGLU", &plain, Fuse { glu: true, shrink_out: out(Some(&nb)), ..Fuse::NONE }),
@@ -304,11 +305,14 @@ fn glu_shrink_out_sweep(ctx: &GpuContext) {
 }
 
 /// A residual projection (accumulating, one token) that also writes the next block's input
-/// shrink of the residual times (1 + that block's norm weight), split by workgroup, then the
+/// shrink of the residual times (1 + that block's norm weight), split by workgroup, and/or (a
+/// norm out) the residual times (1 + that weight) with one sum of squares per workgroup, then the
 /// block's projection fusing the norm and reading those parts (its expand scaled by the norm's
-/// rsqrt): the residual, every part, nothing past the parts, and the reader's outputs against
-/// the reference (the shrink of the normed residual), over every rows-per-workgroup variant,
-/// ranks around the padding, dtypes, with and without a LoRA expand on the residual projection.
+/// rsqrt) and, after a norm out, that prenormed input: the residual, every part, the norm out,
+/// nothing past them, and the reader's outputs against the reference (the normed residual and its
+/// shrink), over every rows-per-workgroup variant, ranks around the padding, dtypes, with and
+/// without a LoRA expand on the residual projection. Cases cycle through the shrink out alone,
+/// with a norm out, and a norm out alone (no adapter on the reader).
 fn residual_shrink_out_sweep(ctx: &GpuContext) {
     let g = ctx.min_workgroups();
     // (residual width n, k, rank, dtype, own LoRA rank)
@@ -337,7 +341,11 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
         lanes.insert(matvec_lanes(n, g));
         let per = 512 / matvec_lanes(n, g) as usize;
         let (at, pad) = (n.next_multiple_of(4), rank.next_multiple_of(4));
-        let y_len = at + count * pad + 4;
+        let (shrinks, norm_out) = (ci % 3 != 2, ci % 3 != 0);
+        let xw_at = if shrinks { at + count * pad } else { at };
+        let ssq_at = xw_at + n.next_multiple_of(4);
+        let end = if norm_out { ssq_at + count } else { xw_at };
+        let y_len = end + 4;
         let mut y0 = resid.clone();
         y0.resize(y_len, 7.0);
         // The residual projection's own expand: one segment over its n rows; in odd cases its t
@@ -372,13 +380,19 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
         let split = Some(SplitShrink { count, at });
         let single = LoraExpand::single(&t2b, (0, rank), (rank, 0), scale, &bg2);
         let lora = LoraExpand { parts: split, table, ..single };
-        let out = Fuse { shrink_out: Some(ShrinkOut { a: &ab, rank, at, norm: Some(&nb) }), ..Fuse::NONE };
-        let normed = Fuse { norm: Some(FusedNorm { weight: &nb, eps }), ..Fuse::NONE };
+        let out = Fuse {
+            shrink_out: shrinks.then_some(ShrinkOut { a: &ab, rank, at, norm: Some(&nb) }),
+            norm_out: norm_out.then_some(NormOut { weight: &nb, at: xw_at, ssq_at }),
+            ..Fuse::NONE
+        };
+        let prenormed = norm_out.then_some(SplitShrink { count, at: ssq_at });
+        let normed = Fuse { norm: Some(FusedNorm { weight: &nb, eps, prenormed }), ..Fuse::NONE };
         let io = LinearIo { x: &xb, x_offset: 0, m: 1, y: &yb, y_offset: 0, y_stride: n, accumulate: true };
-        let io2 = LinearIo { x: &yb, x_offset: 0, m: 1, y: &y2b, y_offset: 0, y_stride: n2, accumulate: false };
+        let x_offset = if norm_out { xw_at } else { 0 };
+        let io2 = LinearIo { x: &yb, x_offset, m: 1, y: &y2b, y_offset: 0, y_stride: n2, accumulate: false };
         run(ctx, |rec| {
             linear_rows(rec, WeightRows::all(&gw), &io, (own > 0).then_some(&own_lora), out)?;
-            linear_rows(rec, WeightRows::all(&gw2), &io2, Some(&lora), normed)
+            linear_rows(rec, WeightRows::all(&gw2), &io2, shrinks.then_some(&lora), normed)
         });
         let mut h = cpu::linear(&x, &w, 1, n, k);
         for (r, v) in h.iter_mut().enumerate() {
@@ -389,10 +403,17 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
         }
         let got = read(ctx, &yb, y_len);
         let what = format!(
-            "residual shrink out n{n} k{k} rank {rank} {dtype:?} own rank {own} (split {own_split}), table {table:?}"
+            "residual shrink out {shrinks} norm out {norm_out} n{n} k{k} rank {rank} {dtype:?} own rank {own} (split {own_split}), table {table:?}"
         );
         assert_close(&what, &got[..n], &h, KERNEL_ATOL, KERNEL_RTOL);
-        for q in 0..count {
+        if norm_out {
+            let xw: Vec<f32> = (0..n).map(|o| h[o] * (1.0 + norm_w[o])).collect();
+            assert_close(&format!("{what}: normed out"), &got[xw_at..xw_at + n], &xw, KERNEL_ATOL, KERNEL_RTOL);
+            let sums: Vec<f32> =
+                (0..count).map(|q| h[q * per..((q + 1) * per).min(n)].iter().map(|v| v * v).sum()).collect();
+            assert_close(&format!("{what}: sums of squares"), &got[ssq_at..end], &sums, KERNEL_ATOL, KERNEL_RTOL);
+        }
+        for q in (0..count).filter(|_| shrinks) {
             let part = &got[at + q * pad..at + (q + 1) * pad];
             let cols = q * per..((q + 1) * per).min(n);
             let want: Vec<f32> =
@@ -400,12 +421,12 @@ fn residual_shrink_out_sweep(ctx: &GpuContext) {
             assert_close(&format!("{what}: part {q} of {count}"), &part[..rank], &want, KERNEL_ATOL, KERNEL_RTOL);
             assert!(part[rank..].iter().all(|&v| v == 0.0), "{what}: padding of part {q}");
         }
-        assert!(got[at + count * pad..].iter().all(|&v| v == 7.0), "{what}: wrote past the parts");
+        assert!(got[end..].iter().all(|&v| v == 7.0), "{what}: wrote past the parts");
         // The reader: W2 · norm(h) + scale · B · (A · norm(h)).
         let hn = cpu::rms_norm(&h, &norm_w, n, eps);
         let t = cpu::linear(&hn, &a, 1, rank, n);
         let mut want = cpu::linear(&hn, &w2, 1, n2, n);
-        for (r, v) in want.iter_mut().enumerate() {
+        for (r, v) in want.iter_mut().enumerate().filter(|_| shrinks) {
             *v += scale * (0..rank).map(|c| t[c] * factor(c) * b[r * rank + c]).sum::<f32>();
         }
         assert_close(&format!("{what}: the reader"), &read(ctx, &y2b, n2), &want, KERNEL_ATOL, KERNEL_RTOL);
@@ -526,7 +547,8 @@ fn matvec_sweep(ctx: &GpuContext) {
                 let lora = LoraExpand { t: &tb, t_stride: t_cols, b: &bg, segments, table, parts };
                 let accumulate = rank % 2 == 1 && !glu;
                 let io = LinearIo { x: &xb, x_offset: x_off, m: 1, y: &yb, y_offset: 2, y_stride: n, accumulate };
-                let fuse = Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6 }), glu, shrink_out: None };
+                let norm_fused = norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None });
+                let fuse = Fuse { norm: norm_fused, glu, ..Fuse::NONE };
                 let view = WeightRows { w: &gw, rows: view0..view0 + rows };
                 run(ctx, |rec| linear_rows(rec, view, &io, (rank > 0).then_some(&lora), fuse));
                 let xin = if norm { cpu::rms_norm(&x[x_off..], &norm_w, k, 1e-6) } else { x[x_off..].to_vec() };

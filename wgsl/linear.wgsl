@@ -37,6 +37,12 @@
 //    taken times (1 + aux[o]) (the norm's weight, bound where a fused norm's would be), and the
 //    reading projection, which fuses that norm (NORM), multiplies its expand by the norm's scale
 //    rsqrt(mean(y^2) + eps) that only the whole row gives.
+// Norm out (matvec only): when xw_at > 0, a residual projection also writes its outputs times
+//    (1 + aux[o]) (the next block's RMSNorm1p weight, bound as for out_norm) at y element
+//    xw_at + o, and each workgroup the sum of its outputs' squares at y element ssq_at + (its
+//    index): the next block's projections read that input as it is (NORM with ssq_parts > 0: no
+//    norm weight loaded beside every x value, no x^2 summed) and sum the ssq_parts parts from x
+//    element ssq_parts_at for the norm's scale.
 // Accumulation is f32. ACCUMULATE adds into y (the residual add of o_proj/out_proj/down_proj).
 
 override ACCUMULATE: bool = false;
@@ -64,6 +70,10 @@ struct Params {
     out_rank: u32,
     out_at: u32,
     out_norm: u32,
+    xw_at: u32,
+    ssq_at: u32,
+    ssq_parts: u32,
+    ssq_parts_at: u32,
     _pad: u32,
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,

@@ -29,7 +29,10 @@ override LANES: u32 = 32u;       // invocations along K per row group: 8, 16, 32
 // What the kernel fuses in (the dispatches this saves):
 // NORM: RMSNorm1p of x with weight aux[0..K] first: x * rsqrt(mean(x^2) + eps) * (1 + aux) (the
 //    block's input norm: the product runs on x * (1 + aux), each row group sums x^2 on the way,
-//    and the row's sum is scaled by rsqrt(mean + eps) after the reduction);
+//    and the row's sum is scaled by rsqrt(mean + eps) after the reduction); with ssq_parts > 0
+//    (prenormed) x is already times (1 + aux) and its sum of squares is in parts (a residual
+//    projection's norm out, linear.wgsl): the product runs on x as it is and each row group sums
+//    the parts instead;
 // GLU: SwiGLU on the way out, over a concatenated [gate; up] weight: the dispatch's rows are the
 //    n gate rows, then the n up rows; an invocation owns 4 gate rows and the same 4 up rows, and
 //    the storing invocation writes y[o] = silu(gate[o]) * up[o] (n outputs, half as many per
@@ -48,6 +51,7 @@ var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG
 var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
 var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSUM_VECS columns)
 var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs as stored (times 1 + aux with out_norm)
+var<workgroup> outs_sq: array<f32, 64>; // norm out: the squares of the workgroup's outputs
 
 const TSUM_VECS: u32 = 64u;
 const_assert TSUM_VECS == WG; // stage_t: an invocation per staged column
@@ -152,11 +156,30 @@ fn wrow(first: u32, i: u32) -> u32 {
     return p.w_row0 + min(first + i, p.n - 1u);
 }
 
+// Whether x is the norm's input already times (1 + aux), with its sum of squares in parts.
+fn prenormed() -> bool {
+    return NORM && p.ssq_parts > 0u;
+}
+
+// Whether the row group sums x^2 as it reads x (NORM, not prenormed).
+fn sums_x2() -> bool {
+    return NORM && p.ssq_parts == 0u;
+}
+
+// A prenormed x's sum of squares, lane `lane`'s share of it: parts lane, lane + stride, ...
+fn ssq_share(lane: u32, stride: u32) -> f32 {
+    var sq = 0.0;
+    for (var q = lane; q < p.ssq_parts; q += stride) {
+        sq += x_elem(p.ssq_parts_at + q);
+    }
+    return sq;
+}
+
 // x[e] times the norm weight for NORM, before the norm scale (element e of the row, flat
 // element xe).
 fn x_at(xe: u32, e: u32) -> f32 {
     let v = x_elem(xe);
-    if (NORM) {
+    if (sums_x2()) {
         return v * (1.0 + aux[e >> 2u][e & 3u]);
     }
     return v;
@@ -165,7 +188,7 @@ fn x_at(xe: u32, e: u32) -> f32 {
 // The x vec4 at vec4 index q of the row (element 4 q), likewise.
 fn x_vec(x4: u32, q: u32) -> vec4<f32> {
     let v = x[x4 + q];
-    if (NORM) {
+    if (sums_x2()) {
         return v * (1.0 + aux[q]);
     }
     return v;
@@ -186,6 +209,9 @@ fn base_partials(s: Slot) -> Partials {
     var lo = vec4<f32>(0.0);
     var hi = vec4<f32>(0.0);
     var sq = 0.0;
+    if (prenormed()) {
+        sq = ssq_share(s.lane, s.stride);
+    }
     let first = s.row0 + s.group * outputs();
     if (W_DTYPE == 3u && (p.x_offset & 3u) == 0u) {
         return affine_partials(s);
@@ -204,7 +230,7 @@ fn base_partials(s: Slot) -> Partials {
         let r7 = wrow(first, 7u) * row_vecs;
         let x4 = p.x_offset >> 2u;
         for (var j = s.lane; j < groups; j += s.stride) {
-            if (NORM) {
+            if (sums_x2()) {
                 let ra = x[x4 + 2u * j];
                 let rb = x[x4 + 2u * j + 1u];
                 sq += dot(ra, ra) + dot(rb, rb);
@@ -223,7 +249,7 @@ fn base_partials(s: Slot) -> Partials {
         return Partials(lo, hi, sq);
     }
     for (var e = s.lane; e < p.k; e += s.stride) {
-        if (NORM) {
+        if (sums_x2()) {
             let r = x_elem(p.x_offset + e);
             sq = fma(r, r, sq);
         }
@@ -295,6 +321,9 @@ fn affine_partials(s: Slot) -> Partials {
     var lo = vec4<f32>(0.0);
     var hi = vec4<f32>(0.0);
     var sq = 0.0;
+    if (prenormed()) {
+        sq = ssq_share(s.lane, s.stride);
+    }
     let first = s.row0 + s.group * outputs();
     let nx = 32u / Q_BITS; // x vec4 per block: 8 or 4
     let blocks = p.k / (4u * nx);
@@ -312,7 +341,7 @@ fn affine_partials(s: Slot) -> Partials {
         var xs = 0.0;
         for (var i = 0u; i < nx; i++) {
             let q = j * nx + i;
-            if (NORM) {
+            if (sums_x2()) {
                 let r = x[x4 + q];
                 sq += dot(r, r);
             }
@@ -385,7 +414,8 @@ fn stores(s: Slot, li: u32) -> bool {
 }
 
 // Store output li of the workgroup (and keep it in outs for a shrink out, times 1 + the norm
-// weight with out_norm).
+// weight with out_norm; with a norm out also store it times 1 + the norm weight and keep its
+// square in outs_sq).
 fn store(s: Slot, li: u32, v: vec2<f32>) {
     let idx = p.y_offset + s.row0 + li;
     var h = v.x;
@@ -395,6 +425,11 @@ fn store(s: Slot, li: u32, v: vec2<f32>) {
         h += y[idx];
     }
     y[idx] = h;
+    if (p.xw_at > 0u) {
+        let e = s.row0 + li;
+        y[p.xw_at + e] = h * (1.0 + aux[e >> 2u][e & 3u]);
+        outs_sq[li] = h * h;
+    }
     if (p.out_rank > 0u) {
         if (p.out_norm != 0u) {
             let e = s.row0 + li;
@@ -404,16 +439,29 @@ fn store(s: Slot, li: u32, v: vec2<f32>) {
     }
 }
 
-// Shrink out (linear.wgsl; uniform: out_rank > 0): after one barrier, invocation r sums the
-// workgroup's outputs as kept by store times row r of A over their columns and stores the
-// workgroup's part (the rank's padding as zeros).
-fn shrink_out(row0: u32, part: u32, li: u32) {
+// Whether the workgroup writes more than its outputs (a shrink out or a norm out): the callers'
+// condition for write_out (uniform).
+fn writes_out() -> bool {
+    return p.out_rank > 0u || p.xw_at > 0u;
+}
+
+// Shrink out and norm out (linear.wgsl): after one barrier, invocation r sums the workgroup's
+// outputs as kept by store times row r of A over their columns and stores the workgroup's part
+// (the rank's padding as zeros); invocation 0 stores the sum of the outputs' squares.
+fn write_out(row0: u32, part: u32, li: u32) {
     if (row0 >= p.n) {
         return; // a workgroup past the rows (a two-dimensional grid's last row)
     }
     workgroupBarrier();
-    let pad = (p.out_rank + 3u) & ~3u;
     let n = min(outputs() * (WG / LANES), p.n - row0);
+    if (p.xw_at > 0u && li == 0u) {
+        var sq = 0.0;
+        for (var o = 0u; o < n; o++) {
+            sq += outs_sq[o];
+        }
+        y[p.ssq_at + part] = sq;
+    }
+    let pad = (p.out_rank + 3u) & ~3u;
     for (var r = li; r < pad; r += WG) {
         var sum = 0.0;
         if (r < p.out_rank) {
@@ -437,8 +485,8 @@ fn matvec(
     if (stores(s, li)) {
         store(s, li, r.v);
     }
-    if (p.out_rank > 0u) {
-        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
+    if (writes_out()) {
+        write_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 
@@ -463,7 +511,7 @@ fn matvec_lora(
         }
         store(s, li, v);
     }
-    if (p.out_rank > 0u) {
-        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
+    if (writes_out()) {
+        write_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }

@@ -123,8 +123,8 @@ fn matvec_sg(
             store(s, o, output_sg(sums, q));
         }
     }
-    if (p.out_rank > 0u) {
-        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
+    if (writes_out()) {
+        write_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 
@@ -156,8 +156,8 @@ fn matvec_sg_lora(
             store(s, o, v);
         }
     }
-    if (p.out_rank > 0u) {
-        shrink_out(s.row0, wg.y * nwg.x + wg.x, li);
+    if (writes_out()) {
+        write_out(s.row0, wg.y * nwg.x + wg.x, li);
     }
 }
 

@@ -53,6 +53,16 @@ pub struct MatmulParams {
     pub out_at: u32,
     /// Shrink out: 1 when each output is taken times (1 + the norm weight) ([`ShrinkOut::norm`]).
     pub out_norm: u32,
+    /// Norm out (matvec): the element of y where the outputs times (1 + the norm weight) go
+    /// (0: none; [`NormOut`]).
+    pub xw_at: u32,
+    /// Norm out: the element of y where the workgroups' sums of squares go.
+    pub ssq_at: u32,
+    /// Fused norm (matvec): parts of x's sum of squares, x already times (1 + the norm weight)
+    /// (0: the kernel sums x² itself; [`FusedNorm::prenormed`]).
+    pub ssq_parts: u32,
+    /// The element of x where those parts start.
+    pub ssq_parts_at: u32,
     /// Padding (the segment fields are 16-byte aligned).
     pub _pad: u32,
     /// End row of each LoRA segment (`u32::MAX` past the last).
@@ -74,6 +84,28 @@ pub struct FusedNorm<'a> {
     pub weight: &'a wgpu::Buffer,
     /// Epsilon.
     pub eps: f32,
+    /// Where x is the norm's input already times `1 + weight` with its sum of squares in parts
+    /// (a residual projection's [`NormOut`]), those parts in x: the layer then reads neither the
+    /// weight nor x² (None: it applies the weight and sums x² itself).
+    pub prenormed: Option<SplitShrink>,
+}
+
+/// What a single-token residual projection (accumulating into the residual stream) writes for
+/// the next block, whose projections fuse that block's RMSNorm1p: its outputs times `1 + weight`
+/// from element `at` of y, and one sum of its outputs' squares per workgroup
+/// ([`shrink_out_parts`] of them) from element `ssq_at`. The readers take them as a
+/// [`FusedNorm::prenormed`] input: per weight row group they load the parts instead of the norm
+/// weight beside every x value and x² summed over the whole row.
+#[derive(Clone, Copy)]
+pub struct NormOut<'a> {
+    /// The next block's RMSNorm1p weight `[n]` (f32); the same buffer as a residual
+    /// [`ShrinkOut::norm`] beside it.
+    pub weight: &'a wgpu::Buffer,
+    /// The element of y where the outputs times `1 + weight` start (a multiple of 4, past the
+    /// outputs).
+    pub at: usize,
+    /// The element of y where the workgroups' sums of squares start (past those).
+    pub ssq_at: usize,
 }
 
 /// The LoRA shrink of a single-token layer's output for the projections that read it next,
@@ -106,11 +138,14 @@ pub struct Fuse<'a> {
     /// The next projections' LoRA shrink of the output, split by workgroup (with SwiGLU, or
     /// accumulating into the residual stream with the next block's norm weight).
     pub shrink_out: Option<ShrinkOut<'a>>,
+    /// The output through the next block's norm weight for the projections that fuse that norm
+    /// (accumulating into the residual stream).
+    pub norm_out: Option<NormOut<'a>>,
 }
 
 impl Fuse<'_> {
     /// Nothing fused.
-    pub const NONE: Fuse<'static> = Fuse { norm: None, glu: false, shrink_out: None };
+    pub const NONE: Fuse<'static> = Fuse { norm: None, glu: false, shrink_out: None, norm_out: None };
 
     /// The `variant` bits: 1 = norm, 2 = SwiGLU.
     pub fn code(&self) -> u32 {
@@ -231,6 +266,63 @@ fn shrink_out_error(
             io.y.size(),
             s.a.size(),
             s.norm.map_or(0, |w| w.size())
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why `o` cannot be written by the layer `view` → `io` fusing `fuse`, if it cannot: a norm out
+/// is a residual projection's (one token, one binding, accumulating from y's element 0, no SwiGLU
+/// or fused norm), and its two regions lie past the outputs, apart from each other and from a
+/// shrink out's parts, inside y.
+fn norm_out_error(ctx: &GpuContext, view: &WeightRows, io: &LinearIo, fuse: Fuse, o: NormOut) -> Option<String> {
+    let n = view.rows.len();
+    let parts = shrink_out_parts(ctx, n, false);
+    let shrink = fuse.shrink_out.map_or(0..0, |s| s.at..s.at + parts * s.rank.next_multiple_of(4));
+    let regions = [0..n, o.at..o.at + n, o.ssq_at..o.ssq_at + parts, shrink];
+    let overlap = regions.iter().enumerate().any(|(i, a)| {
+        regions[i + 1..].iter().any(|b| !a.is_empty() && !b.is_empty() && a.start < b.end && b.start < a.end)
+    });
+    if io.m != 1 || !view.in_one_chunk() || io.y_offset != 0 || !io.accumulate || fuse.glu || fuse.norm.is_some() {
+        Some(format!(
+            "a norm out is written by a residual projection (one token, one binding, accumulating into y from 0, no SwiGLU or fused norm): got {} tokens, y from {}, accumulate {}, SwiGLU {}, fused norm {}",
+            io.m,
+            io.y_offset,
+            io.accumulate,
+            fuse.glu,
+            fuse.norm.is_some()
+        ))
+    } else if fuse.shrink_out.and_then(|s| s.norm).is_some_and(|w| w != o.weight) {
+        Some("a norm out and a residual shrink out beside it take the same norm weight".to_string())
+    } else if !o.at.is_multiple_of(4) || overlap {
+        Some(format!(
+            "a norm out's {n} outputs from element {} (a multiple of 4) and {parts} sums from {} lie apart, past the outputs and any shrink out's parts",
+            o.at, o.ssq_at
+        ))
+    } else if ((o.at + n).max(o.ssq_at + parts) * 4) as u64 > io.y.size() || (n * 4) as u64 > o.weight.size() {
+        Some(format!(
+            "a norm out of {n} outputs from element {} and {parts} sums from {} runs past y ({} bytes) or the norm weight ({} bytes)",
+            o.at,
+            o.ssq_at,
+            io.y.size(),
+            o.weight.size()
+        ))
+    } else {
+        None
+    }
+}
+
+/// Why a layer cannot read `io.x` as a prenormed input with its sums of squares in `p`, if it
+/// cannot.
+fn prenormed_error(io: &LinearIo, p: SplitShrink) -> Option<String> {
+    if io.m != 1 || p.count == 0 || ((p.at + p.count) * 4) as u64 > io.x.size() {
+        Some(format!(
+            "a prenormed input takes one token and its sums of squares inside x: got {} tokens, {} sums from element {} of {} bytes",
+            io.m,
+            p.count,
+            p.at,
+            io.x.size()
         ))
     } else {
         None
@@ -412,6 +504,10 @@ pub fn linear_rows(
         fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, (fuse.glu, fuse.norm.is_some()), s))
     {
         Some(msg)
+    } else if let Some(msg) = fuse.norm_out.and_then(|o| norm_out_error(rec.ctx(), &view, io, fuse, o)) {
+        Some(msg)
+    } else if let Some(msg) = fuse.norm.and_then(|n| n.prenormed).and_then(|p| prenormed_error(io, p)) {
+        Some(msg)
     } else if let Some((rank, p)) =
         split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
     {
@@ -427,9 +523,12 @@ pub fn linear_rows(
     if let Some(message) = bad {
         return Err(GpuError::Validation { during: "recording a linear layer".into(), message });
     }
-    // Binding 4: the fused norm's weight, or the one a residual projection's shrink out applies.
-    let next_norm = fuse.shrink_out.and_then(|s| s.norm);
+    // Binding 4: the fused norm's weight, or the one a residual projection's shrink out or norm
+    // out applies (norm_out_error: the same buffer when both are there).
+    let out_norm = fuse.shrink_out.and_then(|s| s.norm);
+    let next_norm = fuse.norm_out.map(|o| o.weight).or(out_norm);
     let (eps, aux) = fuse.norm.map_or((0.0, next_norm.unwrap_or(io.x)), |n| (n.eps, n.weight));
+    let prenormed = fuse.norm.and_then(|n| n.prenormed);
     let out_a = fuse.shrink_out.map_or(io.x, |s| s.a);
     // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
     // Affine weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
@@ -500,7 +599,11 @@ pub fn linear_rows(
             lora_parts_at: lora.and_then(|l| l.parts).map_or(0, |s| s.at as u32),
             out_rank: fuse.shrink_out.map_or(0, |s| s.rank as u32),
             out_at: fuse.shrink_out.map_or(0, |s| s.at as u32),
-            out_norm: u32::from(next_norm.is_some()),
+            out_norm: u32::from(out_norm.is_some()),
+            xw_at: fuse.norm_out.map_or(0, |o| o.at as u32),
+            ssq_at: fuse.norm_out.map_or(0, |o| o.ssq_at as u32),
+            ssq_parts: prenormed.map_or(0, |p| p.count as u32),
+            ssq_parts_at: prenormed.map_or(0, |p| p.at as u32),
             _pad: 0,
             seg_end,
             seg_rank,

@@ -21,8 +21,8 @@ use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attn_params, block_input, gdn_params, gdn_step_fits, lin, lm_head, mixer_out, mlp_block, norm_rows, project,
-    LayerLora, Parts, Shrunk, Src, ATTN_IN, GDN_IN,
+    attn_params, block_input, gdn_params, gdn_step_fits, lm_head, mixer_out, mlp_block, norm_rows, project, LayerLora,
+    NextReads, NextWrites, Parts, Shrunk, Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::{Logits, SampleRead, Session};
@@ -333,14 +333,31 @@ impl Batch {
         for (i, layer) in model.layers.iter().enumerate() {
             let lora =
                 self.lora.as_ref().zip(self.lora_t.as_ref()).map(|(l, t)| LayerLora { bound: &l.bound, t, layer: i });
-            let mixer_in =
-                block_input(&mut rec, c, sc, &layer.input_norm, false, lora, (InputGroup::MixerIn, None), n)?;
+            let mixer_in = block_input(
+                &mut rec,
+                c,
+                sc,
+                &layer.input_norm,
+                false,
+                lora,
+                (InputGroup::MixerIn, NextReads::default()),
+                n,
+            )?;
             match &layer.mixer {
                 Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
                 Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
             }
-            let mlp_in = block_input(&mut rec, c, sc, &layer.post_norm, false, lora, (InputGroup::MlpIn, None), n)?;
-            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, None), n)?;
+            let mlp_in = block_input(
+                &mut rec,
+                c,
+                sc,
+                &layer.post_norm,
+                false,
+                lora,
+                (InputGroup::MlpIn, NextReads::default()),
+                n,
+            )?;
+            mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, NextWrites::default()), n)?;
         }
         rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
         lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
@@ -641,7 +658,7 @@ fn gdn_rows(
     // Each part (one LoRA segment each) into its columns of the rows.
     for (i, at) in [0, cd, cd + vd, cd + vd + hv].into_iter().enumerate() {
         let part = Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
-        project(rec, c, part, &LinearIo { y_offset: at, ..lin(src.x, &sc.mixer_in, n, width) }, src, &s)?;
+        project(rec, c, part, &LinearIo { y_offset: at, ..src.io(&sc.mixer_in, n, width) }, src, &s)?;
     }
     let params = gdn_params(c, 1);
     let f = |e: usize| (e * 4) as u64;
@@ -694,7 +711,7 @@ fn gdn_rows(
             rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
         }
     }
-    mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (None, None))
+    mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (None, NextWrites::default()))
 }
 
 /// An attention layer for every row: q|gate, k and v for all rows (row k of `mixer_in` is
@@ -717,7 +734,7 @@ fn attention_rows(
     // Each part (one LoRA segment each) into its columns of the rows.
     for (i, at) in [0, q_out, q_out + kv].into_iter().enumerate() {
         let part = Parts { w: &w.qkv, order: &ATTN_IN, parts: i..i + 1 };
-        project(rec, c, part, &LinearIo { y_offset: at, ..lin(src.x, &sc.mixer_in, n, width) }, src, &s)?;
+        project(rec, c, part, &LinearIo { y_offset: at, ..src.io(&sc.mixer_in, n, width) }, src, &s)?;
     }
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Attention { k: k_cache, v: v_cache } = &sess.states[layer] else {
@@ -733,7 +750,7 @@ fn attention_rows(
             AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &sess.rope, out: &sc.mid_b, part: &sc.attn_part };
         attention_one(rec, &w.qk_norm, &params, &io, None)?;
     }
-    mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, None))
+    mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, NextWrites::default()))
 }
 
 /// Every row's session takes the step's token.

@@ -19,7 +19,7 @@ use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder, WeightChunk}
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, ShrinkOut,
+    linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, NormOut, ShrinkOut,
     SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
@@ -62,7 +62,7 @@ impl<'a> LayerLora<'a> {
         let Some(g) = self.bound.lora.group(self.layer, group) else {
             return Ok(None);
         };
-        rec.tagged("lora_shrink", |rec| linear_with(rec, &g.a, &lin(src.x, self.t, m, g.rank_total), None, src.fuse))?;
+        rec.tagged("lora_shrink", |rec| linear_with(rec, &g.a, &src.io(self.t, m, g.rank_total), None, src.fuse))?;
         Ok(Some(Shrunk { lora: self, group: g, parts: None }))
     }
 }
@@ -97,21 +97,52 @@ pub(crate) fn head_split<'a>(
     })
 }
 
-/// The next block's input-group shrink written by a single-token residual projection `w`
-/// (o_proj, out_proj, down_proj) as it adds into the residual stream `hidden`, for a block that
-/// folds its norm `norm` into its projections ([`split_out`], and `w` in one binding); None
-/// where it does not apply: the block then takes its shrink dispatch.
-pub(crate) fn residual_split<'a>(
+/// What a single-token residual projection (o_proj, out_proj, down_proj) writes besides its
+/// outputs for the block after it, which folds its norm into its projections ([`residual_out`]).
+#[derive(Clone, Copy, Default)]
+pub(crate) struct NextWrites<'a> {
+    /// The next block's input-group LoRA shrink, split by workgroup.
+    pub(crate) shrink_out: Option<ShrinkOut<'a>>,
+    /// The residual through the next block's norm weight, with its sums of squares.
+    pub(crate) norm_out: Option<NormOut<'a>>,
+}
+
+/// What the block after a residual projection reads of what that projection wrote
+/// ([`NextWrites`]): its prenormed input (the element of the residual buffer where it starts, and
+/// the sums of squares), and its input group's shrink.
+#[derive(Default)]
+pub(crate) struct NextReads<'a> {
+    pub(crate) input: Option<(usize, SplitShrink)>,
+    pub(crate) shrunk: Option<Shrunk<'a>>,
+}
+
+/// What a single-token residual projection `w` adding into the residual stream `hidden` writes
+/// for the next block, which folds its norm `norm` into its projections (`group`: that block's
+/// input group, None for lm_head, which takes no adapter), and what that block reads: the input
+/// group's shrink where [`split_out`] applies, then the residual times `1 + norm` and one sum of
+/// squares per workgroup where they fit in `hidden` after it (its row, then the shrink's parts).
+/// Nothing where `w` is in more than one binding: the block then takes its norm and shrink from
+/// the residual itself.
+pub(crate) fn residual_out<'a>(
     ctx: &GpuContext,
     lora: Option<LayerLora<'a>>,
-    (group, norm): (InputGroup, &'a GpuVector),
+    (group, norm): (Option<InputGroup>, &'a GpuVector),
     w: &GpuWeight,
     hidden: &wgpu::Buffer,
-) -> Option<(ShrinkOut<'a>, Shrunk<'a>)> {
+) -> (NextWrites<'a>, NextReads<'a>) {
     if !WeightRows::all(w).in_one_chunk() {
-        return None;
+        return Default::default();
     }
-    split_out(ctx, lora, (group, Some(norm)), (w.rows, false), hidden)
+    let n = w.rows;
+    let split = group.and_then(|g| split_out(ctx, lora, (g, Some(norm)), (n, false), hidden));
+    let parts = shrink_out_parts(ctx, n, false);
+    let at = split.as_ref().map_or(n, |(s, _)| s.at + parts * s.rank.next_multiple_of(4)).next_multiple_of(4);
+    let ssq_at = at + n.next_multiple_of(4);
+    let fits = ((ssq_at + parts) * 4) as u64 <= hidden.size();
+    let norm_out = fits.then_some(NormOut { weight: &norm.buffer, at, ssq_at });
+    let (shrink_out, shrunk) = split.unzip();
+    let input = fits.then_some((at, SplitShrink { count: parts, at: ssq_at }));
+    (NextWrites { shrink_out, norm_out }, NextReads { input, shrunk })
 }
 
 /// The shrink of `group` (the input group of the projections that read the layer's output)
@@ -140,8 +171,9 @@ fn split_out<'a>(
 }
 
 /// A block's input for the projections of `group` and their LoRA shrink when an adapter covers
-/// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections, and
-/// the shrink the residual projection before wrote (`written`, [`residual_split`]) or a dispatch;
+/// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections (read
+/// prenormed where the residual projection before wrote it so, [`residual_out`]), and the shrink
+/// that projection wrote or a dispatch;
 /// otherwise `xnorm`, written by a norm dispatch of its own, which for one token also writes the
 /// shrink when A is f32 in one binding (`rms_norm_shrink`: one dispatch instead of two).
 #[allow(clippy::too_many_arguments)]
@@ -152,18 +184,21 @@ pub(crate) fn block_input<'a>(
     norm: &'a GpuVector,
     fold: bool,
     lora: Option<LayerLora<'a>>,
-    (group, written): (InputGroup, Option<Shrunk<'a>>),
+    (group, written): (InputGroup, NextReads<'a>),
     t: usize,
 ) -> Result<(Src<'a>, Option<Shrunk<'a>>), GpuError> {
     if fold {
-        let src = Src::normed(&sc.hidden, &norm.buffer, c.rms_norm_eps);
-        let s = match written {
+        let src = Src::normed(&sc.hidden, &norm.buffer, c.rms_norm_eps, written.input);
+        let s = match written.shrunk {
             Some(s) => Some(s),
             None => shrink(rec, lora, group, src, t)?,
         };
         return Ok((src, s));
     }
-    debug_assert!(written.is_none(), "a shrink written for a block that does not fold its norm");
+    debug_assert!(
+        written.input.is_none() && written.shrunk.is_none(),
+        "a residual projection wrote for a block that does not fold its norm"
+    );
     let io = norm_rows(sc, c, 0, t);
     let src = Src::plain(&sc.xnorm);
     let one = t == 1 && c.hidden_size.is_multiple_of(4);
@@ -181,17 +216,32 @@ pub(crate) fn block_input<'a>(
 #[derive(Clone, Copy)]
 pub(crate) struct Src<'a> {
     pub(crate) x: &'a wgpu::Buffer,
+    /// The element of x where row 0 starts.
+    pub(crate) offset: usize,
     pub(crate) fuse: Fuse<'a>,
 }
 
 impl<'a> Src<'a> {
     pub(crate) fn plain(x: &'a wgpu::Buffer) -> Self {
-        Self { x, fuse: Fuse::NONE }
+        Self { x, offset: 0, fuse: Fuse::NONE }
     }
 
-    /// `x` through the block norm `weight` (fused into the projections that read it).
-    pub(crate) fn normed(x: &'a wgpu::Buffer, weight: &'a wgpu::Buffer, eps: f32) -> Self {
-        Self { x, fuse: Fuse { norm: Some(FusedNorm { weight, eps }), ..Fuse::NONE } }
+    /// `x` through the block norm `weight` (fused into the projections that read it); with
+    /// `prenormed`, the row from that element of x, already times `1 + weight`, and its sums of
+    /// squares ([`residual_out`]).
+    pub(crate) fn normed(
+        x: &'a wgpu::Buffer,
+        weight: &'a wgpu::Buffer,
+        eps: f32,
+        prenormed: Option<(usize, SplitShrink)>,
+    ) -> Self {
+        let norm = FusedNorm { weight, eps, prenormed: prenormed.map(|(_, p)| p) };
+        Self { x, offset: prenormed.map_or(0, |(at, _)| at), fuse: Fuse { norm: Some(norm), ..Fuse::NONE } }
+    }
+
+    /// A linear layer reading `[m, k]` from this input and writing `[m, y_stride]` into `y`.
+    pub(crate) fn io(&self, y: &'a wgpu::Buffer, m: usize, y_stride: usize) -> LinearIo<'a> {
+        LinearIo { x_offset: self.offset, ..lin(self.x, y, m, y_stride) }
     }
 }
 
@@ -286,7 +336,7 @@ pub(crate) fn gdn_block(
     conv: [&wgpu::Buffer; 2],
     state: [&wgpu::Buffer; 2],
     (src, s): (Src, Option<Shrunk>),
-    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
+    (lora, next): (Option<LayerLora>, NextWrites),
     t: usize,
 ) -> Result<(), GpuError> {
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
@@ -296,7 +346,7 @@ pub(crate) fn gdn_block(
     if fused {
         // One token: one dispatch for the four projections, one for conv, rule and gated norm.
         let all = Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..4 };
-        project(rec, c, all, &lin(src.x, &sc.mixer_in, 1, cd + vd + 2 * hv), src, &s)?;
+        project(rec, c, all, &src.io(&sc.mixer_in, 1, cd + vd + 2 * hv), src, &s)?;
         let io = GdnStepIo {
             mixed: &sc.mixer_in,
             conv_in: conv[0],
@@ -309,10 +359,10 @@ pub(crate) fn gdn_block(
         gdn_step(rec, &w.step_params, &params, &io, split.as_ref().map(|s| s.shrink))?;
         return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, t, (split.map(|s| s.shrunk), next));
     } else {
-        project(rec, c, part(0), &lin(src.x, &sc.wide_a, t, cd), src, &s)?;
-        project(rec, c, part(1), &lin(src.x, &sc.mid_a, t, vd), src, &s)?;
-        project(rec, c, part(2), &lin(src.x, &sc.beta, t, hv), src, &s)?;
-        project(rec, c, part(3), &lin(src.x, &sc.decay, t, hv), src, &s)?;
+        project(rec, c, part(0), &src.io(&sc.wide_a, t, cd), src, &s)?;
+        project(rec, c, part(1), &src.io(&sc.mid_a, t, vd), src, &s)?;
+        project(rec, c, part(2), &src.io(&sc.beta, t, hv), src, &s)?;
+        project(rec, c, part(3), &src.io(&sc.decay, t, hv), src, &s)?;
         let io = GdnIo {
             mixed: &sc.wide_a,
             conv_y: &sc.wide_b,
@@ -398,7 +448,7 @@ pub(crate) fn attention_block(
     pos0: usize,
     s_max: usize,
     (src, s): (Src, Option<Shrunk>),
-    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
+    (lora, next): (Option<LayerLora>, NextWrites),
     (t, one): (usize, bool),
 ) -> Result<(), GpuError> {
     let (hq, hkv, hd) = (c.num_heads, c.num_kv_heads, c.head_dim);
@@ -407,7 +457,7 @@ pub(crate) fn attention_block(
     if one {
         // One token: q|gate, k and v in one dispatch, read in place by one attention dispatch
         // (which also shrinks o_proj's input when it can).
-        project(rec, c, part(0..3), &lin(src.x, &sc.mixer_in, 1, q_out + 2 * kv), src, &s)?;
+        project(rec, c, part(0..3), &src.io(&sc.mixer_in, 1, q_out + 2 * kv), src, &s)?;
         let params = attn_params(c, (1, pos0, s_max), (q_out, q_out + kv));
         let io = AttnOneIo {
             qkv: &sc.mixer_in,
@@ -421,9 +471,9 @@ pub(crate) fn attention_block(
         attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
         return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, t, (split.map(|s| s.shrunk), next));
     }
-    project(rec, c, part(0..1), &lin(src.x, &sc.wide_a, t, q_out), src, &s)?;
-    project(rec, c, part(1..2), &lin(src.x, &sc.mid_a, t, kv), src, &s)?;
-    project(rec, c, part(2..3), &lin(src.x, &sc.mid_c, t, kv), src, &s)?;
+    project(rec, c, part(0..1), &src.io(&sc.wide_a, t, q_out), src, &s)?;
+    project(rec, c, part(1..2), &src.io(&sc.mid_a, t, kv), src, &s)?;
+    project(rec, c, part(2..3), &src.io(&sc.mid_c, t, kv), src, &s)?;
     let params = attn_params(c, (t, pos0, s_max), (0, 0));
     let io = AttnIo {
         qg: &sc.wide_a,
@@ -442,7 +492,7 @@ pub(crate) fn attention_block(
 /// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
 /// into the residual stream of `t` rows; its shrink is a dispatch of its own unless the mixer
 /// wrote it split by head (`split`, one token: [`head_split`]). With `next` it also writes the
-/// MLP's input shrink ([`residual_split`]).
+/// MLP's input shrink and prenormed input ([`residual_out`]).
 pub(crate) fn mixer_out(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -450,7 +500,7 @@ pub(crate) fn mixer_out(
     (w, proj): (&GpuWeight, Proj),
     lora: Option<LayerLora>,
     t: usize,
-    (split, next): (Option<Shrunk>, Option<ShrinkOut>),
+    (split, next): (Option<Shrunk>, NextWrites),
 ) -> Result<(), GpuError> {
     let out = LinearIo { accumulate: true, ..lin(&sc.mid_b, &sc.hidden, t, c.hidden_size) };
     let mid = Src::plain(&sc.mid_b);
@@ -458,20 +508,20 @@ pub(crate) fn mixer_out(
         Some(s) => Some(s),
         None => shrink(rec, lora, InputGroup::MixerOut, mid, t)?,
     };
-    let src = Src { fuse: Fuse { shrink_out: next, ..Fuse::NONE }, ..mid };
+    let src = Src { fuse: Fuse { shrink_out: next.shrink_out, norm_out: next.norm_out, ..Fuse::NONE }, ..mid };
     project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, src, &s)
 }
 
 /// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
 /// the weight is in one binding). With `next` down_proj also writes the next layer's input
-/// shrink ([`residual_split`]).
+/// shrink and prenormed input ([`residual_out`]).
 pub(crate) fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &Mlp,
     (src, s): (Src, Option<Shrunk>),
-    (lora, next): (Option<LayerLora>, Option<ShrinkOut>),
+    (lora, next): (Option<LayerLora>, NextWrites),
     t: usize,
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
@@ -482,10 +532,10 @@ pub(crate) fn mlp_block(
         split = split_out(rec.ctx(), lora, (InputGroup::MlpOut, None), (2 * i, true), &sc.mlp_g);
         let shrink_out = split.as_ref().map(|(out, _)| *out);
         let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
-        project(rec, c, part(0..2), &lin(src.x, &sc.mlp_g, t, i), glu, &s)?;
+        project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
     } else {
-        project(rec, c, part(0..1), &lin(src.x, &sc.mlp_g, t, i), src, &s)?;
-        project(rec, c, part(1..2), &lin(src.x, &sc.mlp_u, t, i), src, &s)?;
+        project(rec, c, part(0..1), &src.io(&sc.mlp_g, t, i), src, &s)?;
+        project(rec, c, part(1..2), &src.io(&sc.mlp_u, t, i), src, &s)?;
         swiglu(rec, &sc.mlp_g, &sc.mlp_u, t * i)?;
     }
     let act = Src::plain(&sc.mlp_g);
@@ -494,7 +544,7 @@ pub(crate) fn mlp_block(
         Some((_, shrunk)) => Some(shrunk),
         None => shrink(rec, lora, InputGroup::MlpOut, act, t)?,
     };
-    let src = Src { fuse: Fuse { shrink_out: next, ..Fuse::NONE }, ..act };
+    let src = Src { fuse: Fuse { shrink_out: next.shrink_out, norm_out: next.norm_out, ..Fuse::NONE }, ..act };
     project(rec, c, Parts { w: &w.down_proj, order: &[Proj::DownProj], parts: 0..1 }, &out, src, &s)
 }
 
@@ -521,7 +571,7 @@ pub(crate) fn lm_head(
     let c = &model.config;
     let io = LinearIo {
         x: src.x,
-        x_offset: r0 * c.hidden_size,
+        x_offset: src.offset + r0 * c.hidden_size,
         m: rows,
         y: logits,
         y_offset: 0,

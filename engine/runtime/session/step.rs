@@ -10,7 +10,8 @@ use crate::lora::InputGroup;
 use crate::model::Mixer;
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attention_block, block_input, gdn_block, lm_head, mlp_block, norm_rows, residual_split, LayerLora, Src,
+    attention_block, block_input, gdn_block, lm_head, mlp_block, norm_rows, residual_out, LayerLora, NextReads,
+    NextWrites, Src,
 };
 
 use super::{Logits, Session};
@@ -141,11 +142,16 @@ impl Session {
             let active = self.lora.bound.as_ref().zip(self.lora.t.as_ref());
             let layer_lora = |i: usize| active.map(|(bound, (t, _))| LayerLora { bound, t, layer: i });
             // With the norms folded, each residual projection also writes the next block's input
-            // shrink (no shrink dispatch but layer 0's mixer input's).
-            let next_shrink = |i: usize, group, norm, w| {
-                fold.then(|| residual_split(ctx, layer_lora(i), (group, norm), w, &sc.hidden)).flatten()
+            // shrink (no shrink dispatch but layer 0's mixer input's) and its input through the
+            // block's norm weight (lm_head's too).
+            let next_writes = |i: usize, group, norm, w| {
+                if fold {
+                    residual_out(ctx, layer_lora(i), (group, norm), w, &sc.hidden)
+                } else {
+                    (NextWrites::default(), NextReads::default())
+                }
             };
-            let mut written = None;
+            let mut written = NextReads::default();
             for (i, layer) in model.layers.iter().enumerate() {
                 let lora = layer_lora(i);
                 let mixer_in = block_input(
@@ -155,14 +161,14 @@ impl Session {
                     &layer.input_norm,
                     fold,
                     lora,
-                    (InputGroup::MixerIn, written.take()),
+                    (InputGroup::MixerIn, std::mem::take(&mut written)),
                     t,
                 )?;
                 let mixer_w = match &layer.mixer {
                     Mixer::Gdn(w) => &w.out_proj,
                     Mixer::Attention(w) => &w.o_proj,
                 };
-                let (to_mlp, mlp_shrunk) = next_shrink(i, InputGroup::MlpIn, &layer.post_norm, mixer_w).unzip();
+                let (to_mlp, mlp_reads) = next_writes(i, Some(InputGroup::MlpIn), &layer.post_norm, mixer_w);
                 if let Capture::Learn { layer, taps, .. } = capture {
                     if layer == i {
                         rec.copy(&sc.xnorm, 0, taps.mixer_in, 0, t as u64 * row);
@@ -212,18 +218,19 @@ impl Session {
                     }
                 }
                 let mlp_in =
-                    block_input(&mut rec, c, sc, &layer.post_norm, fold, lora, (InputGroup::MlpIn, mlp_shrunk), t)?;
-                let next = model
-                    .layers
-                    .get(i + 1)
-                    .and_then(|n| next_shrink(i + 1, InputGroup::MixerIn, &n.input_norm, &layer.mlp.down_proj));
+                    block_input(&mut rec, c, sc, &layer.post_norm, fold, lora, (InputGroup::MlpIn, mlp_reads), t)?;
+                // The next layer's input, or lm_head's after the last.
+                let (group, next_norm) = match model.layers.get(i + 1) {
+                    Some(n) => (Some(InputGroup::MixerIn), &n.input_norm),
+                    None => (None, &model.norm),
+                };
                 let to_next;
-                (to_next, written) = next.unzip();
+                (to_next, written) = next_writes(i + 1, group, next_norm, &layer.mlp.down_proj);
                 mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, to_next), t)?;
                 capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
             }
             let head_src = if fold {
-                Src::normed(&sc.hidden, &model.norm.buffer, eps)
+                Src::normed(&sc.hidden, &model.norm.buffer, eps, written.input)
             } else {
                 rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
                 Src::plain(&sc.xnorm)
