@@ -294,7 +294,7 @@ fn profile(
 /// What one greedy decode token costs the engine, counted by the engine itself: dispatches,
 /// submits and bytes read back per token (a generation of `decode + 1` tokens minus one of 1),
 /// with the session's default fusion, and the dispatches with the norms and SwiGLU folded into
-/// the projections (the GPU default) and without (the CPU-adapter default).
+/// the projections (the default) and without.
 fn per_token_counts(ctx: &GpuContext, session: &mut Session, ids: &[u32], decode: usize) -> Result<serde_json::Value> {
     let counted = |session: &mut Session, tokens: usize| counted(ctx, session, ids, &greedy(tokens));
     let d = decode.max(1) as f64;

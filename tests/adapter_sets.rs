@@ -80,7 +80,7 @@ fn adapter_sets_match_peft_with_the_same_adapters_active() {
         let gen_want = r.ids(&format!("{case}.generated"));
         let params = GenerateParams { max_tokens: gen_want.len(), stop_at_eos: false, ..Default::default() };
         assert_eq!(b.generate_ids(&ids, &params).expect("generate"), gen_want, "{case}: greedy");
-        // Token by token with the norms folded (the GPU default: every block input's shrink but
+        // Token by token with the norms folded (the default: every block input's shrink but
         // layer 0's written by the residual projection before it, scaled by the set's tables).
         let s = b.session().expect("session");
         s.set_fused_decode(true);

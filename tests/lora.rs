@@ -141,7 +141,7 @@ fn prefill_with_adapter_equals_token_by_token_decode() {
     }
 }
 
-/// With the norms folded (the GPU default), an adapter on all 12 projections adds one dispatch to
+/// With the norms folded (the default), an adapter on all 12 projections adds one dispatch to
 /// a decode token: layer 0's mixer input shrink. Every other group's shrink is written by the
 /// dispatch before it (the mixers' split by head, the SwiGLU's and each residual projection's
 /// shrink out); a fallback to a shrink dispatch of its own fails this.

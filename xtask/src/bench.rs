@@ -367,7 +367,7 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
     md.push_str(&format!(
         ".\n\nGreedy decode, counted by the engine: {} dispatches per token ({} with the adapter) as measured here \
          (norms and SwiGLU folded into the projections: {}), {} submit(s) and {} bytes read back per token; with \
-         the fold (the GPU default) {} dispatches ({} with the adapter), without it (the CPU-adapter default) {} ({}).\n\n",
+         the fold (the default) {} dispatches ({} with the adapter), without it {} ({}).\n\n",
         engine["dispatches_per_token"],
         a["dispatches_per_token"],
         engine["fused_decode"],

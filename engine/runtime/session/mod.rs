@@ -300,7 +300,7 @@ impl Session {
             logits_staging,
             sample,
             profile: None,
-            fused: !ctx.is_cpu(),
+            fused: true,
             run_ahead: !ctx.is_cpu(),
         };
         s.reset();
@@ -504,11 +504,12 @@ impl Session {
     }
 
     /// Whether single-token steps fold each block's RMSNorm and the MLP's SwiGLU into the
-    /// projections that read them (73 fewer dispatches per token at the 0.8B dimensions). The
-    /// default is on for GPUs, where a dispatch costs more than re-reading the 4 KiB norm
-    /// weight in every workgroup, and off for CPU adapters (lavapipe), where every extra load
-    /// costs instructions and the fold makes decode about 20 % slower (`bench --fusion-ab`;
-    /// ARCHITECTURE.md, "Decode").
+    /// projections that read them (49 fewer dispatches per greedy token at the 0.8B dimensions).
+    /// On by default on every adapter: the residual projection before each block writes the
+    /// block's input already through the norm weight, with its sums of squares, so the folded
+    /// projections load no more than plain ones (on lavapipe, where every extra load costs
+    /// instructions, `bench --fusion-ab` measures fused / unfused 1.00; ARCHITECTURE.md,
+    /// "Decode"). Off runs the norms and SwiGLU as dispatches of their own.
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused = on;
     }
