@@ -144,7 +144,8 @@ fn prefill_with_adapter_equals_token_by_token_decode() {
 /// With the norms folded (the default), an adapter on all 12 projections adds one dispatch to
 /// a decode token: layer 0's mixer input shrink. Every other group's shrink is written by the
 /// dispatch before it (the mixers' split by head, the SwiGLU's and each residual projection's
-/// shrink out); a fallback to a shrink dispatch of its own fails this.
+/// shrink out); a fallback to a shrink dispatch of its own fails this, also in a session that
+/// steps one token at a time (`max_batch` 1: its scratch still has room for those parts).
 #[test]
 fn a_fused_decode_token_with_an_adapter_takes_one_shrink_dispatch() {
     let Some(ctx) = gpu().map(|_| Arc::new(qwen35_wgpu::GpuContext::new().expect("context"))) else {
@@ -154,19 +155,25 @@ fn a_fused_decode_token_with_an_adapter_takes_one_shrink_dispatch() {
     let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
     let ids = Reference::load("adapters").ids("all12_r8.ids");
     let a = Arc::new(LoraAdapter::load(&model, &adapter_path("all12_r8")).expect("a"));
-    let mut s = Session::new(model.clone(), opts()).expect("session");
-    s.set_fused_decode(true);
-    let token = |s: &mut Session| {
-        s.reset();
-        s.feed_all(&ids[..3]).expect("prefill");
-        let before = model.ctx.counters();
-        s.feed(&ids[3..4]).expect("decode");
-        (model.ctx.counters() - before).dispatches
-    };
-    let base = token(&mut s);
-    s.set_adapter(Some((a, 1.0))).expect("set");
-    let with = token(&mut s);
-    assert_eq!(with, base + 1, "dispatches of a fused decode token: {base} without the adapter, {with} with it");
+    for max_batch in [opts().max_batch, 1] {
+        let mut s = Session::new(model.clone(), SessionOptions { max_batch, ..opts() }).expect("session");
+        s.set_fused_decode(true);
+        let token = |s: &mut Session| {
+            s.reset();
+            s.feed_all(&ids[..3]).expect("prefill");
+            let before = model.ctx.counters();
+            s.feed(&ids[3..4]).expect("decode");
+            (model.ctx.counters() - before).dispatches
+        };
+        let base = token(&mut s);
+        s.set_adapter(Some((a.clone(), 1.0))).expect("set");
+        let with = token(&mut s);
+        assert_eq!(
+            with,
+            base + 1,
+            "max_batch {max_batch}: dispatches of a fused decode token: {base} without the adapter, {with} with it"
+        );
+    }
 }
 
 /// A backend that keeps the trait's adapter defaults and "generates" fixed token ids (with the

@@ -4,6 +4,7 @@
 use crate::error::{GpuError, RunError};
 use crate::gpu::GpuContext;
 use crate::kernels::attention::ATTN_MAX_SPLITS;
+use crate::kernels::matmul::{shrink_out_parts, SPLIT_SHRINK_MAX_RANK};
 use crate::model::{LayerType, TextConfig};
 use crate::runtime::session::MAX_CONTEXT;
 
@@ -29,7 +30,8 @@ pub enum LayerState {
 
 /// Scratch activations for up to `rows` tokens per step (shapes in elements, f32).
 pub struct Scratch {
-    /// `[rows, H]` residual stream.
+    /// `[rows, H]` residual stream; at least room after one row for what a single-token residual
+    /// projection writes for the next block (`forward::residual_out`).
     pub hidden: wgpu::Buffer,
     /// `[rows, H]` normalised input of a block.
     pub xnorm: wgpu::Buffer,
@@ -39,7 +41,8 @@ pub struct Scratch {
     pub wide_b: wgpu::Buffer,
     /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys.
     pub mid_a: wgpu::Buffer,
-    /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output.
+    /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output; at least room
+    /// after one row for its shrink split by head (`forward::head_split`).
     pub mid_b: wgpu::Buffer,
     /// `[rows, Hkv·hd]` attention values.
     pub mid_c: wgpu::Buffer,
@@ -47,7 +50,8 @@ pub struct Scratch {
     pub beta: wgpu::Buffer,
     /// `[rows, Hv]` GDN decay logits.
     pub decay: wgpu::Buffer,
-    /// `[rows, I]` MLP gate (then the SwiGLU product).
+    /// `[rows, I]` MLP gate (then the SwiGLU product); at least room after one row for down_proj's
+    /// shrink split by workgroup.
     pub mlp_g: wgpu::Buffer,
     /// `[rows, I]` MLP up.
     pub mlp_u: wgpu::Buffer,
@@ -71,26 +75,45 @@ fn attn_part_floats(c: &TextConfig) -> u64 {
     c.num_heads as u64 * u64::from(ATTN_MAX_SPLITS) * (c.head_dim as u64 + 2)
 }
 
+/// Floats after one row of `width` (rounded up to 4) for `parts` parts of the largest split
+/// shrink (`SPLIT_SHRINK_MAX_RANK` columns each): what a single-token step writes after a row for
+/// the projections that read it, so that those writes never fall back to dispatches of their own
+/// for want of room when a session steps few tokens at a time (`max_batch`).
+fn one_row_with_parts(width: usize, parts: usize) -> u64 {
+    width.next_multiple_of(4) as u64 + parts as u64 * SPLIT_SHRINK_MAX_RANK as u64
+}
+
 impl Scratch {
     /// Allocate scratch for `rows` tokens, with `mixer_rows` rows of single-token mixer input
     /// (1 for a session, a batch's sessions for a batch).
     pub fn new(ctx: &GpuContext, c: &TextConfig, rows: usize, mixer_rows: usize) -> Result<Self, GpuError> {
         // u64 products: the session bounds rows and the config every width, so none overflows.
-        let f = |name: &str, width: usize| ctx.storage_buffer(name, rows as u64 * width as u64 * 4, true);
+        let at_least = |name: &str, width: usize, floats: u64| {
+            ctx.storage_buffer(name, (rows as u64 * width as u64).max(floats) * 4, true)
+        };
+        let f = |name: &str, width: usize| at_least(name, width, 0);
         let q_out = 2 * c.num_heads * c.head_dim;
         let attn = c.num_heads * c.head_dim;
         let kv = c.num_kv_heads * c.head_dim;
+        let (h, i) = (c.hidden_size, c.intermediate_size);
+        // After the residual row: the next block's input shrink, then the row through its norm
+        // weight and one sum of squares per workgroup.
+        let residual_parts = shrink_out_parts(ctx, h, false);
+        let hidden = one_row_with_parts(h, residual_parts) + h.next_multiple_of(4) as u64 + residual_parts as u64;
+        let mixer_out =
+            one_row_with_parts(c.value_dim(), c.linear_value_heads).max(one_row_with_parts(attn, c.num_heads));
+        let swiglu = one_row_with_parts(i, shrink_out_parts(ctx, 2 * i, true));
         Ok(Self {
-            hidden: f("hidden", c.hidden_size)?,
+            hidden: at_least("hidden", h, hidden)?,
             xnorm: f("xnorm", c.hidden_size)?,
             wide_a: f("wide_a", c.conv_dim().max(q_out))?,
             wide_b: f("wide_b", c.conv_dim().max(attn))?,
             mid_a: f("mid_a", c.value_dim().max(kv))?,
-            mid_b: f("mid_b", c.value_dim().max(kv).max(attn))?,
+            mid_b: at_least("mid_b", c.value_dim().max(kv).max(attn), mixer_out)?,
             mid_c: f("mid_c", kv)?,
             beta: f("beta", c.linear_value_heads)?,
             decay: f("decay", c.linear_value_heads)?,
-            mlp_g: f("mlp_g", c.intermediate_size)?,
+            mlp_g: at_least("mlp_g", i, swiglu)?,
             mlp_u: f("mlp_u", c.intermediate_size)?,
             mixer_in: ctx.storage_buffer("mixer_in", mixer_rows as u64 * mixer_width(c) as u64 * 4, true)?,
             attn_part: ctx.storage_buffer("attn_part", attn_part_floats(c) * 4, true)?,
