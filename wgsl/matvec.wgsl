@@ -48,7 +48,7 @@ const TM: u32 = 8u;
 @group(0) @binding(5) var<storage, read> out_a: array<f32>;      // shrink out: A (x when unused)
 
 var<workgroup> red: array<f32, 512>; // [rows of the workgroup][LANES] = TM * WG floats
-var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2
+var<workgroup> ssq: array<f32, 64>;  // NORM: [row group][LANES] partial sums of x^2 (or of a prenormed x's parts)
 var<workgroup> tsum: array<vec4<f32>, 64>; // staged t (stage_t; at most 4 * TSUM_VECS columns)
 var<workgroup> outs: array<f32, 64>; // shrink out: the workgroup's outputs as stored (times 1 + aux with out_norm)
 var<workgroup> outs_sq: array<f32, 64>; // norm out: the squares of the workgroup's outputs
