@@ -425,17 +425,18 @@ fn store(s: Slot, li: u32, v: vec2<f32>) {
         h += y[idx];
     }
     y[idx] = h;
+    // The output through the next norm's weight (a norm out, or a shrink out with out_norm).
+    let e = s.row0 + li;
+    var hw = h;
+    if (p.xw_at > 0u || p.out_norm != 0u) {
+        hw = h * (1.0 + aux[e >> 2u][e & 3u]);
+    }
     if (p.xw_at > 0u) {
-        let e = s.row0 + li;
-        y[p.xw_at + e] = h * (1.0 + aux[e >> 2u][e & 3u]);
+        y[p.xw_at + e] = hw;
         outs_sq[li] = h * h;
     }
     if (p.out_rank > 0u) {
-        if (p.out_norm != 0u) {
-            let e = s.row0 + li;
-            h *= 1.0 + aux[e >> 2u][e & 3u];
-        }
-        outs[li] = h;
+        outs[li] = select(h, hw, p.out_norm != 0u);
     }
 }
 

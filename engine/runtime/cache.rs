@@ -6,6 +6,7 @@ use crate::gpu::GpuContext;
 use crate::kernels::attention::ATTN_MAX_SPLITS;
 use crate::kernels::matmul::{shrink_out_parts, SPLIT_SHRINK_MAX_RANK};
 use crate::model::{LayerType, TextConfig};
+use crate::runtime::forward::{norm_out_layout, parts_end};
 use crate::runtime::session::MAX_CONTEXT;
 
 /// The state one layer carries between steps.
@@ -75,14 +76,6 @@ fn attn_part_floats(c: &TextConfig) -> u64 {
     c.num_heads as u64 * u64::from(ATTN_MAX_SPLITS) * (c.head_dim as u64 + 2)
 }
 
-/// Floats after one row of `width` (rounded up to 4) for `parts` parts of the largest split
-/// shrink (`SPLIT_SHRINK_MAX_RANK` columns each): what a single-token step writes after a row for
-/// the projections that read it, so that those writes never fall back to dispatches of their own
-/// for want of room when a session steps few tokens at a time (`max_batch`).
-fn one_row_with_parts(width: usize, parts: usize) -> u64 {
-    width.next_multiple_of(4) as u64 + parts as u64 * SPLIT_SHRINK_MAX_RANK as u64
-}
-
 impl Scratch {
     /// Allocate scratch for `rows` tokens, with `mixer_rows` rows of single-token mixer input
     /// (1 for a session, a batch's sessions for a batch).
@@ -96,13 +89,16 @@ impl Scratch {
         let attn = c.num_heads * c.head_dim;
         let kv = c.num_kv_heads * c.head_dim;
         let (h, i) = (c.hidden_size, c.intermediate_size);
-        // After the residual row: the next block's input shrink, then the row through its norm
-        // weight and one sum of squares per workgroup.
-        let residual_parts = shrink_out_parts(ctx, h, false);
-        let hidden = one_row_with_parts(h, residual_parts) + h.next_multiple_of(4) as u64 + residual_parts as u64;
+        // Room after one row for what a single-token step writes there for the projections that
+        // read it, at the largest split-shrink rank, so those writes never fall back to dispatches
+        // of their own when a session steps few tokens at a time (`max_batch`): after the
+        // residual row the next block's input shrink and the norm out, after the mixer output its
+        // head split, after the SwiGLU product down_proj's shrink.
+        let most = SPLIT_SHRINK_MAX_RANK;
+        let hidden = norm_out_layout(h, shrink_out_parts(ctx, h, false), most).2 as u64;
         let mixer_out =
-            one_row_with_parts(c.value_dim(), c.linear_value_heads).max(one_row_with_parts(attn, c.num_heads));
-        let swiglu = one_row_with_parts(i, shrink_out_parts(ctx, 2 * i, true));
+            parts_end(c.value_dim(), c.linear_value_heads, most).max(parts_end(attn, c.num_heads, most)) as u64;
+        let swiglu = parts_end(i, shrink_out_parts(ctx, 2 * i, true), most) as u64;
         Ok(Self {
             hidden: at_least("hidden", h, hidden)?,
             xnorm: f("xnorm", c.hidden_size)?,

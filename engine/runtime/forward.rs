@@ -86,15 +86,30 @@ pub(crate) fn head_split<'a>(
 ) -> Option<HeadSplit<'a>> {
     let l = lora?;
     let (g, chunk) = l.f32_a(InputGroup::MixerOut, row)?;
-    let rank_pad = g.rank_total.next_multiple_of(4);
     let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
         && row.is_multiple_of(4)
         && (row / heads).is_multiple_of(4)
-        && ((row + heads * rank_pad) * 4) as u64 <= out.size();
+        && (parts_end(row, heads, g.rank_total) * 4) as u64 <= out.size();
     fits.then_some(HeadSplit {
         shrink: HeadShrink { a: &chunk.bind_group, rank: g.rank_total },
         shrunk: Shrunk { lora: l, group: g, parts: Some(SplitShrink { count: heads, at: row }) },
     })
+}
+
+/// The element after `parts` parts of a rank-`rank` split shrink written after a row of `row`
+/// elements: the parts start at the row rounded up to 4, each rank rounded up to 4 (what the
+/// mixers' head split and a shrink out write; `Scratch` keeps room for the largest).
+pub(crate) fn parts_end(row: usize, parts: usize, rank: usize) -> usize {
+    row.next_multiple_of(4) + parts * rank.next_multiple_of(4)
+}
+
+/// Where a single-token residual projection over `n` outputs in `parts` workgroups puts its
+/// norm out after its row and a rank-`rank` shrink out (rank 0: none): the prenormed row, the
+/// sums of squares, and the end.
+pub(crate) fn norm_out_layout(n: usize, parts: usize, rank: usize) -> (usize, usize, usize) {
+    let at = parts_end(n, parts, rank);
+    let ssq_at = at + n.next_multiple_of(4);
+    (at, ssq_at, ssq_at + parts)
 }
 
 /// What a single-token residual projection (o_proj, out_proj, down_proj) writes besides its
@@ -136,9 +151,8 @@ pub(crate) fn residual_out<'a>(
     let n = w.rows;
     let split = group.and_then(|g| split_out(ctx, lora, (g, Some(norm)), (n, false), hidden));
     let parts = shrink_out_parts(ctx, n, false);
-    let at = split.as_ref().map_or(n, |(s, _)| s.at + parts * s.rank.next_multiple_of(4)).next_multiple_of(4);
-    let ssq_at = at + n.next_multiple_of(4);
-    let fits = ((ssq_at + parts) * 4) as u64 <= hidden.size();
+    let (at, ssq_at, end) = norm_out_layout(n, parts, split.as_ref().map_or(0, |(s, _)| s.rank));
+    let fits = (end * 4) as u64 <= hidden.size();
     let norm_out = fits.then_some(NormOut { weight: &norm.buffer, at, ssq_at });
     let (shrink_out, shrunk) = split.unzip();
     let input = fits.then_some((at, SplitShrink { count: parts, at: ssq_at }));
@@ -163,8 +177,7 @@ fn split_out<'a>(
     let (g, chunk) = l.f32_a(group, n)?;
     let count = shrink_out_parts(ctx, rows, glu);
     let at = n.next_multiple_of(4);
-    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
-        && ((at + count * g.rank_total.next_multiple_of(4)) * 4) as u64 <= out.size();
+    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK && (parts_end(n, count, g.rank_total) * 4) as u64 <= out.size();
     let shrunk = Shrunk { lora: l, group: g, parts: Some(SplitShrink { count, at }) };
     let write = ShrinkOut { a: &chunk.buffer, rank: g.rank_total, at, norm: norm.map(|v| &v.buffer) };
     fits.then_some((write, shrunk))
