@@ -8,12 +8,15 @@
 // value loaded serves 8 rows (TOK * 8 loads of x per 64 weights). Registers: 2 * TOK vec4
 // accumulators and the 8 rows' words. Partial sums are reduced through workgroup memory in two
 // halves of 4 rows (8 KB at TOK 8, as for 4 rows per invocation; a barrier after each half is
-// staged and after it is summed); the storing invocations add the LoRA expand of their
-// (row, token).
+// staged and after it is summed). The LoRA expand goes into the partials before the reduction:
+// each lane takes every LANES-th rank column, one B element per row and one t value per token.
+// Every accumulator index is a constant (the tokens are spelled out, not looped over): a
+// dynamically indexed private array would leave registers for memory or select ladders on
+// compilers that do not unroll the loop (Mesa's NIR among them).
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
-// m <= TOK (token rows past m are skipped: not loaded, computed or stored). Parameters, bindings and the
-// helpers: linear.wgsl.
+// m <= TOK (token rows past m are skipped: not loaded, computed or stored), at most one LoRA
+// segment (segment 0). Parameters, bindings and the helpers: linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
@@ -27,7 +30,7 @@ const_assert ACC == 2u * MAX_TOK && TR == 8u;
 // One half of the partials: [4 rows of each row group][TOK][LANES] = 4 * WG * TOK floats.
 var<workgroup> red: array<f32, 2048>;
 
-// The t values linear.wgsl's lora_row reads: straight from t's buffer (no split shrink here).
+// The t values linear.wgsl's lora_row reads (this shader adds its expand with add_expand).
 fn t_vec(i: u32) -> vec4<f32> {
     return t[i];
 }
@@ -60,8 +63,27 @@ fn weights8(rv: u32, j: u32) -> array<vec4<f32>, 2> {
     return even_odd(w[rv + j]);
 }
 
+// The dot products of the 8 rows' weights at step j (`wv`, as weights8 gives them) with token
+// row tk's 8 x values: rows 0-3, rows 4-7.
+fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>) -> array<vec4<f32>, 2> {
+    let x4 = (p.x_offset + tk * p.x_stride) >> 2u;
+    let xa = x[x4 + 2u * j];
+    let xb = x[x4 + 2u * j + 1u];
+    var xe = xa;
+    var xo = xb;
+    if (W_DTYPE != 0u) {
+        xe = vec4<f32>(xa.x, xa.z, xb.x, xb.z);
+        xo = vec4<f32>(xa.y, xa.w, xb.y, xb.w);
+    }
+    return array<vec4<f32>, 2>(
+        vec4<f32>(dot(wv[0][0], xe) + dot(wv[0][1], xo), dot(wv[1][0], xe) + dot(wv[1][1], xo),
+            dot(wv[2][0], xe) + dot(wv[2][1], xo), dot(wv[3][0], xe) + dot(wv[3][1], xo)),
+        vec4<f32>(dot(wv[4][0], xe) + dot(wv[4][1], xo), dot(wv[5][0], xe) + dot(wv[5][1], xo),
+            dot(wv[6][0], xe) + dot(wv[6][1], xo), dot(wv[7][0], xe) + dot(wv[7][1], xo)));
+}
+
 // Partial sums of this invocation's 8 rows for each token: acc[2 * token] = rows 0-3,
-// acc[2 * token + 1] = rows 4-7.
+// acc[2 * token + 1] = rows 4-7 (token rows past m and TOK skipped).
 fn partials(s: Slot) -> array<vec4<f32>, ACC> {
     var acc: array<vec4<f32>, ACC>;
     let first = s.row0 + s.group * TR;
@@ -73,42 +95,133 @@ fn partials(s: Slot) -> array<vec4<f32>, ACC> {
         r[i] = (p.w_row0 + min(first + i, last)) * row_vecs;
     }
     for (var j = s.lane; j < groups; j += LANES) {
-        let w0 = weights8(r[0], j);
-        let w1 = weights8(r[1], j);
-        let w2 = weights8(r[2], j);
-        let w3 = weights8(r[3], j);
-        let w4 = weights8(r[4], j);
-        let w5 = weights8(r[5], j);
-        let w6 = weights8(r[6], j);
-        let w7 = weights8(r[7], j);
-        for (var tk = 0u; tk < TOK; tk++) {
-            if (tk >= p.m) {
-                break;
-            }
-            let x4 = (p.x_offset + tk * p.x_stride) >> 2u;
-            let xa = x[x4 + 2u * j];
-            let xb = x[x4 + 2u * j + 1u];
-            var xe = xa;
-            var xo = xb;
-            if (W_DTYPE != 0u) {
-                xe = vec4<f32>(xa.x, xa.z, xb.x, xb.z);
-                xo = vec4<f32>(xa.y, xa.w, xb.y, xb.w);
-            }
-            acc[2u * tk] += vec4<f32>(dot(w0[0], xe) + dot(w0[1], xo), dot(w1[0], xe) + dot(w1[1], xo),
-                dot(w2[0], xe) + dot(w2[1], xo), dot(w3[0], xe) + dot(w3[1], xo));
-            acc[2u * tk + 1u] += vec4<f32>(dot(w4[0], xe) + dot(w4[1], xo), dot(w5[0], xe) + dot(w5[1], xo),
-                dot(w6[0], xe) + dot(w6[1], xo), dot(w7[0], xe) + dot(w7[1], xo));
+        let wv = array<array<vec4<f32>, 2>, TR>(weights8(r[0], j), weights8(r[1], j), weights8(r[2], j),
+            weights8(r[3], j), weights8(r[4], j), weights8(r[5], j), weights8(r[6], j), weights8(r[7], j));
+        var d = token_dots(0u, j, wv);
+        acc[0] += d[0];
+        acc[1] += d[1];
+        if (p.m > 1u) {
+            d = token_dots(1u, j, wv);
+            acc[2] += d[0];
+            acc[3] += d[1];
+        }
+        if (TOK > 2u && p.m > 2u) {
+            d = token_dots(2u, j, wv);
+            acc[4] += d[0];
+            acc[5] += d[1];
+        }
+        if (TOK > 2u && p.m > 3u) {
+            d = token_dots(3u, j, wv);
+            acc[6] += d[0];
+            acc[7] += d[1];
+        }
+        if (TOK > 4u && p.m > 4u) {
+            d = token_dots(4u, j, wv);
+            acc[8] += d[0];
+            acc[9] += d[1];
+        }
+        if (TOK > 4u && p.m > 5u) {
+            d = token_dots(5u, j, wv);
+            acc[10] += d[0];
+            acc[11] += d[1];
+        }
+        if (TOK > 4u && p.m > 6u) {
+            d = token_dots(6u, j, wv);
+            acc[12] += d[0];
+            acc[13] += d[1];
+        }
+        if (TOK > 4u && p.m > 7u) {
+            d = token_dots(7u, j, wv);
+            acc[14] += d[0];
+            acc[15] += d[1];
         }
     }
     return acc;
 }
 
-// Half h (rows 4h to 4h + 3 of every row group) of the partials into workgroup memory, then one
-// barrier.
-fn stage(s: Slot, acc: array<vec4<f32>, ACC>, h: u32) {
+// Token row tk's t value of rank column c (segment 0), times its scale-table factor.
+fn t_at(tk: u32, c: u32) -> f32 {
+    let col = p.seg_t.x + c;
+    var v = t_elem(tk * p.lora_t_stride + col);
+    if (p.lora_sc != NO_TABLE) {
+        v *= t_elem(p.lora_sc + tk * p.lora_sc_stride + col);
+    }
+    return v;
+}
+
+// Adds s * t . B[row] of this invocation's 8 rows for every token into its partials, before the
+// reduction: lane l takes rank columns l, l + LANES, ..., loading per column one B element of
+// each row and one t value of each token (a multi-token dispatch has one LoRA segment, segment 0;
+// the host checks). Rows past n are clamped as their weights are (never stored).
+fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>) {
+    let rank = p.seg_rank.x;
+    let first = p.lora_row0 + s.row0 + s.group * TR;
+    let last = p.lora_row0 + p.n - 1u;
+    let b0 = p.seg_b.x + min(first, last) * rank;
+    let b1 = p.seg_b.x + min(first + 1u, last) * rank;
+    let b2 = p.seg_b.x + min(first + 2u, last) * rank;
+    let b3 = p.seg_b.x + min(first + 3u, last) * rank;
+    let b4 = p.seg_b.x + min(first + 4u, last) * rank;
+    let b5 = p.seg_b.x + min(first + 5u, last) * rank;
+    let b6 = p.seg_b.x + min(first + 6u, last) * rank;
+    let b7 = p.seg_b.x + min(first + 7u, last) * rank;
+    for (var c = s.lane; c < rank; c += LANES) {
+        let lo = p.seg_scale.x * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
+        let hi = p.seg_scale.x * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
+        var v = t_at(0u, c);
+        (*acc)[0] += lo * v;
+        (*acc)[1] += hi * v;
+        if (p.m > 1u) {
+            v = t_at(1u, c);
+            (*acc)[2] += lo * v;
+            (*acc)[3] += hi * v;
+        }
+        if (TOK > 2u && p.m > 2u) {
+            v = t_at(2u, c);
+            (*acc)[4] += lo * v;
+            (*acc)[5] += hi * v;
+        }
+        if (TOK > 2u && p.m > 3u) {
+            v = t_at(3u, c);
+            (*acc)[6] += lo * v;
+            (*acc)[7] += hi * v;
+        }
+        if (TOK > 4u && p.m > 4u) {
+            v = t_at(4u, c);
+            (*acc)[8] += lo * v;
+            (*acc)[9] += hi * v;
+        }
+        if (TOK > 4u && p.m > 5u) {
+            v = t_at(5u, c);
+            (*acc)[10] += lo * v;
+            (*acc)[11] += hi * v;
+        }
+        if (TOK > 4u && p.m > 6u) {
+            v = t_at(6u, c);
+            (*acc)[12] += lo * v;
+            (*acc)[13] += hi * v;
+        }
+        if (TOK > 4u && p.m > 7u) {
+            v = t_at(7u, c);
+            (*acc)[14] += lo * v;
+            (*acc)[15] += hi * v;
+        }
+    }
+}
+
+// Half h of the partials (rows 4h to 4h + 3 of every token), picked with constant indices.
+fn half(acc: array<vec4<f32>, ACC>, h: u32) -> array<vec4<f32>, MAX_TOK> {
+    let hi = h == 1u;
+    return array<vec4<f32>, MAX_TOK>(select(acc[0], acc[1], hi), select(acc[2], acc[3], hi),
+        select(acc[4], acc[5], hi), select(acc[6], acc[7], hi), select(acc[8], acc[9], hi),
+        select(acc[10], acc[11], hi), select(acc[12], acc[13], hi), select(acc[14], acc[15], hi));
+}
+
+// A half of the partials (`half`) into workgroup memory, then one barrier.
+fn stage(s: Slot, part: array<vec4<f32>, MAX_TOK>) {
     for (var tk = 0u; tk < TOK; tk++) {
         let base = ((s.group * 4u) * TOK + tk) * LANES + s.lane;
-        let a = acc[2u * tk + h];
+        let a = part[tk];
         red[base] = a.x;
         red[base + TOK * LANES] = a.y;
         red[base + 2u * TOK * LANES] = a.z;
@@ -159,7 +272,7 @@ fn matvec_batch(
     let s = slot(wg, nwg, li);
     let acc = partials(s);
     for (var h = 0u; h < 2u; h++) {
-        stage(s, acc, h);
+        stage(s, half(acc, h));
         for (var o = li; o < outputs(); o += WG) {
             let row = out_row(o, h);
             if (inside(s, row, o)) {
@@ -177,13 +290,14 @@ fn matvec_batch_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    let acc = partials(s);
+    var acc = partials(s);
+    add_expand(s, &acc);
     for (var h = 0u; h < 2u; h++) {
-        stage(s, acc, h);
+        stage(s, half(acc, h));
         for (var o = li; o < outputs(); o += WG) {
             let row = out_row(o, h);
             if (inside(s, row, o)) {
-                store(s, row, o, lane_sum(o) + lora_row(s.row0 + row, o % TOK));
+                store(s, row, o, lane_sum(o));
             }
         }
         workgroupBarrier();
