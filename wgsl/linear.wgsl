@@ -1,6 +1,7 @@
 // What every nn.Linear kernel shares (prepended to matmul.wgsl, matvec.wgsl and
 // matvec_batch.wgsl by the loader, after weights.wgsl): the parameters, the bindings and the
-// LoRA expand.
+// LoRA expand's layout (each kernel adds the expand its own way: matvec.wgsl's lora_row,
+// matvec_batch.wgsl's add_expand, matmul.wgsl's lora_tile).
 //
 // x: f32 activations [M, K] (row stride x_stride, starting x_offset).
 // w: one row-chunk of a weight in its checkpoint dtype (weights.wgsl), [N, K] row-major.
@@ -18,15 +19,13 @@
 //    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
 //    of t when lora_sc_stride > 0. The single-token matvec multiplies them in once per workgroup
-//    while staging t of at most 256 columns (t_scaled), not once per output row.
+//    while staging t of at most 256 columns (t_staged), not once per output row.
 // Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
 //    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
 //    output row, a shrink out per workgroup); the kernel sums them into workgroup memory in its
 //    prologue. With NORM the parts are of x * (1 + aux) before the norm's scale (a residual
-//    projection's shrink out) and the expand is multiplied by that scale. Each shader defines
-//    t_vec and t_one, the t values lora_row reads, and t_scaled, whether they already hold the
-//    scale table's factors.
+//    projection's shrink out) and the expand is multiplied by that scale.
 // Shrink out (matvec only): when out_rank > 0, the dispatch also writes the LoRA shrink of its
 //    output for the projections that read it next, split by workgroup: part w's column r at y
 //    element out_at + w * (out_rank rounded up to 4) + r, the sum over the workgroup's outputs o
@@ -114,45 +113,4 @@ fn dot8(row_vec: u32, j: u32, xe: vec4<f32>, xo: vec4<f32>) -> f32 {
     }
     let wv = even_odd(w[row_vec + j]);
     return dot(wv[0], xe) + dot(wv[1], xo);
-}
-
-// s * t . B[row] for row `row` of the dispatch and row m of t (added by the invocation that
-// stores the output), with the rank, t columns, B rows and scale of the segment the row falls
-// in, and the scale table's factors when there is one (matvec kernels).
-fn lora_row(row: u32, m: u32) -> f32 {
-    let g = p.lora_row0 + row;
-    let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
-    var start = 0u;
-    if (j > 0u) {
-        start = p.seg_end[j - 1u];
-    }
-    let rank = p.seg_rank[j];
-    let b0 = p.seg_b[j] + (g - start) * rank;
-    let t0 = m * p.lora_t_stride + p.seg_t[j];
-    let table = p.lora_sc != NO_TABLE && !t_scaled();
-    let s0 = select(0u, p.lora_sc + m * p.lora_sc_stride + p.seg_t[j], table);
-    var acc = 0.0;
-    if (((rank | b0 | t0 | s0) & 3u) == 0u) {
-        // B row, t columns and factors 16-byte aligned (rank a multiple of 4): one vec4 load of
-        // each per 4 rank columns.
-        let b4 = b0 >> 2u;
-        let t4 = t0 >> 2u;
-        let s4 = s0 >> 2u;
-        for (var c = 0u; c < rank / 4u; c++) {
-            var tv = t_vec(t4 + c);
-            if (table) {
-                tv *= t[s4 + c];
-            }
-            acc += dot(lora_b[b4 + c], tv);
-        }
-    } else {
-        for (var c = 0u; c < rank; c++) {
-            var tv = t_one(t0 + c);
-            if (table) {
-                tv *= t_elem(s0 + c);
-            }
-            acc = fma(b_elem(b0 + c), tv, acc);
-        }
-    }
-    return acc * p.seg_scale[j];
 }

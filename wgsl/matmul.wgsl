@@ -40,20 +40,6 @@ const BK: u32 = 16u;
 var<workgroup> xs: array<vec4<f32>, 512>; // [BK][TM / 4] (room for TM = 128): 4 tile rows per vec4
 var<workgroup> ws: array<vec4<f32>, 512>; // [BK][TN / 4] (room for TN = 128): 4 tile columns per vec4
 
-// The t values linear.wgsl's lora_row reads: straight from t's buffer (no split shrink here).
-fn t_vec(i: u32) -> vec4<f32> {
-    return t[i];
-}
-
-fn t_one(e: u32) -> f32 {
-    return t_elem(e);
-}
-
-// lora_row multiplies in the scale table itself.
-fn t_scaled() -> bool {
-    return false;
-}
-
 fn put_x(kk: u32, r: u32, v: f32) {
     xs[kk * (TM / 4u) + (r >> 2u)][r & 3u] = v;
 }

@@ -117,9 +117,45 @@ fn t_one(e: u32) -> f32 {
     return t_elem(e);
 }
 
-// Whether the staged t holds the scale table's factors.
-fn t_scaled() -> bool {
-    return t_staged();
+// s * t . B[row] for row `row` of the dispatch (added by the invocation that stores the
+// output), with the rank, t columns, B rows and scale of the segment the row falls in (the
+// segments: linear.wgsl), and the scale table's factors where staging has not multiplied them in.
+fn lora_row(row: u32) -> f32 {
+    let g = p.lora_row0 + row;
+    let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
+    var start = 0u;
+    if (j > 0u) {
+        start = p.seg_end[j - 1u];
+    }
+    let rank = p.seg_rank[j];
+    let b0 = p.seg_b[j] + (g - start) * rank;
+    let t0 = p.seg_t[j];
+    let table = p.lora_sc != NO_TABLE && !t_staged();
+    let s0 = select(0u, p.lora_sc + p.seg_t[j], table);
+    var acc = 0.0;
+    if (((rank | b0 | t0 | s0) & 3u) == 0u) {
+        // B row, t columns and factors 16-byte aligned (rank a multiple of 4): one vec4 load of
+        // each per 4 rank columns.
+        let b4 = b0 >> 2u;
+        let t4 = t0 >> 2u;
+        let s4 = s0 >> 2u;
+        for (var c = 0u; c < rank / 4u; c++) {
+            var tv = t_vec(t4 + c);
+            if (table) {
+                tv *= t[s4 + c];
+            }
+            acc += dot(lora_b[b4 + c], tv);
+        }
+    } else {
+        for (var c = 0u; c < rank; c++) {
+            var tv = t_one(t0 + c);
+            if (table) {
+                tv *= t_elem(s0 + c);
+            }
+            acc = fma(b_elem(b0 + c), tv, acc);
+        }
+    }
+    return acc * p.seg_scale[j];
 }
 
 // The factor of the expand given the norm's scale: with NORM, split-shrink parts are of the
@@ -506,9 +542,9 @@ fn matvec_lora(
         let o = s.row0 + li;
         let f = expand_scale(r.scale);
         var v = r.v;
-        v.x += f * lora_row(o, 0u);
+        v.x += f * lora_row(o);
         if (GLU) {
-            v.y += f * lora_row(p.n + o, 0u);
+            v.y += f * lora_row(p.n + o);
         }
         store(s, li, v);
     }

@@ -30,20 +30,6 @@ const_assert ACC == 2u * MAX_TOK && TR == 8u;
 // One half of the partials: [4 rows of each row group][TOK][LANES] = 4 * WG * TOK floats.
 var<workgroup> red: array<f32, 2048>;
 
-// The t values linear.wgsl's lora_row reads (this shader adds its expand with add_expand).
-fn t_vec(i: u32) -> vec4<f32> {
-    return t[i];
-}
-
-fn t_one(e: u32) -> f32 {
-    return t_elem(e);
-}
-
-// lora_row multiplies in the scale table itself.
-fn t_scaled() -> bool {
-    return false;
-}
-
 struct Slot {
     row0: u32,  // first row of the workgroup
     group: u32, // row group of this invocation

@@ -149,9 +149,9 @@ fn matvec_sg_lora(
         if (computes(s) && s.row0 + o < p.n) {
             var v = output_sg(sums, q);
             let f = expand_scale(sums.scale);
-            v.x += f * lora_row(s.row0 + o, 0u);
+            v.x += f * lora_row(s.row0 + o);
             if (GLU) {
-                v.y += f * lora_row(p.n + s.row0 + o, 0u);
+                v.y += f * lora_row(p.n + s.row0 + o);
             }
             store(s, o, v);
         }
