@@ -85,13 +85,14 @@ pub struct Counters {
     pub read_back: u64,
 }
 
+/// What happened between two readings, `later - earlier` (saturating: the other way round gives 0).
 impl std::ops::Sub for Counters {
     type Output = Counters;
     fn sub(self, o: Counters) -> Counters {
         Counters {
-            dispatches: self.dispatches - o.dispatches,
-            submits: self.submits - o.submits,
-            read_back: self.read_back - o.read_back,
+            dispatches: self.dispatches.saturating_sub(o.dispatches),
+            submits: self.submits.saturating_sub(o.submits),
+            read_back: self.read_back.saturating_sub(o.read_back),
         }
     }
 }

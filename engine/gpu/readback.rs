@@ -32,8 +32,11 @@ impl Staging {
     }
 
     /// Wait for submission `index` (not for anything submitted after it), then read the first
-    /// `bytes` of the buffer.
+    /// `bytes` of the buffer (at most [`Staging::size`]).
     pub fn read(&self, ctx: &GpuContext, index: wgpu::SubmissionIndex, bytes: u64) -> Result<Vec<u8>, GpuError> {
+        if bytes > self.size() {
+            return Err(GpuError::BufferTooLarge { name: "staging read".into(), needed: bytes, limit: self.size() });
+        }
         let slice = self.buffer.slice(..bytes);
         let (tx, rx) = std::sync::mpsc::channel();
         slice.map_async(wgpu::MapMode::Read, move |r| {
@@ -58,7 +61,7 @@ impl Staging {
         index: wgpu::SubmissionIndex,
         words: usize,
     ) -> Result<Vec<u32>, GpuError> {
-        let bytes = self.read(ctx, index, (words * 4) as u64)?;
+        let bytes = self.read(ctx, index, words.checked_mul(4).map_or(u64::MAX, |b| b as u64))?;
         Ok(bytes.chunks_exact(4).map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]])).collect())
     }
 }

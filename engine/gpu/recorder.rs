@@ -351,8 +351,9 @@ impl<'a> Recorder<'a> {
 }
 
 /// Split `n` workgroups into a 2-D grid within the per-dimension limit (kernels rebuild the
-/// linear index as `wg.y * num_workgroups.x + wg.x`).
+/// linear index as `wg.y * num_workgroups.x + wg.x`); a limit of 0 counts as 1.
 pub fn grid_1d(n: u32, max: u32) -> [u32; 3] {
+    let max = max.max(1);
     if n <= max {
         [n, 1, 1]
     } else {

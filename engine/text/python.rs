@@ -496,7 +496,7 @@ pub(crate) fn strftime(format: &str, unix_seconds: i64) -> Result<String, Error>
             '%' => "%".to_string(),
             other => return Err(invalid(format!("strftime_now: unsupported directive %{other}"))),
         };
-        out.push_str(&text);
+        push(&mut out, &text, "strftime_now")?;
     }
     Ok(out)
 }
@@ -538,5 +538,9 @@ mod tests {
             "2026-12-01 20:34:56 12/01/26 20:34 Tue Dec  1 20:34:56 2026 12/01/26 20:34:56 2 UTC +0000"
         );
         assert!(strftime("%Q", 0).is_err());
+        // Each %c writes 24 bytes: a format that would write past the text bound is refused.
+        let long = "%c".repeat(super::MAX_TEXT_BYTES / 24 + 1);
+        assert!(strftime(&long, 0).expect_err("past the bound").to_string().contains("strftime_now"));
+        assert_eq!(strftime(&"%c".repeat(4), 0).expect("fmt").len(), 96);
     }
 }
