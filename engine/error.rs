@@ -175,6 +175,17 @@ pub enum ModelError {
         /// The parser's message.
         message: String,
     },
+    /// The checkpoint holds more elements under the text prefix than its config describes
+    /// (checked from the header, before reading them).
+    #[error("the tensors under {prefix:?} hold {found} elements, more than the {limit} the config describes")]
+    TooManyElements {
+        /// The text prefix.
+        prefix: String,
+        /// [`crate::model::TextConfig::tensor_elements_bound`].
+        limit: u64,
+        /// The elements up to and including the first tensor past the bound.
+        found: u64,
+    },
     /// A required tensor is absent.
     #[error("missing tensor {name} (looked for {candidates:?})")]
     MissingTensor {
@@ -283,6 +294,9 @@ pub enum RunError {
         /// The sequence position (0-based) of the token whose logits were not finite.
         position: usize,
     },
+    /// A hand-built or edited [`crate::TextConfig`] outside the bounds the engine runs within.
+    #[error("the model's config: {0}")]
+    ModelConfig(Box<ModelError>),
     /// An adapter set that cannot be bound (a batched step stacks the rows' adapters).
     #[error(transparent)]
     Adapter(#[from] Box<AdapterError>),
@@ -303,6 +317,10 @@ pub enum AdapterError {
         /// The OS error.
         source: std::io::Error,
     },
+    /// The model's [`crate::TextConfig`] (hand-built or edited) is outside the bounds the engine
+    /// runs within.
+    #[error("the model's config: {0}")]
+    ModelConfig(Box<ModelError>),
     /// The path is not a PEFT adapter (directory or `.safetensors` file).
     #[error("{path} is not a PEFT LoRA adapter: {reason}")]
     NotPeft {

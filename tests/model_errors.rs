@@ -105,6 +105,29 @@ fn rope_theta_eps_and_rotary_factor_must_be_positive_and_finite() {
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
 
+/// TextConfig's fields are public: a config edited by hand past the bounds `from_json` checks is
+/// refused by the public functions that take one, typed and naming the field.
+#[test]
+fn hand_edited_configs_are_checked_where_they_are_used() {
+    let good = TextConfig::from_json(&base_config().to_string()).expect("config");
+    assert!(good.check().is_ok());
+    assert!(qwen35_wgpu::runtime::rope_table(&good, 4).is_ok());
+    let mut odd = good.clone();
+    odd.rotary_dim = odd.head_dim + 2;
+    let e = qwen35_wgpu::runtime::rope_table(&odd, 4).expect_err("rotary dim past head_dim");
+    let qwen35_wgpu::RunError::ModelConfig(inner) = &e else { panic!("expected ModelConfig, got {e}") };
+    assert_eq!(bad_config(inner).0, "partial_rotary_factor", "{e}");
+    let mut no_kv = good.clone();
+    no_kv.num_kv_heads = 0;
+    let adapter = root().join("tests/fixtures/adapters/odd_r4");
+    let e = qwen35_wgpu::lora::peft::parse(&adapter, &no_kv).err().expect("no kv heads");
+    let qwen35_wgpu::AdapterError::ModelConfig(inner) = &e else { panic!("expected ModelConfig, got {e}") };
+    assert_eq!(bad_config(inner), ("num_key_value_heads", "0"), "{e}");
+    let mut eos = good.clone();
+    eos.eos_token_ids = vec![eos.vocab_size as u32];
+    assert_eq!(bad_config(&eos.check().expect_err("eos past the vocab")).0, "eos_token_id");
+}
+
 #[test]
 fn both_config_forms_give_the_same_dimensions() {
     let vlm = TextConfig::from_dir(&fixture_model("vlm_bf16_sharded")).expect("vlm config");

@@ -339,6 +339,49 @@ fn mlx_saves_refuse_empty_matrices_of_absurd_width() {
     assert!(e.contains(&up) && e.contains("row"), "{e}");
 }
 
+/// A sparse source with one extra 4 GiB tensor under the text prefix (its header is valid, its
+/// bytes never written) is refused from the header before that tensor is read, and nothing is
+/// written: save_mlx holds what it writes in memory, so what it reads is bounded by the config.
+#[test]
+fn mlx_saves_refuse_sources_larger_than_their_config() {
+    let src = scratch_copy(&fixture_model("mlx_source_bf16"), "mlx-sparse");
+    let file = src.join("model.safetensors");
+    let bytes = std::fs::read(&file).expect("read");
+    let header_len = u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")) as usize;
+    let mut header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + header_len]).expect("header");
+    let data = &bytes[8 + header_len..];
+    let prefix = {
+        let embed = header.as_object().expect("object").keys().find(|k| k.ends_with("embed_tokens.weight"));
+        embed.expect("embed").trim_end_matches("embed_tokens.weight").to_string()
+    };
+    let (rows, cols) = (1usize << 20, 2048usize);
+    let extra = rows * cols * 2;
+    header[format!("{prefix}layers.0.extra.weight")] =
+        serde_json::json!({"dtype": "BF16", "shape": [rows, cols], "data_offsets": [data.len(), data.len() + extra]});
+    let mut h = serde_json::to_vec(&header).expect("header");
+    while !h.len().is_multiple_of(8) {
+        h.push(b' ');
+    }
+    let mut out = (h.len() as u64).to_le_bytes().to_vec();
+    out.extend(&h);
+    out.extend(data);
+    std::fs::write(&file, &out).expect("write");
+    std::fs::File::options()
+        .write(true)
+        .open(&file)
+        .expect("open")
+        .set_len((out.len() + extra) as u64)
+        .expect("sparse");
+    let dir = std::env::temp_dir().join(format!("qwen35-mlx-sparse-out-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let start = std::time::Instant::now();
+    let e = save_mlx(&src, &dir, QuantizeRecipe::Q4).expect_err("4 GiB past the config");
+    assert!(matches!(&e, qwen35_wgpu::ModelError::TooManyElements { found, limit, .. } if found > limit), "{e}");
+    assert!(start.elapsed().as_secs() < 10, "refused from the header, not after reading");
+    assert!(!dir.exists(), "nothing written");
+    std::fs::remove_dir_all(&src).ok();
+}
+
 /// A save into a directory whose index would shadow the saved file, or into the source itself,
 /// is refused before anything is written; a save whose config cannot be moved into place (a
 /// directory holds its name) leaves the earlier weights and no temporary behind.

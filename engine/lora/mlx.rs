@@ -96,6 +96,7 @@ fn key_regex() -> Regex {
 
 /// Read and validate the MLX adapter at `path` for a model with config `model`.
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
+    model.check().map_err(|e| AdapterError::ModelConfig(Box::new(e)))?;
     let dir = if path.is_dir() { path.to_path_buf() } else { path.parent().map(Path::to_path_buf).unwrap_or_default() };
     let weights = if path.is_dir() { path.join(WEIGHTS) } else { path.to_path_buf() };
     if !weights.is_file() {

@@ -173,62 +173,9 @@ impl TextConfig {
         if act != "silu" {
             return Err(bad("hidden_act", "\"silu\"", format!("{act:?}")));
         }
-        for (name, v) in [
-            ("vocab_size", raw.vocab_size),
-            ("hidden_size", raw.hidden_size),
-            ("intermediate_size", raw.intermediate_size),
-            ("num_hidden_layers", raw.num_hidden_layers),
-            ("num_attention_heads", raw.num_attention_heads),
-            ("num_key_value_heads", raw.num_key_value_heads),
-            ("head_dim", raw.head_dim),
-            ("linear_key_head_dim", raw.linear_key_head_dim),
-            ("linear_value_head_dim", raw.linear_value_head_dim),
-            ("linear_num_key_heads", raw.linear_num_key_heads),
-            ("linear_num_value_heads", raw.linear_num_value_heads),
-        ] {
-            if v == 0 {
-                return Err(bad(name, "a positive integer", "0".into()));
-            }
-        }
-        for (name, v, max) in [
-            ("vocab_size", raw.vocab_size, MAX_VOCAB),
-            ("hidden_size", raw.hidden_size, MAX_HIDDEN),
-            ("intermediate_size", raw.intermediate_size, MAX_INTERMEDIATE),
-            ("num_hidden_layers", raw.num_hidden_layers, MAX_LAYERS),
-            ("num_attention_heads", raw.num_attention_heads, MAX_HEADS),
-            ("num_key_value_heads", raw.num_key_value_heads, MAX_HEADS),
-            ("linear_num_key_heads", raw.linear_num_key_heads, MAX_HEADS),
-            ("linear_num_value_heads", raw.linear_num_value_heads, MAX_HEADS),
-            ("linear_key_head_dim", raw.linear_key_head_dim, MAX_LINEAR_HEAD_DIM),
-            ("linear_value_head_dim", raw.linear_value_head_dim, MAX_LINEAR_HEAD_DIM),
-        ] {
-            if v > max {
-                return Err(bad(name, &format!("at most {max}"), v.to_string()));
-            }
-        }
-        if !raw.num_attention_heads.is_multiple_of(raw.num_key_value_heads) {
-            return Err(bad(
-                "num_key_value_heads",
-                "a divisor of num_attention_heads",
-                format!("{} (num_attention_heads {})", raw.num_key_value_heads, raw.num_attention_heads),
-            ));
-        }
-        if !raw.linear_num_value_heads.is_multiple_of(raw.linear_num_key_heads) {
-            return Err(bad(
-                "linear_num_key_heads",
-                "a divisor of linear_num_value_heads",
-                format!("{} (linear_num_value_heads {})", raw.linear_num_key_heads, raw.linear_num_value_heads),
-            ));
-        }
-        if raw.head_dim > MAX_HEAD_DIM {
-            return Err(bad("head_dim", &format!("at most {MAX_HEAD_DIM}"), raw.head_dim.to_string()));
-        }
-        if raw.linear_conv_kernel_dim == 0 || raw.linear_conv_kernel_dim > MAX_CONV_K {
-            return Err(bad(
-                "linear_conv_kernel_dim",
-                &format!("1..={MAX_CONV_K}"),
-                raw.linear_conv_kernel_dim.to_string(),
-            ));
+        // Bounded before layer_types is built from it.
+        if raw.num_hidden_layers == 0 || raw.num_hidden_layers > MAX_LAYERS {
+            return Err(bad("num_hidden_layers", &format!("1..={MAX_LAYERS}"), raw.num_hidden_layers.to_string()));
         }
         let rope = raw.rope_parameters.as_ref();
         if let Some(t) = rope.and_then(|r| r.rope_type.as_deref()) {
@@ -240,28 +187,17 @@ impl TextConfig {
             .and_then(|r| r.rope_theta)
             .or(raw.rope_theta)
             .ok_or_else(|| bad("rope_parameters.rope_theta", "a number", "nothing".into()))?;
-        // As an f32 it must be a normal number: 1e-300 becomes 0 and makes the RoPE table NaN.
-        if !(rope_theta.is_finite() && rope_theta > 0.0 && (rope_theta as f32).is_normal()) {
-            return Err(bad("rope_theta", "a finite number > 0 that is a normal f32", rope_theta.to_string()));
-        }
         let factor = rope.and_then(|r| r.partial_rotary_factor).or(raw.partial_rotary_factor).unwrap_or(0.25);
         // 0 is no rotary dims at all (the kernels run that); NaN fails both comparisons.
         if !(0.0..=1.0).contains(&factor) {
             return Err(bad("partial_rotary_factor", "a number in [0, 1]", factor.to_string()));
         }
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
-        // Checked as the f32 the kernels use: 1e-50 is positive in f64 and 0 in f32.
-        if !(rms_norm_eps.is_finite() && (rms_norm_eps as f32) > 0.0 && (rms_norm_eps as f32).is_finite()) {
+        // Checked as the f32 the kernels use (by `check`): 1e-50 is positive in f64 and 0 in f32.
+        if !rms_norm_eps.is_finite() {
             return Err(bad("rms_norm_eps", "a finite number > 0 (as f32)", rms_norm_eps.to_string()));
         }
         let rotary_dim = (raw.head_dim as f64 * factor) as usize;
-        if !rotary_dim.is_multiple_of(2) || rotary_dim > raw.head_dim {
-            return Err(bad(
-                "partial_rotary_factor",
-                "a factor giving an even rotary dim <= head_dim",
-                format!("{factor} (rotary dim {rotary_dim}, head_dim {})", raw.head_dim),
-            ));
-        }
         let layer_types = match &raw.layer_types {
             Some(list) => {
                 if list.len() != raw.num_hidden_layers {
@@ -310,12 +246,80 @@ impl TextConfig {
                 None => Vec::new(),
             },
         };
-        let params = config.weight_elements();
+        config.check()?;
+        Ok(config)
+    }
+
+    /// Check the bounds the engine runs within (what [`Self::from_json`] checks of the numbers).
+    /// The fields are public, so a config built or changed by hand reaches the functions that
+    /// take one ([`crate::runtime::rope_table`], the adapter parsers) through this check.
+    pub fn check(&self) -> Result<(), ModelError> {
+        let bad = |field: &str, expected: &str, found: String| ModelError::BadConfig {
+            field: field.into(),
+            expected: expected.into(),
+            found,
+        };
+        let layers = self.layer_types.len();
+        for (name, v, max) in [
+            ("vocab_size", self.vocab_size, MAX_VOCAB),
+            ("hidden_size", self.hidden_size, MAX_HIDDEN),
+            ("intermediate_size", self.intermediate_size, MAX_INTERMEDIATE),
+            ("num_hidden_layers", layers, MAX_LAYERS),
+            ("num_attention_heads", self.num_heads, MAX_HEADS),
+            ("num_key_value_heads", self.num_kv_heads, MAX_HEADS),
+            ("head_dim", self.head_dim, MAX_HEAD_DIM),
+            ("linear_num_key_heads", self.linear_key_heads, MAX_HEADS),
+            ("linear_num_value_heads", self.linear_value_heads, MAX_HEADS),
+            ("linear_key_head_dim", self.linear_key_dim, MAX_LINEAR_HEAD_DIM),
+            ("linear_value_head_dim", self.linear_value_dim, MAX_LINEAR_HEAD_DIM),
+            ("linear_conv_kernel_dim", self.conv_kernel, MAX_CONV_K),
+        ] {
+            if v == 0 {
+                return Err(bad(name, "a positive integer", "0".into()));
+            }
+            if v > max {
+                return Err(bad(name, &format!("at most {max}"), v.to_string()));
+            }
+        }
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
+            return Err(bad(
+                "num_key_value_heads",
+                "a divisor of num_attention_heads",
+                format!("{} (num_attention_heads {})", self.num_kv_heads, self.num_heads),
+            ));
+        }
+        if !self.linear_value_heads.is_multiple_of(self.linear_key_heads) {
+            return Err(bad(
+                "linear_num_key_heads",
+                "a divisor of linear_num_value_heads",
+                format!("{} (linear_num_value_heads {})", self.linear_key_heads, self.linear_value_heads),
+            ));
+        }
+        // As an f32 it must be a normal number: 1e-300 becomes 0 and makes the RoPE table NaN.
+        let theta = self.rope_theta;
+        if !(theta.is_finite() && theta > 0.0 && (theta as f32).is_normal()) {
+            return Err(bad("rope_theta", "a finite number > 0 that is a normal f32", theta.to_string()));
+        }
+        let eps = self.rms_norm_eps;
+        if !(eps.is_finite() && eps > 0.0) {
+            return Err(bad("rms_norm_eps", "a finite number > 0 (as f32)", eps.to_string()));
+        }
+        if !self.rotary_dim.is_multiple_of(2) || self.rotary_dim > self.head_dim {
+            return Err(bad(
+                "partial_rotary_factor",
+                "a factor giving an even rotary dim <= head_dim",
+                format!("rotary dim {} (head_dim {})", self.rotary_dim, self.head_dim),
+            ));
+        }
+        if let Some(id) = self.eos_token_ids.iter().find(|&&id| id as usize >= self.vocab_size) {
+            return Err(bad("eos_token_id", &format!("ids below vocab_size {}", self.vocab_size), id.to_string()));
+        }
+        let params = self.weight_elements();
         if params.is_none_or(|p| p > MAX_PARAMS) {
             let found = params.map_or("more than 2^64".to_string(), |p| p.to_string());
             return Err(bad("(parameter count)", &format!("at most {MAX_PARAMS} weight elements"), found));
         }
-        Ok(config)
+        Ok(())
     }
 
     /// Weight elements of the text model (embedding, lm_head counted even when tied, every
@@ -341,6 +345,22 @@ impl TextConfig {
             total = total.checked_add(mixer)?.checked_add(mlp)?;
         }
         Some(total)
+    }
+
+    /// Most elements the text model's tensors may hold: [`Self::weight_elements`] plus every
+    /// layer's vectors (two norms, the GDN conv with a bias, `A_log`, `dt_bias` and gated norm,
+    /// the attention's q/k norms) and the final norm, with checked arithmetic. `save_mlx` bounds
+    /// what it reads by it: a checkpoint holding more under the text prefix is not this model.
+    pub fn tensor_elements_bound(&self) -> Option<u64> {
+        let h = self.hidden_size as u64;
+        let conv = (self.conv_dim() as u64).checked_mul(self.conv_kernel as u64 + 1)?;
+        let per_layer = h
+            .checked_mul(2)?
+            .checked_add(conv)?
+            .checked_add(2 * self.linear_value_heads as u64 + self.linear_value_dim as u64)?
+            .checked_add(2 * self.head_dim as u64)?;
+        let layers = (self.layer_types.len() as u64).checked_mul(per_layer)?;
+        self.weight_elements()?.checked_add(layers)?.checked_add(h)
     }
 
     /// Layers.

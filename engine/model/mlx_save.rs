@@ -89,6 +89,10 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
     }
     let mut names: Vec<&str> = ckpt.names().collect();
     names.sort_unstable();
+    // Everything written is held in memory first: the header's shapes are bounded by what the
+    // config describes before any tensor is read (a sparse file cannot fill the host's RAM).
+    let limit = config.tensor_elements_bound().unwrap_or(u64::MAX);
+    let mut elements = 0u64;
     // (name, dtype, shape, bytes) of every tensor to write.
     let mut tensors: Vec<(String, StDtype, Vec<usize>, Vec<u8>)> = Vec::new();
     let mut modules = serde_json::Map::new();
@@ -109,6 +113,10 @@ pub fn save_mlx(src: &Path, out: &Path, recipe: QuantizeRecipe) -> Result<MlxSav
         };
         let entry =
             ckpt.get(name).ok_or_else(|| ModelError::MissingTensor { name: name.into(), candidates: vec![] })?;
+        elements = elements.saturating_add(entry.numel() as u64);
+        if elements > limit {
+            return Err(ModelError::TooManyElements { prefix: prefix.into(), limit, found: elements });
+        }
         let st = st_dtype(name, &entry.dtype)?;
         let dtype = Dtype::from_safetensors(&entry.dtype)
             .ok_or_else(|| ModelError::UnsupportedDtype { name: name.into(), found: entry.dtype.clone() })?;

@@ -154,8 +154,10 @@ pub fn rope_table_bytes(c: &TextConfig, positions: usize) -> u64 {
 
 /// The RoPE table `[positions, R/2]` of (cos, sin), computed like transformers: f32 inverse
 /// frequencies, f32 angle `pos · inv_freq`, then cos/sin of that f32 angle. At most
-/// [`MAX_CONTEXT`] positions (a `BadParam` error past it).
+/// [`MAX_CONTEXT`] positions (a `BadParam` error past it), for a config within
+/// [`TextConfig::check`]'s bounds.
 pub fn rope_table(c: &TextConfig, positions: usize) -> Result<Vec<f32>, RunError> {
+    c.check().map_err(|e| RunError::ModelConfig(Box::new(e)))?;
     if positions > MAX_CONTEXT {
         return Err(RunError::BadParam {
             name: "positions",
