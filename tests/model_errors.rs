@@ -120,7 +120,7 @@ fn hand_edited_configs_are_checked_where_they_are_used() {
     let mut no_kv = good.clone();
     no_kv.num_kv_heads = 0;
     let adapter = root().join("tests/fixtures/adapters/odd_r4");
-    let e = qwen35_wgpu::lora::peft::parse(&adapter, &no_kv).err().expect("no kv heads");
+    let e = qwen35_wgpu::lora::peft::parse(&adapter, &no_kv).expect_err("no kv heads");
     let qwen35_wgpu::AdapterError::ModelConfig(inner) = &e else { panic!("expected ModelConfig, got {e}") };
     assert_eq!(bad_config(inner), ("num_key_value_heads", "0"), "{e}");
     let mut eos = good.clone();
