@@ -49,7 +49,7 @@ fn the_rope_table_is_its_formula() {
     use common::tolerance::{ROPE_ABS_ULPS, ROPE_ULPS_PER_POSITION};
     let fixture = qwen35_wgpu::TextConfig::from_dir(&common::fixture_model("odd_untied_f32")).expect("config");
     let mut published = fixture.clone();
-    (published.rotary_dim, published.rope_theta) = (64, 1e7);
+    (published.head_dim, published.rotary_dim, published.rope_theta) = (256, 64, 1e7);
     let positions = 4096;
     for c in [fixture, published] {
         let table = qwen35_wgpu::runtime::rope_table(&c, positions).expect("table");
