@@ -1136,10 +1136,8 @@ fn rms_norms_match_reference() {
 fn rms_norm_with_shrink_matches_reference() {
     let Some(ctx) = ctx() else { return };
     // Ranks below, at and above the kernel's 8 rows of A per pass, not multiples of 8 or 4; rows
-    // of one and several workgroups; widths below and above one vec4 per invocation; a batched
-    // decode step's 8 rows with two rank-16 adapters stacked.
-    let cases = [(1, 4, 1), (1, 64, 8), (2, 132, 13), (3, 260, 3), (1, 1024, 64), (2, 512, 17), (8, 1024, 32)];
-    for (rows, n, rank) in cases {
+    // of one and several workgroups; widths below and above one vec4 per invocation.
+    for (rows, n, rank) in [(1, 4, 1), (1, 64, 8), (2, 132, 13), (3, 260, 3), (1, 1024, 64), (2, 512, 17)] {
         let x = rand(rows * n, 11, 2.0);
         let w = rand(n, 12, 0.5);
         let a = rand(rank * n, 13, 1.0 / (n as f32).sqrt());

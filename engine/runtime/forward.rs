@@ -20,7 +20,7 @@ use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, Att
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
     linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, NormOut, ShrinkOut,
-    SplitShrink, WeightRows, MAX_BATCH_TOKENS, SPLIT_SHRINK_MAX_RANK,
+    SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
@@ -187,10 +187,8 @@ fn split_out<'a>(
 /// the group: with `fold`, `hidden` with the block norm `norm` fused into the projections (read
 /// prenormed where the residual projection before wrote it so, [`residual_out`]), and the shrink
 /// that projection wrote or a dispatch;
-/// otherwise `xnorm`, written by a norm dispatch of its own, which for up to
-/// [`MAX_BATCH_TOKENS`] rows (a decode step, a batched one, a short prompt) also writes the shrink
-/// when A is f32 in one binding (`rms_norm_shrink`: one dispatch instead of two; each row's
-/// workgroups read A, which a longer prompt's shrink matmul reads once per tile).
+/// otherwise `xnorm`, written by a norm dispatch of its own, which for one token also writes the
+/// shrink when A is f32 in one binding (`rms_norm_shrink`: one dispatch instead of two).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn block_input<'a>(
     rec: &mut Recorder,
@@ -216,8 +214,8 @@ pub(crate) fn block_input<'a>(
     );
     let io = norm_rows(sc, c, 0, t);
     let src = Src::plain(&sc.xnorm);
-    let rows_fit = t <= MAX_BATCH_TOKENS && c.hidden_size.is_multiple_of(4);
-    if let Some((l, (g, chunk))) = lora.filter(|_| rows_fit).and_then(|l| Some((l, l.f32_a(group, c.hidden_size)?))) {
+    let one = t == 1 && c.hidden_size.is_multiple_of(4);
+    if let Some((l, (g, chunk))) = lora.filter(|_| one).and_then(|l| Some((l, l.f32_a(group, c.hidden_size)?))) {
         let shrink = NormShrink { a: &chunk.bind_group, rank: g.rank_total, t: l.t };
         rms_norm_shrink(rec, norm, &io, shrink)?;
         return Ok((src, Some(Shrunk { lora: l, group: g, parts: None })));
