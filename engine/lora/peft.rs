@@ -736,10 +736,10 @@ pub(crate) fn check_rank(key: &str, shape: &[usize], rank: usize) -> Result<(), 
 /// adapter: [`crate::lora::mlx`]) for a model with config `model`. Pure CPU: nothing touches a
 /// GPU until [`crate::lora::LoraAdapter::upload`].
 pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterError> {
-    model.check().map_err(|e| AdapterError::ModelConfig(Box::new(e)))?;
     if crate::lora::mlx::is_mlx(path) {
         return crate::lora::mlx::parse(path, model);
     }
+    model.check().map_err(|e| AdapterError::ModelConfig(Box::new(e)))?;
     let (weights, config_path) = locate(path)?;
     let ckpt = Checkpoint::open_files(std::slice::from_ref(&weights))?;
     let config = match &config_path {

@@ -192,11 +192,8 @@ impl TextConfig {
         if !(0.0..=1.0).contains(&factor) {
             return Err(bad("partial_rotary_factor", "a number in [0, 1]", factor.to_string()));
         }
+        // Checked by `check` as the f32 the kernels use: 1e-50 is positive in f64 and 0 in f32.
         let rms_norm_eps = raw.rms_norm_eps.unwrap_or(1e-6);
-        // Checked as the f32 the kernels use (by `check`): 1e-50 is positive in f64 and 0 in f32.
-        if !rms_norm_eps.is_finite() {
-            return Err(bad("rms_norm_eps", "a finite number > 0 (as f32)", rms_norm_eps.to_string()));
-        }
         let rotary_dim = (raw.head_dim as f64 * factor) as usize;
         let layer_types = match &raw.layer_types {
             Some(list) => {
