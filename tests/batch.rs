@@ -176,6 +176,54 @@ fn greedy_batches_run_ahead_and_leave_each_session_holding_its_tokens() {
     }
 }
 
+/// A batch of one runs its session's own generation (single-token steps with the block norms
+/// folded into the projections: as many dispatches as the session alone, fewer than a batched
+/// step's), under the batch's run-ahead, and stops where a batch stops a row whose context is
+/// full instead of failing with `ContextFull` as the session alone does.
+#[test]
+fn a_batch_of_one_is_its_sessions_own_generation() {
+    let Some(model) = model_on_own_context() else { return };
+    let adapter = LoraAdapter::load(&model, &root().join("tests/fixtures/adapters/all12_r8")).expect("adapter");
+    let set = vec![ActiveAdapter::new(Arc::new(adapter), 1.0)];
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let prompt = &ids[..5];
+    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
+    let new_session = |opts: SessionOptions, run_ahead: bool| {
+        let mut s = Session::new(model.clone(), opts).expect("session");
+        s.set_adapters(set.clone()).expect("set");
+        s.set_run_ahead(run_ahead);
+        s
+    };
+    let mut batch = Batch::new(model.clone(), 2).expect("batch");
+    for run_ahead in [false, true] {
+        let mut s = new_session(opts(), run_ahead);
+        let before = model.ctx.counters();
+        let want = s.generate(prompt, &params, |_| true).expect("alone");
+        let alone = (model.ctx.counters() - before).dispatches;
+        batch.set_run_ahead(run_ahead);
+        let mut one = new_session(opts(), !run_ahead);
+        let before = model.ctx.counters();
+        let got = batch.generate(&mut [&mut one], &[prompt], &[0], &params).expect("batch of one");
+        assert_eq!((model.ctx.counters() - before).dispatches, alone, "the session's own steps, run-ahead {run_ahead}");
+        assert_eq!(got, vec![want.clone()], "run-ahead {run_ahead}");
+        assert_eq!(one.run_ahead(), !run_ahead, "the session keeps its own run-ahead setting");
+        assert_eq!(one.position(), prompt.len() + want.len() - 1);
+        // Two batched rows take more dispatches per step than the one row did in all.
+        let mut pair = [new_session(opts(), false), new_session(opts(), false)];
+        let mut rows: Vec<&mut Session> = pair.iter_mut().collect();
+        let before = model.ctx.counters();
+        let two = batch.generate(&mut rows, &[prompt, prompt], &[0, 0], &params).expect("batch of two");
+        assert_eq!(two, vec![want.clone(), want.clone()]);
+        assert!((model.ctx.counters() - before).dispatches > alone, "the batched step is the slower path for one row");
+        // Room for 2 tokens past the prompt: the batch returns 3, the session alone fails.
+        let short = SessionOptions { max_context: prompt.len() + 2, max_batch: 16 };
+        let err = new_session(short.clone(), run_ahead).generate(prompt, &params, |_| true);
+        assert!(matches!(err, Err(RunError::ContextFull { .. })), "{err:?}");
+        let got = batch.generate(&mut [&mut new_session(short, run_ahead)], &[prompt], &[0], &params).expect("short");
+        assert_eq!(got, vec![want[..3].to_vec()], "run-ahead {run_ahead}");
+    }
+}
+
 #[test]
 fn greedy_batches_choose_on_the_gpu_and_read_back_eight_bytes_a_row() {
     let Some(model) = model_on_own_context() else { return };

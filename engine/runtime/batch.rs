@@ -393,7 +393,8 @@ impl Batch {
     /// buffers), and the whole row only where they cannot decide or the settings need every
     /// logit. Each session draws with its own [`Sampler`].
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
-    /// without one).
+    /// without one). One session runs its own generation, which is faster than a batched step
+    /// of one row (the same tokens; see `generate_alone`).
     pub fn generate(
         &mut self,
         sessions: &mut [&mut Session],
@@ -426,6 +427,9 @@ impl Batch {
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
         if params.max_tokens == 0 {
             return Ok(out);
+        }
+        if let [only] = sessions {
+            return Ok(vec![self.generate_alone(only, prompts[0], fed[0], params)?]);
         }
         let mut history: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
         let mut next: Vec<u32> = Vec::with_capacity(n);
@@ -500,6 +504,30 @@ impl Batch {
             live = still;
         }
         Ok(out)
+    }
+
+    /// [`Batch::generate`] for one session: its own generation, whose single-token steps fold
+    /// the block norms into the projections (the batched step runs them as dispatches of their
+    /// own), under the batch's run-ahead and profile, and stopped where the batch stops a row
+    /// whose context is full (alone that is `ContextFull`). The checks are the caller's.
+    fn generate_alone(
+        &mut self,
+        s: &mut Session,
+        prompt: &[u32],
+        fed: usize,
+        params: &GenerateParams,
+    ) -> Result<Vec<u32>, RunError> {
+        // The prompt ends at position `end`; each token but the last one returned takes one more.
+        let end = s.pos + (prompt.len() - fed);
+        let room = (s.opts.max_context + 1).saturating_sub(end);
+        let params = GenerateParams { max_tokens: params.max_tokens.min(room), ..params.clone() };
+        let own = (s.run_ahead, s.profile.take());
+        s.run_ahead = self.run_ahead;
+        s.profile = self.profile.take();
+        let out = s.generate_from_with(prompt, fed, &params, |_, _| Ok::<_, RunError>(true));
+        self.profile = s.profile.take();
+        (s.run_ahead, s.profile) = own;
+        out
     }
 
     /// [`Batch::generate`]'s plain greedy decoding from the rows' last prompt tokens `first`:
