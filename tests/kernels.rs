@@ -755,6 +755,41 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
     }
 }
 
+/// SwiGLU over several tokens runs only where the batched matvec does (x 16-byte aligned, K a
+/// multiple of 8, 16/32-bit weights; at most 8 tokens), and its LoRA takes the gate and up
+/// segments of n rows each: anything else is refused while recording.
+#[test]
+fn a_multi_token_swiglu_outside_the_batched_matvec_is_a_typed_error() {
+    let Some(ctx) = ctx() else { return };
+    let (n, k) = (4, 8);
+    let (bytes, _) = weight_bytes(&rand(2 * n * k, 37, 1.0), Dtype::F32);
+    let gw = GpuWeight::upload(&ctx, "w", Dtype::F32, 2 * n, k, &bytes, u64::MAX).expect("w");
+    let (xb, yb, tb, bb) =
+        (upload(&ctx, &[0.5; 128]), upload(&ctx, &[0.0; 64]), upload(&ctx, &[0.0; 64]), upload(&ctx, &[0.0; 64]));
+    let bg = ctx.weights_bind_group(&bb, "b");
+    let seg = |rows| LoraSegment { rows, rank: 2, t_offset: 0, b_offset: 0, scale: 1.0 };
+    // (tokens, x offset, segments, what the message names)
+    let cases = [
+        (2, 1, None, "SwiGLU needs one token or the batched matvec"),
+        (9, 0, None, "SwiGLU needs one token or the batched matvec"),
+        (2, 0, Some(vec![seg(2 * n)]), "two LoRA segments"),
+        (3, 0, Some(vec![seg(n), seg(n + 1)]), "two LoRA segments"),
+    ];
+    for (m, x_offset, segments, named) in cases {
+        let lora =
+            segments.map(|segments| LoraExpand { segments, ..LoraExpand::single(&tb, (0, 4), (2, 0), 1.0, &bg) });
+        let io = LinearIo { x: &xb, x_offset, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
+        let mut cache = bind_cache(&ctx, 4096);
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let fuse = Fuse { glu: true, ..Fuse::NONE };
+        let err = linear_rows(&mut rec, WeightRows::all(&gw), &io, lora.as_ref(), fuse).expect_err("refused");
+        assert!(
+            matches!(&err, GpuError::Validation { message, .. } if message.contains(named)),
+            "m {m} x offset {x_offset}: {err}"
+        );
+    }
+}
+
 /// A parts buffer too small for the splits of a long cache is refused while recording (the
 /// kernel would write past it), and one that holds them is taken.
 #[test]
@@ -910,6 +945,83 @@ fn batched_matvec_sweep_matches_reference() {
         for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
             for (x_off, chunk_rows, rank) in [(4, n, 0), (4, n, 3), (4, 5, 4), (0, n, 16), (1, n, 2)] {
                 check_linear(&ctx, (m, n, k), dtype, (x_off, chunk_rows, rank), 1700 + si as u64 * 17);
+            }
+        }
+    }
+}
+
+/// SwiGLU in the batched matvec (2 to 8 tokens over a `[gate; up]` weight of 2n rows): every
+/// `TOK` and `LANES` variant, every dtype, n below and above a workgroup's outputs, without LoRA and
+/// with the gate and up segments' own ranks, t columns, B rows and scales (one of them rank 0),
+/// with and without a per-token scale table.
+#[test]
+fn batched_swiglu_sweep_matches_reference() {
+    let Some(ctx) = ctx() else { return };
+    let g = ctx.min_workgroups();
+    // (tokens, outputs n, k)
+    let shapes =
+        [(2, 1, 8), (3, 13, 16), (5, 4 * g - 3, 24), (8, 8 * g + 1, 40), (6, 16 * g - 5, 64), (4, 32 * g + 3, 8)];
+    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _)| matvec_lanes(2 * n, g)).collect();
+    assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "LANES variants covered");
+    let toks: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| batch_tokens(m)).collect();
+    assert_eq!(toks.into_iter().collect::<Vec<_>>(), MATVEC_BATCH_TOKENS.to_vec(), "TOK variants covered");
+    for (si, &(m, n, k)) in shapes.iter().enumerate() {
+        // Each dtype on two shapes (every pipeline variant compiles on the adapter: keep it short).
+        for dtype in [[Dtype::F32, Dtype::BF16, Dtype::F16][si % 3]] {
+            // (gate rank, up rank, scale table)
+            for (ci, &(rg, ru, table)) in [(0, 0, false), (3, 5, false), (4, 0, true), (0, 8, true)].iter().enumerate()
+            {
+                let seed = 2100 + si as u64 * 31 + ci as u64 * 7 + dtype.row_bytes(1) as u64;
+                let (bytes, w) = weight_bytes(&rand(2 * n * k, seed, 1.0), dtype);
+                let gw = GpuWeight::upload(&ctx, "w", dtype, 2 * n, k, &bytes, u64::MAX).expect("weight");
+                let x = rand(4 + m * k, seed + 1, 1.0);
+                // t: [m, stride] with the gate's columns from 1 and the up's after them.
+                let stride = 1 + rg + ru + 2;
+                let mut t = rand(m * stride, seed + 2, 1.0);
+                let at = ScaleTableAt { offset: t.len().next_multiple_of(4), stride: stride.next_multiple_of(4) };
+                let factors = exact_factors(m * at.stride, seed + 3);
+                if table {
+                    t.resize(at.offset, 0.0);
+                    t.extend_from_slice(&factors);
+                }
+                let factor = |i: usize, c: usize| if table { factors[i * at.stride + c] } else { 1.0 };
+                // B: the gate's [n, rg] after 2 unused elements, the up's [n, ru] after it.
+                let b = rand(2 + n * (rg + ru), seed + 4, 1.0);
+                let (xb, yb, tb, bb) =
+                    (upload(&ctx, &x), upload(&ctx, &vec![7.0; m * n + 3]), upload(&ctx, &t), upload(&ctx, &b));
+                let bg = ctx.weights_bind_group(&bb, "b");
+                let segments = vec![
+                    LoraSegment { rows: n, rank: rg, t_offset: 1, b_offset: 2, scale: 0.5 },
+                    LoraSegment { rows: n, rank: ru, t_offset: 1 + rg, b_offset: 2 + n * rg, scale: -1.5 },
+                ];
+                let lora = LoraExpand {
+                    segments: segments.clone(),
+                    table: table.then_some(at),
+                    ..LoraExpand::single(&tb, (0, stride), (0, 0), 1.0, &bg)
+                };
+                let io = LinearIo { x: &xb, x_offset: 4, m, y: &yb, y_offset: 3, y_stride: n, accumulate: false };
+                let fuse = Fuse { glu: true, ..Fuse::NONE };
+                let adapted = rg + ru > 0;
+                run(&ctx, |rec| linear_rows(rec, WeightRows::all(&gw), &io, adapted.then_some(&lora), fuse));
+                let mut vals = cpu::linear(&x[4..], &w, m, 2 * n, k);
+                for i in 0..m {
+                    for r in 0..2 * n {
+                        let s = &segments[r / n];
+                        let d: f32 = (0..s.rank)
+                            .map(|c| {
+                                let col = s.t_offset + c;
+                                t[i * stride + col] * factor(i, col) * b[s.b_offset + (r % n) * s.rank + c]
+                            })
+                            .sum();
+                        vals[i * 2 * n + r] += s.scale * d;
+                    }
+                }
+                let mut want = vec![7.0; 3];
+                for i in 0..m {
+                    want.extend((0..n).map(|o| cpu::silu(vals[i * 2 * n + o]) * vals[i * 2 * n + n + o]));
+                }
+                let what = format!("batched SwiGLU m{m} n{n} k{k} {dtype:?} ranks {rg}/{ru} table {table}");
+                assert_close(&what, &read(&ctx, &yb, m * n + 3), &want, KERNEL_ATOL, KERNEL_RTOL);
             }
         }
     }

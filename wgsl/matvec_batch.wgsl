@@ -14,12 +14,18 @@
 // dynamically indexed private array would leave registers for memory or select ladders on
 // compilers that do not unroll the loop (Mesa's NIR among them).
 //
+// GLU: SwiGLU on the way out over a concatenated [gate; up] weight (the dispatch's n outputs are
+// the gate rows; up row o is row n + o): an invocation owns 4 gate rows and their 4 up rows, and
+// stores silu(gate) * up. Its half 0 (the gate sums) goes to y, and its half 1 reads them back
+// from there (the same invocation stores and reads each output: no barrier needed for that).
+//
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
 // m <= TOK (token rows past m are skipped: not loaded, computed or stored), at most one LoRA
 // segment (segment 0). Parameters, bindings and the helpers: linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
+override GLU: bool = false;
 
 const WG: u32 = 64u;
 const TR: u32 = 8u;
@@ -36,8 +42,22 @@ struct Slot {
     lane: u32,  // position along K within the row group
 }
 
+// Output rows per invocation: TR, or 4 (gate, up) pairs with GLU.
+fn per_invocation() -> u32 {
+    return select(TR, TR / 2u, GLU);
+}
+
 fn slot(wg: vec3<u32>, nwg: vec3<u32>, li: u32) -> Slot {
-    return Slot((wg.y * nwg.x + wg.x) * TR * (WG / LANES), li / LANES, li % LANES);
+    return Slot((wg.y * nwg.x + wg.x) * per_invocation() * (WG / LANES), li / LANES, li % LANES);
+}
+
+// Row i (0 to 7) of the invocation whose first output row is `first`, rows past the outputs
+// clamped to the last (computed, never stored); with GLU rows 4-7 are the up rows of rows 0-3.
+fn slot_row(first: u32, i: u32) -> u32 {
+    if (GLU) {
+        return min(first + i % 4u, p.n - 1u) + select(0u, p.n, i >= 4u);
+    }
+    return min(first + i, p.n - 1u);
 }
 
 // The 8 weights of row vector `rv`, step j, as (even, odd) elements for 16-bit weights or the two
@@ -72,13 +92,12 @@ fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>) -> array<vec4
 // acc[2 * token + 1] = rows 4-7 (token rows past m and TOK skipped).
 fn partials(s: Slot) -> array<vec4<f32>, ACC> {
     var acc: array<vec4<f32>, ACC>;
-    let first = s.row0 + s.group * TR;
-    let last = p.n - 1u;
+    let first = s.row0 + s.group * per_invocation();
     let groups = p.k / 8u;
     let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
     var r: array<u32, TR>;
     for (var i = 0u; i < TR; i++) {
-        r[i] = (p.w_row0 + min(first + i, last)) * row_vecs;
+        r[i] = (p.w_row0 + slot_row(first, i)) * row_vecs;
     }
     for (var j = s.lane; j < groups; j += LANES) {
         let wv = array<array<vec4<f32>, 2>, TR>(weights8(r[0], j), weights8(r[1], j), weights8(r[2], j),
@@ -125,9 +144,9 @@ fn partials(s: Slot) -> array<vec4<f32>, ACC> {
     return acc;
 }
 
-// Token row tk's t value of rank column c (segment 0), times its scale-table factor.
-fn t_at(tk: u32, c: u32) -> f32 {
-    let col = p.seg_t.x + c;
+// Token row tk's t value of rank column c of segment seg, times its scale-table factor.
+fn t_at(tk: u32, seg: u32, c: u32) -> f32 {
+    let col = p.seg_t[seg] + c;
     var v = t_elem(tk * p.lora_t_stride + col);
     if (p.lora_sc != NO_TABLE) {
         v *= t_elem(p.lora_sc + tk * p.lora_sc_stride + col);
@@ -135,60 +154,72 @@ fn t_at(tk: u32, c: u32) -> f32 {
     return v;
 }
 
-// Adds s * t . B[row] of this invocation's 8 rows for every token into its partials, before the
-// reduction: lane l takes rank columns l, l + LANES, ..., loading per column one B element of
-// each row and one t value of each token (a multi-token dispatch has one LoRA segment, segment 0;
-// the host checks). Rows past n are clamped as their weights are (never stored).
-fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>) {
-    let rank = p.seg_rank.x;
-    let first = p.lora_row0 + s.row0 + s.group * TR;
-    let last = p.lora_row0 + p.n - 1u;
-    let b0 = p.seg_b.x + min(first, last) * rank;
-    let b1 = p.seg_b.x + min(first + 1u, last) * rank;
-    let b2 = p.seg_b.x + min(first + 2u, last) * rank;
-    let b3 = p.seg_b.x + min(first + 3u, last) * rank;
-    let b4 = p.seg_b.x + min(first + 4u, last) * rank;
-    let b5 = p.seg_b.x + min(first + 5u, last) * rank;
-    let b6 = p.seg_b.x + min(first + 6u, last) * rank;
-    let b7 = p.seg_b.x + min(first + 7u, last) * rank;
+// The first B element of row slot i (slot_row) in segment seg: rows are numbered from lora_row0
+// within segment 0; with GLU segment 1 holds the up rows, numbered from output n.
+fn b_row(first: u32, i: u32, seg: u32) -> u32 {
+    let rank = p.seg_rank[seg];
+    let up = select(0u, p.n, GLU && seg == 1u && i >= 4u);
+    return p.seg_b[seg] + (p.lora_row0 + slot_row(first, i) - up) * rank;
+}
+
+// Adds s * t . B[row] of this invocation's rows in segment seg for every token into its
+// partials, before the reduction: lane l takes rank columns l, l + LANES, ..., loading per
+// column one B element of each row and one t value of each token. Without GLU all 8 rows are
+// segment 0's (a multi-token dispatch has one LoRA segment; the host checks); with GLU rows 0-3
+// (gate) are segment 0's and rows 4-7 (up) segment 1's, the other half of each call adding 0.
+// Rows past n are clamped as their weights are (never stored).
+fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
+    let rank = p.seg_rank[seg];
+    let first = s.row0 + s.group * per_invocation();
+    let b0 = b_row(first, 0u, seg);
+    let b1 = b_row(first, 1u, seg);
+    let b2 = b_row(first, 2u, seg);
+    let b3 = b_row(first, 3u, seg);
+    let b4 = b_row(first, 4u, seg);
+    let b5 = b_row(first, 5u, seg);
+    let b6 = b_row(first, 6u, seg);
+    let b7 = b_row(first, 7u, seg);
+    let on_lo = select(1.0, f32(seg == 0u), GLU);
+    let on_hi = select(1.0, f32(seg == 1u), GLU);
     for (var c = s.lane; c < rank; c += LANES) {
-        let lo = p.seg_scale.x * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
-        let hi = p.seg_scale.x * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
-        var v = t_at(0u, c);
+        let sc = p.seg_scale[seg];
+        let lo = (sc * on_lo) * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
+        let hi = (sc * on_hi) * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
+        var v = t_at(0u, seg, c);
         (*acc)[0] += lo * v;
         (*acc)[1] += hi * v;
         if (p.m > 1u) {
-            v = t_at(1u, c);
+            v = t_at(1u, seg, c);
             (*acc)[2] += lo * v;
             (*acc)[3] += hi * v;
         }
         if (TOK > 2u && p.m > 2u) {
-            v = t_at(2u, c);
+            v = t_at(2u, seg, c);
             (*acc)[4] += lo * v;
             (*acc)[5] += hi * v;
         }
         if (TOK > 2u && p.m > 3u) {
-            v = t_at(3u, c);
+            v = t_at(3u, seg, c);
             (*acc)[6] += lo * v;
             (*acc)[7] += hi * v;
         }
         if (TOK > 4u && p.m > 4u) {
-            v = t_at(4u, c);
+            v = t_at(4u, seg, c);
             (*acc)[8] += lo * v;
             (*acc)[9] += hi * v;
         }
         if (TOK > 4u && p.m > 5u) {
-            v = t_at(5u, c);
+            v = t_at(5u, seg, c);
             (*acc)[10] += lo * v;
             (*acc)[11] += hi * v;
         }
         if (TOK > 4u && p.m > 6u) {
-            v = t_at(6u, c);
+            v = t_at(6u, seg, c);
             (*acc)[12] += lo * v;
             (*acc)[13] += hi * v;
         }
         if (TOK > 4u && p.m > 7u) {
-            v = t_at(7u, c);
+            v = t_at(7u, seg, c);
             (*acc)[14] += lo * v;
             (*acc)[15] += hi * v;
         }
@@ -222,9 +253,13 @@ fn outputs() -> u32 {
     return 4u * (WG / LANES) * TOK;
 }
 
-// The output row of half h's output o, within the workgroup.
+// The output row of half h's output o, within the workgroup (with GLU both halves' rows are
+// the same output rows: gate, then up).
 fn out_row(o: u32, h: u32) -> u32 {
     let r = o / TOK;
+    if (GLU) {
+        return r;
+    }
     return (r / 4u) * TR + 4u * h + r % 4u;
 }
 
@@ -240,9 +275,16 @@ fn lane_sum(o: u32) -> f32 {
     return sum;
 }
 
-fn store(s: Slot, row: u32, o: u32, v: f32) {
+// Half h's sum v of output o (row `row`): with GLU half 0 leaves the gate sum in y for half 1.
+fn store(s: Slot, row: u32, o: u32, h: u32, v: f32) {
     let idx = p.y_offset + (o % TOK) * p.y_stride + s.row0 + row;
-    if (ACCUMULATE) {
+    if (GLU) {
+        if (h == 0u) {
+            y[idx] = v;
+        } else {
+            y[idx] = silu(y[idx]) * v;
+        }
+    } else if (ACCUMULATE) {
         y[idx] = y[idx] + v;
     } else {
         y[idx] = v;
@@ -262,7 +304,7 @@ fn matvec_batch(
         for (var o = li; o < outputs(); o += WG) {
             let row = out_row(o, h);
             if (inside(s, row, o)) {
-                store(s, row, o, lane_sum(o));
+                store(s, row, o, h, lane_sum(o));
             }
         }
         workgroupBarrier();
@@ -277,13 +319,16 @@ fn matvec_batch_lora(
 ) {
     let s = slot(wg, nwg, li);
     var acc = partials(s);
-    add_expand(s, &acc);
+    add_expand(s, &acc, 0u);
+    if (GLU) {
+        add_expand(s, &acc, 1u);
+    }
     for (var h = 0u; h < 2u; h++) {
         stage(s, half(acc, h));
         for (var o = li; o < outputs(); o += WG) {
             let row = out_row(o, h);
             if (inside(s, row, o)) {
-                store(s, row, o, lane_sum(o));
+                store(s, row, o, h, lane_sum(o));
             }
         }
         workgroupBarrier();

@@ -845,9 +845,10 @@ impl PipelineKey {
                 c.push(("TN", tn as f64));
             }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
-                let (lanes, tokens) = matvec_overrides(self.variant);
+                let (lanes, code) = matvec_overrides(self.variant);
                 c.push(("LANES", lanes as f64));
-                c.push(("TOK", tokens as f64));
+                c.push(("TOK", (code & !MATVEC_BATCH_GLU) as f64));
+                c.push(("GLU", u32::from(code & MATVEC_BATCH_GLU != 0) as f64));
             }
             _ => {}
         }
@@ -922,8 +923,11 @@ pub fn matvec_sg_variants() -> &'static [u32] {
 /// The `TOK` variants of `matvec_batch.wgsl`: token rows per dispatch.
 pub const MATVEC_BATCH_TOKENS: [u32; 3] = [2, 4, 8];
 
-/// Every batched-matvec pipeline variant (`LANES | TOK << 8`).
+/// Bit of a batched-matvec variant's second byte (beside `TOK`): SwiGLU on the way out (`GLU`).
+pub const MATVEC_BATCH_GLU: u32 = 16;
+
+/// Every batched-matvec pipeline variant (`LANES | (TOK | GLU) << 8`).
 pub fn matvec_batch_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    by_lanes(&ALL, MATVEC_BATCH_TOKENS)
+    by_lanes(&ALL, MATVEC_BATCH_TOKENS.iter().flat_map(|&t| [t, t | MATVEC_BATCH_GLU]))
 }

@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
     matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants,
-    MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
+    MATMUL_TILES, MATVEC_BATCH_GLU, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
 };
 use crate::gpu::{Kernel, PipelineKey};
 
@@ -459,7 +459,18 @@ pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&Lo
     linear_rows(rec, WeightRows::all(w), io, lora, Fuse::NONE)
 }
 
-/// [`linear`] with a fused norm or SwiGLU; those exist for single-token steps only.
+/// Whether [`linear_rows`] runs the batched matvec for `m` tokens of `view` from x element
+/// `x_offset`: 2 to 8 tokens of aligned rows (every weight read once for all of them). Affine
+/// weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
+pub fn batched_matvec_takes(view: &WeightRows, m: usize, x_offset: usize) -> bool {
+    (2..=MAX_BATCH_TOKENS).contains(&m)
+        && view.w.cols.is_multiple_of(8)
+        && x_offset.is_multiple_of(4)
+        && view.w.chunks.iter().all(|c| !matches!(c.dtype, Dtype::Affine(_)))
+}
+
+/// [`linear`] with a fused norm or SwiGLU; those exist for single-token steps only (SwiGLU also
+/// for the batched matvec's 2 to 8 tokens: [`batched_matvec_takes`]).
 pub fn linear_with(
     rec: &mut Recorder,
     w: &GpuWeight,
@@ -472,7 +483,7 @@ pub fn linear_with(
 
 /// [`linear_with`] over the rows `view.rows` of a weight, one dispatch per chunk they touch; y's
 /// column 0 is the view's first row. With SwiGLU the rows are `[gate; up]` in one chunk and y gets
-/// half as many columns.
+/// half as many columns (a LoRA expand of several tokens: the gate and up segments).
 pub fn linear_rows(
     rec: &mut Recorder,
     view: WeightRows,
@@ -483,16 +494,24 @@ pub fn linear_rows(
     let rows = view.rows.clone();
     // A split shrink's rank (t's stride) and parts.
     let split = lora.and_then(|l| l.parts.map(|p| (l.t_stride, p)));
-    let bad = if fuse.code() != 0 && io.m != 1 {
-        Some(format!("a fused norm or SwiGLU needs one token, got {}", io.m))
+    let batch = batched_matvec_takes(&view, io.m, io.x_offset);
+    let n_glu = rows.len() / 2;
+    let bad = if io.m != 1 && (fuse.norm.is_some() || fuse.shrink_out.is_some() || fuse.norm_out.is_some()) {
+        Some(format!("a fused norm or shrink out needs one token, got {}", io.m))
+    } else if fuse.glu && io.m != 1 && !batch {
+        Some(format!("SwiGLU needs one token or the batched matvec's 2 to {MAX_BATCH_TOKENS} (16-bit or f32 weights, K a multiple of 8, x 16-byte aligned), got {} tokens", io.m))
     } else if fuse.glu && io.accumulate {
         Some("SwiGLU cannot also accumulate".to_string())
     } else if fuse.glu && (!rows.len().is_multiple_of(2) || !view.in_one_chunk()) {
         Some(format!("SwiGLU pairs the halves of rows {rows:?} in one binding"))
     } else if rows.end > view.w.rows || rows.start > rows.end {
         Some(format!("rows {rows:?} of a weight with {} rows", view.w.rows))
-    } else if lora.is_some_and(|l| io.m != 1 && l.segments.len() != 1) {
+    } else if lora.is_some_and(|l| io.m != 1 && !fuse.glu && l.segments.len() != 1) {
         Some("a multi-token linear layer takes one LoRA segment".to_string())
+    } else if lora
+        .is_some_and(|l| io.m != 1 && fuse.glu && (l.segments.len() != 2 || l.segments.iter().any(|s| s.rows != n_glu)))
+    {
+        Some(format!("a multi-token SwiGLU takes two LoRA segments of {n_glu} rows (gate, up)"))
     } else if let Some((rank, p)) =
         split.filter(|&(rank, p)| io.m != 1 || rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
     {
@@ -530,12 +549,6 @@ pub fn linear_rows(
     let (eps, aux) = fuse.norm.map_or((0.0, next_norm.unwrap_or(io.x)), |n| (n.eps, n.weight));
     let prenormed = fuse.norm.and_then(|n| n.prenormed);
     let out_a = fuse.shrink_out.map_or(io.x, |s| s.a);
-    // 2 to 8 tokens of aligned rows: the batched matvec reads every weight once for all of them.
-    // Affine weights take the tiled matmul (the batched matvec decodes 16/32-bit weights only).
-    let batch = (2..=MAX_BATCH_TOKENS).contains(&io.m)
-        && view.w.cols.is_multiple_of(8)
-        && io.x_offset.is_multiple_of(4)
-        && view.w.chunks.iter().all(|c| !matches!(c.dtype, Dtype::Affine(_)));
     let kernel = match (io.m == 1, batch, lora.is_some()) {
         (true, _, false) => Kernel::Matvec,
         (true, _, true) => Kernel::MatvecLora,
@@ -574,7 +587,8 @@ pub fn linear_rows(
                 }
             }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
-                matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m))
+                let glu = if fuse.glu { MATVEC_BATCH_GLU } else { 0 };
+                matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m) | glu)
             }
             _ => matmul_tile(io.m, n_out, g),
         };

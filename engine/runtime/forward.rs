@@ -19,8 +19,8 @@ use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder, WeightChunk}
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
-    linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, NormOut, ShrinkOut,
-    SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
+    batched_matvec_takes, linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand,
+    LoraSegment, NormOut, ShrinkOut, SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
@@ -525,9 +525,10 @@ pub(crate) fn mixer_out(
     project(rec, c, Parts { w, order: &[proj], parts: 0..1 }, &out, src, &s)
 }
 
-/// The MLP. A single token runs gate|up in one dispatch that applies SwiGLU as it stores (when
-/// the weight is in one binding). With `next` down_proj also writes the next layer's input
-/// shrink and prenormed input ([`residual_out`]).
+/// The MLP. A single token, and 2 to 8 tokens of a weight the batched matvec takes, run gate|up
+/// in one dispatch that applies SwiGLU as it stores (when the weight is in one binding). With
+/// `next` down_proj also writes the next layer's input shrink and prenormed input
+/// ([`residual_out`]).
 pub(crate) fn mlp_block(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -545,6 +546,12 @@ pub(crate) fn mlp_block(
         split = split_out(rec.ctx(), lora, (InputGroup::MlpOut, None), (2 * i, true), &sc.mlp_g);
         let shrink_out = split.as_ref().map(|(out, _)| *out);
         let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
+        project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
+    } else if batched_matvec_takes(&part(0..2).rows(c), t, src.offset)
+        && part(0..2).rows(c).in_one_chunk()
+        && src.fuse.code() == 0
+    {
+        let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
     } else {
         project(rec, c, part(0..1), &src.io(&sc.mlp_g, t, i), src, &s)?;
