@@ -20,8 +20,9 @@
 // from there (the same invocation stores and reads each output: no barrier needed for that).
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
-// m <= TOK (token rows past m are skipped: not loaded, computed or stored), at most one LoRA
-// segment (segment 0). Parameters, bindings and the helpers: linear.wgsl.
+// m <= TOK (token rows past m are skipped: not loaded, computed or stored), one LoRA segment
+// (segment 0; with GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings and the
+// helpers: linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
