@@ -156,10 +156,11 @@ fn t_at(tk: u32, seg: u32, c: u32) -> f32 {
 }
 
 // The first B element of row slot i (slot_row) in segment seg: rows are numbered from lora_row0
-// within segment 0; with GLU segment 1 holds the up rows, numbered from output n.
+// within segment 0; with GLU rows 4-7 are up rows, numbered from output n (segment 1's rows;
+// segment 0 does not load them, but their index stays inside its block).
 fn b_row(first: u32, i: u32, seg: u32) -> u32 {
     let rank = p.seg_rank[seg];
-    let up = select(0u, p.n, GLU && seg == 1u && i >= 4u);
+    let up = select(0u, p.n, GLU && i >= 4u);
     return p.seg_b[seg] + (p.lora_row0 + slot_row(first, i) - up) * rank;
 }
 
@@ -167,8 +168,9 @@ fn b_row(first: u32, i: u32, seg: u32) -> u32 {
 // partials, before the reduction: lane l takes rank columns l, l + LANES, ..., loading per
 // column one B element of each row and one t value of each token. Without GLU all 8 rows are
 // segment 0's (a multi-token dispatch has one LoRA segment; the host checks); with GLU rows 0-3
-// (gate) are segment 0's and rows 4-7 (up) segment 1's, the other half of each call adding 0.
-// Rows past n are clamped as their weights are (never stored).
+// (gate) are segment 0's and rows 4-7 (up) segment 1's: each call loads its half's B (a
+// uniform branch) and adds 0 to the other half. Rows past n are clamped as their weights are
+// (never stored).
 fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
     let rank = p.seg_rank[seg];
     let first = s.row0 + s.group * per_invocation();
@@ -180,12 +182,18 @@ fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
     let b5 = b_row(first, 5u, seg);
     let b6 = b_row(first, 6u, seg);
     let b7 = b_row(first, 7u, seg);
-    let on_lo = select(1.0, f32(seg == 0u), GLU);
-    let on_hi = select(1.0, f32(seg == 1u), GLU);
+    let has_lo = !GLU || seg == 0u;
+    let has_hi = !GLU || seg == 1u;
     for (var c = s.lane; c < rank; c += LANES) {
         let sc = p.seg_scale[seg];
-        let lo = (sc * on_lo) * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
-        let hi = (sc * on_hi) * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
+        var lo = vec4<f32>(0.0);
+        var hi = vec4<f32>(0.0);
+        if (has_lo) {
+            lo = sc * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
+        }
+        if (has_hi) {
+            hi = sc * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
+        }
         var v = t_at(0u, seg, c);
         (*acc)[0] += lo * v;
         (*acc)[1] += hi * v;

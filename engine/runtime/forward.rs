@@ -8,8 +8,9 @@
 //! * attention: xnorm → q_proj → wide_a, k_proj → mid_a, v_proj → mid_c → norm/RoPE → wide_b and
 //!   the KV cache → attention → mid_b → o_proj added into hidden; one token (not captured for
 //!   learning): q|k|v in one dispatch → mixer_in;
-//! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden; one token: gate|up
-//!   with SwiGLU in one dispatch → mlp_g.
+//! * MLP: xnorm → gate → mlp_g, up → mlp_u → SwiGLU → down added into hidden; one token (the
+//!   single-token matvec) and 2 to 8 tokens (the batched matvec): gate|up with SwiGLU in one
+//!   dispatch → mlp_g.
 //!
 //! The projections that read one input are one weight (rows concatenated, `weights.rs`); a
 //! multi-token step runs each projection's row range into its own buffer.
