@@ -269,6 +269,31 @@ fn a_profiled_batch_times_every_dispatch_of_its_steps() {
     assert!(timed.iter().any(|t| t.family == "matvec_batch" && t.weight_bytes > 0), "the projections of 3 rows");
 }
 
+/// `Batch::generate` steps a GDN layer of all its rows in one `gdn_decode` dispatch (on the
+/// batch's pooled states), where `Batch::step` dispatches it once per session.
+#[test]
+fn batched_generation_steps_each_gdn_layer_of_all_rows_in_one_dispatch() {
+    let Some(model) = model_on_own_context() else { return };
+    let gdn_layers =
+        model.config.layer_types.iter().filter(|t| matches!(t, qwen35_wgpu::model::LayerType::Linear)).count();
+    assert!(gdn_layers > 0, "the fixture has GDN layers");
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let mut sessions: Vec<Session> = (0..3).map(|_| Session::new(model.clone(), opts()).expect("session")).collect();
+    let mut batch = Batch::new(model.clone(), 3).expect("batch");
+    if !batch.start_profile() {
+        return;
+    }
+    let gdn = |submit: &Vec<qwen35_wgpu::gpu::Timed>| submit.iter().filter(|t| t.family == "gdn_decode").count();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    batch.step(&mut rows, &ids[..3]).expect("step");
+    let prompts: Vec<&[u32]> = (0..3).map(|i| &ids[3 + i..4 + i]).collect();
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    batch.generate(&mut rows, &prompts, &[0; 3], &params).expect("generate");
+    let profile = batch.take_profile().expect("profiled");
+    let per_submit: Vec<usize> = profile.submits.iter().map(gdn).collect();
+    assert_eq!(per_submit, [3 * gdn_layers, gdn_layers, gdn_layers, gdn_layers], "a step, then 3 pooled steps");
+}
+
 #[test]
 fn sampled_batched_generation_draws_what_each_session_draws_alone() {
     let Some(f) = fixture() else { return };

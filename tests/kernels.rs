@@ -13,7 +13,9 @@ use qwen35_wgpu::gpu::{
 use qwen35_wgpu::kernels::attention::{
     attention, attention_one, attention_splits, AttnIo, AttnOneIo, AttnParams, ATTN_MAX_SPLITS,
 };
-use qwen35_wgpu::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK};
+use qwen35_wgpu::kernels::gdn::{
+    gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK, GDN_MAX_ROWS,
+};
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, linear, linear_rows, matmul_tile, matvec_lanes, shrink_out_parts, Fuse, FusedNorm, LinearIo,
@@ -1461,6 +1463,94 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
             }
         }
     }
+}
+
+/// A batch's GDN rows in one dispatch (`gdn_step_rows`): row r reads its row of `mixed`, writes
+/// its row of `core` and steps slot `slots[r]` of pooled states; every row equals its own step
+/// against the CPU reference over two steps (ping-pong), a slot no row names is left as it was,
+/// and more rows than the slot table holds is a typed error.
+#[test]
+fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
+    let Some(ctx) = ctx() else { return };
+    let dims = [cpu::GdnDims { hk: 2, hv: 4, dk: 16, dv: 16 }, cpu::GdnDims { hk: 1, hv: 3, dk: 10, dv: 14 }];
+    let (k, pool_slots) = (4usize, 5usize);
+    let slots = [3usize, 0, 4];
+    for (di, d) in dims.iter().enumerate() {
+        let (kd, vd) = (d.hk * d.dk, d.hv * d.dv);
+        let c = 2 * kd + vd;
+        let width = c + vd + 2 * d.hv;
+        let (conv_len, state_len) = (c * (k - 1), d.hv * d.dk * d.dv);
+        let conv_w = rand(c * k, 60 + di as u64, 0.5);
+        let mut gate = rand(d.hv, 61, 1.0);
+        gate.extend(rand(d.hv, 62, 1.0));
+        let norm_w = rand(d.dv, 63, 1.0);
+        let prm: Vec<f32> = conv_w.iter().chain(&gate).chain(&norm_w).copied().collect();
+        let pv = GpuVector::upload(&ctx, "prm", &prm).expect("prm");
+        let mut cpu_conv: Vec<Vec<f32>> = (0..pool_slots).map(|s| rand(conv_len, 70 + s as u64, 1.0)).collect();
+        let mut cpu_state: Vec<Vec<f32>> = (0..pool_slots).map(|s| rand(state_len, 80 + s as u64, 0.5)).collect();
+        let conv = [upload(&ctx, &cpu_conv.concat()), upload(&ctx, &vec![9.0; pool_slots * conv_len])];
+        let state = [upload(&ctx, &cpu_state.concat()), upload(&ctx, &vec![9.0; pool_slots * state_len])];
+        for step in 0..2 {
+            let rows: Vec<Vec<f32>> = (0..slots.len()).map(|r| rand(width, 90 + 10 * step + r as u64, 2.0)).collect();
+            let (mb, core) = (upload(&ctx, &rows.concat()), upload(&ctx, &vec![7.0; slots.len() * vd]));
+            let params = GdnParams {
+                t: 1,
+                c: c as u32,
+                k: k as u32,
+                hk: d.hk as u32,
+                hv: d.hv as u32,
+                dk: d.dk as u32,
+                dv: d.dv as u32,
+                eps: 1e-6,
+                ..Default::default()
+            }
+            .with_slots(&slots)
+            .expect("slots");
+            let (from, to) = (step as usize % 2, 1 - step as usize % 2);
+            let io = GdnStepIo {
+                mixed: &mb,
+                conv_in: &conv[from],
+                conv_out: &conv[to],
+                state_in: &state[from],
+                state_out: &state[to],
+                core: &core,
+            };
+            run(&ctx, |rec| gdn_step_rows(rec, &pv, &params, &io, slots.len()));
+            let got_core = read(&ctx, &core, slots.len() * vd);
+            let got_state = read(&ctx, &state[to], pool_slots * state_len);
+            let got_conv = read(&ctx, &conv[to], pool_slots * conv_len);
+            for (r, &slot) in slots.iter().enumerate() {
+                let mixed = &rows[r][..c];
+                let zba = &rows[r][c..];
+                let y = cpu::conv_silu(mixed, &mut cpu_conv[slot], &conv_w, 1, c, k);
+                let (b, ga) = (&zba[vd..vd + d.hv], &zba[vd + d.hv..]);
+                let o = cpu::delta_rule(&y, b, ga, &gate, &mut cpu_state[slot], 1, *d);
+                let want = cpu::rms_norm_gated(&o, &zba[..vd], &norm_w, d.dv, 1e-6);
+                let what = format!("pooled gdn {d:?} step {step} row {r} slot {slot}");
+                assert_close(&what, &got_core[r * vd..(r + 1) * vd], &want, KERNEL_ATOL, KERNEL_RTOL);
+                let st = &got_state[slot * state_len..(slot + 1) * state_len];
+                assert_close(&format!("{what} state"), st, &cpu_state[slot], KERNEL_ATOL, KERNEL_RTOL);
+                let cs = &got_conv[slot * conv_len..(slot + 1) * conv_len];
+                assert_close(&format!("{what} conv history"), cs, &cpu_conv[slot], EXACT, EXACT);
+            }
+            // Slots 1 and 2 are no row's: the step did not write them.
+            for idle in [1, 2] {
+                let st = &got_state[idle * state_len..(idle + 1) * state_len];
+                let want = if step == 0 { vec![9.0; state_len] } else { cpu_state[idle].clone() };
+                assert_eq!(st, want.as_slice(), "{d:?} step {step}: slot {idle} untouched");
+            }
+        }
+    }
+    let buf = upload(&ctx, &[0.0; 64]);
+    let pv = GpuVector::upload(&ctx, "prm", &[0.0; 64]).expect("prm");
+    let io = GdnStepIo { mixed: &buf, conv_in: &buf, conv_out: &buf, state_in: &buf, state_out: &buf, core: &buf };
+    let mut cache = IoBindCache::new(upload(&ctx, &[0.0; 64]));
+    let mut rec = Recorder::new(&ctx, &mut cache);
+    let params = GdnParams { t: 1, c: 8, k: 2, hk: 1, hv: 1, dk: 4, dv: 4, ..Default::default() };
+    let err = gdn_step_rows(&mut rec, &pv, &params, &io, GDN_MAX_ROWS + 1);
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    assert!(params.with_slots(&[0; GDN_MAX_ROWS + 1]).is_none(), "65 rows do not fit the slot table");
+    assert!(params.with_slots(&[256]).is_none(), "a slot is one byte");
 }
 
 /// The RoPE table of an attention layer of these dims (`rot` rotary dims of `hd`) for `s_max`

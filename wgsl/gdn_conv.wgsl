@@ -12,7 +12,7 @@
 // state:      [Hv, Dk, Dv]      recurrent state S_h (read from state_in, written to state)
 // core:       [T, Hv*Dv]        per-head outputs (before the gated RMSNorm)
 
-struct Params {
+struct Params {       // the first fields of gdn_step.wgsl's (one GdnParams on the host)
     t: u32,
     c: u32,
     k: u32,          // conv kernel width

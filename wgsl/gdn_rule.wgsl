@@ -18,7 +18,7 @@
 // of token t has passed it by then). The head's beta and decay are found once per token, WG
 // tokens at a time into workgroup memory.
 
-struct Params {
+struct Params {       // the first fields of gdn_step.wgsl's (one GdnParams on the host)
     t: u32,
     c: u32,
     k: u32,

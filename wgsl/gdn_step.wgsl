@@ -13,6 +13,11 @@
 // conv_in:    [C, K-1]      conv history before the token; conv_out: after it (another buffer)
 // state_in:   [Hv, Dk, Dv]  recurrent state before the token; state_out: after it
 // core:       [Vd]          gated-normed output (the input of out_proj), from element core_at
+// With a grid of R rows (workgroup_id.y = row r, a batched generation's pooled states), row r
+// reads mixed from mixed_at + r (C + Vd + 2 Hv), writes core from core_at + r Vd, and steps the
+// states of slot slots[r] (one byte each): conv history slot * C (K-1), recurrent state
+// slot * Hv Dk Dv. A grid of one row with slot 0 is the single-session step (gdn_decode_lora
+// takes one row: its shrink parts follow that row).
 // prm:        [C*K conv taps | A_log (Hv) | dt_bias (Hv) | norm weight (Dv)]
 // A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
 // key head's q/k conv history (the others read the same inputs and compute the same values).
@@ -35,6 +40,7 @@ struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
     mixed_at: u32,    // first element of the token's row in mixed (a batch's session row)
     core_at: u32,     // first element of its output row in core
     _pad: u32,
+    slots: array<vec4<u32>, 4>, // row r's state slot: byte r % 4 of word r / 4
 }
 
 const WG: u32 = 128u;
@@ -60,6 +66,22 @@ var<workgroup> os: array<f32, MAX_D>;
 var<workgroup> parts: array<vec2<f32>, WG>;
 var<workgroup> chunks: array<vec2<f32>, CHUNKS>;
 
+// The workgroup's row: where its token's inputs, output and states start (`rows`).
+var<private> mixed_at: u32;
+var<private> core_at: u32;
+var<private> conv_at: u32;
+var<private> state_at: u32;
+
+// Place row r's inputs, output and states (see the header).
+fn rows(r: u32) {
+    let slot = (p.slots[r / 16u][(r / 4u) % 4u] >> (8u * (r % 4u))) & 0xffu;
+    let vd = p.hv * p.dv;
+    mixed_at = p.mixed_at + r * (p.c + vd + 2u * p.hv);
+    core_at = p.core_at + r * vd;
+    conv_at = slot * p.c * (p.k - 1u);
+    state_at = slot * p.hv * p.dk * p.dv;
+}
+
 // The workgroup's sum of every invocation's `own`, returned to all. Stores `own`, then a barrier,
 // so the workgroup-memory writes before the call are visible after it.
 fn total(li: u32, own: vec2<f32>) -> vec2<f32> {
@@ -84,17 +106,18 @@ fn total(li: u32, own: vec2<f32>) -> vec2<f32> {
 fn conv_channel(ch: u32, write: bool) -> f32 {
     let km1 = p.k - 1u;
     var acc = 0.0;
+    let at = conv_at + ch * km1;
     for (var j = 0u; j < km1; j++) {
-        let v = conv_in[ch * km1 + j];
+        let v = conv_in[at + j];
         acc = fma(prm[ch * p.k + j], v, acc);
         if (write && j > 0u) {
-            conv_out[ch * km1 + j - 1u] = v;
+            conv_out[at + j - 1u] = v;
         }
     }
-    let cur = mixed[p.mixed_at + ch];
+    let cur = mixed[mixed_at + ch];
     acc = fma(prm[ch * p.k + km1], cur, acc);
     if (write && km1 > 0u) {
-        conv_out[ch * km1 + km1 - 1u] = cur;
+        conv_out[at + km1 - 1u] = cur;
     }
     return silu(acc);
 }
@@ -133,13 +156,13 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let kn = inverseSqrt(qk.y + 1e-6);
     let gates = p.c * p.k;
     let vd = p.hv * p.dv;
-    let beta = sigmoid(mixed[p.mixed_at + p.c + vd + h]);
-    let decay = exp(-exp(prm[gates + h]) * softplus(mixed[p.mixed_at + p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
+    let beta = sigmoid(mixed[mixed_at + p.c + vd + h]);
+    let decay = exp(-exp(prm[gates + h]) * softplus(mixed[mixed_at + p.c + vd + p.hv + h] + prm[gates + p.hv + h]));
     // Column j of the state: both sums over its Dk rows four rows at a time (four independent
     // sums, their loads in flight together), then the Dk mod 4 tail.
     var oo = 0.0;
     for (var j = li; j < p.dv; j += WG) {
-        let sb = h * p.dk * p.dv + j;
+        let sb = state_at + h * p.dk * p.dv + j;
         var m4 = vec4<f32>(0.0);
         var i = 0u;
         for (; i + 4u <= p.dk; i += 4u) {
@@ -173,9 +196,9 @@ fn head_step(h: u32, li: u32, keep: bool) {
     let scale = inverseSqrt(ss / f32(p.dv) + p.eps);
     let nw = gates + 2u * p.hv;
     for (var j = li; j < p.dv; j += WG) {
-        let zv = mixed[p.mixed_at + p.c + h * p.dv + j];
+        let zv = mixed[mixed_at + p.c + h * p.dv + j];
         let o = os[j] * scale * prm[nw + j] * silu(zv);
-        core[p.core_at + h * p.dv + j] = o;
+        core[core_at + h * p.dv + j] = o;
         if (keep) {
             qs[j] = o;
         }
@@ -184,17 +207,19 @@ fn head_step(h: u32, li: u32, keep: bool) {
 
 @compute @workgroup_size(128)
 fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    rows(wg.y);
     head_step(wg.x, li, false);
 }
 
 @compute @workgroup_size(128)
 fn gdn_decode_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
+    rows(wg.y);
     head_step(h, li, true);
     workgroupBarrier();
     let vd = p.hv * p.dv;
     let rank_pad = (p.lora_rank + 3u) & ~3u;
-    let at = p.core_at + vd + h * rank_pad;
+    let at = core_at + vd + h * rank_pad;
     for (var r = li; r < rank_pad; r += WG) {
         var sum = 0.0;
         if (r < p.lora_rank) {

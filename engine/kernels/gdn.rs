@@ -34,6 +34,27 @@ pub struct GdnParams {
     pub core_at: u32,
     /// Padding.
     pub _pad: u32,
+    /// `gdn_decode` over a grid of several rows (a batch's pooled states): row r's state slot
+    /// in byte `r % 4` of word `r / 4` ([`GdnParams::with_slots`]); zero for one session.
+    pub slots: [u32; 16],
+}
+
+/// Most rows one `gdn_decode` dispatch steps (one byte of `GdnParams::slots` each).
+pub const GDN_MAX_ROWS: usize = 64;
+
+impl GdnParams {
+    /// These parameters for rows whose states are slots `slots` of pooled buffers, or `None`
+    /// for more than [`GDN_MAX_ROWS`] rows or a slot past 255.
+    pub fn with_slots(self, slots: &[usize]) -> Option<Self> {
+        if slots.len() > GDN_MAX_ROWS || slots.iter().any(|&s| s > 255) {
+            return None;
+        }
+        let mut packed = [0u32; 16];
+        for (r, &s) in slots.iter().enumerate() {
+            packed[r / 4] |= (s as u32) << (8 * (r % 4));
+        }
+        Some(Self { slots: packed, ..self })
+    }
 }
 
 /// Largest conv kernel width (`MAX_K` in `gdn_conv.wgsl`); the config check rejects wider ones.
@@ -152,4 +173,30 @@ pub fn gdn_step(
             rec.dispatch(PipelineKey::plain(Kernel::GdnDecodeLora), &params, &storage, &[&prm.bind_group, s.a], groups)
         }
     }
+}
+
+/// Record one token of each of `rows` rows of a GDN layer in one dispatch (a workgroup per value
+/// head and row): row r reads its row of `io.mixed`, writes its row of `io.core` and steps the
+/// states of slot r of `params` in the pooled state buffers of `io` (see `gdn_step.wgsl`).
+pub fn gdn_step_rows(
+    rec: &mut Recorder,
+    prm: &GpuVector,
+    params: &GdnParams,
+    io: &GdnStepIo,
+    rows: usize,
+) -> Result<(), GpuError> {
+    if rows > GDN_MAX_ROWS {
+        return Err(GpuError::Validation {
+            during: "gdn_decode".into(),
+            message: format!("{rows} rows (expected at most {GDN_MAX_ROWS})"),
+        });
+    }
+    let storage = [io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core];
+    rec.dispatch(
+        PipelineKey::plain(Kernel::GdnDecode),
+        params,
+        &storage,
+        &[&prm.bind_group],
+        [params.hv, rows as u32, 1],
+    )
 }

@@ -10,16 +10,16 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
-use crate::gpu::{read_f32_via, IoBindCache, Profile, Recorder, Staging};
+use crate::gpu::{read_f32_via, GpuContext, IoBindCache, Profile, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo};
+use crate::kernels::gdn::{gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
 use crate::kernels::matmul::LinearIo;
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
-use crate::model::{AttnWeights, GdnWeights, Mixer, Model, TextConfig};
+use crate::model::{AttnWeights, GdnWeights, LayerType, Mixer, Model, TextConfig};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
-use crate::runtime::cache::{LayerState, Scratch};
+use crate::runtime::cache::{gdn_state_bytes, LayerState, Scratch};
 use crate::runtime::forward::{
     attn_params, block_input, gdn_params, gdn_step_fits, lm_head, mixer_out, mlp_block, norm_rows, project, LayerLora,
     NextReads, NextWrites, Parts, Shrunk, Src, ATTN_IN, GDN_IN,
@@ -64,6 +64,88 @@ pub struct Batch {
     run_ahead: bool,
     /// Timestamps of every dispatch while profiling (`Batch::start_profile`).
     profile: Option<Profile>,
+    /// The GDN states of `generate`'s sessions side by side, allocated by the first generation
+    /// of several sessions and grown for more (`GdnPool`).
+    pool: Option<GdnPool>,
+}
+
+/// The GDN states of a batched generation's sessions side by side (slot = the session's index
+/// in the call), so one `gdn_decode` dispatch steps a layer of every row (a workgroup per value
+/// head and row) instead of one dispatch per session: a batched step's per-session mixer
+/// dispatches are the part that does not shrink with batching (on a GPU each is Hv workgroups,
+/// 16 at the 0.8B dims, far too few to fill the device). `Batch::generate` copies each session's
+/// conv and recurrent states into its slot before the first step and back after the last; the
+/// steps ping-pong between the two parities, a row's state after j committed steps in parity
+/// j % 2 (the rows of a step all committed as many: a row leaves the batch for good). A step
+/// that is not committed (run-ahead past a row's end) wrote the other parity, as a session's own
+/// step does. Holds 2 · slots states: 38 MiB per slot at the 0.8B dims.
+struct GdnPool {
+    slots: usize,
+    /// Each slot's session position when its states were copied in.
+    start: Vec<usize>,
+    /// Per layer: conv histories and recurrent states, two parities each; `None` for attention.
+    layers: Vec<Option<GdnPair>>,
+}
+
+/// (conv histories, recurrent states) of a pooled GDN layer, two parities each.
+type GdnPair = ([wgpu::Buffer; 2], [wgpu::Buffer; 2]);
+
+/// A step's rows in the pool: row r is slot `slots[r]`, at parity `parity`.
+#[derive(Clone, Copy)]
+struct PoolRows<'a> {
+    pool: &'a GdnPool,
+    slots: &'a [usize],
+    parity: usize,
+}
+
+impl GdnPool {
+    fn new(ctx: &GpuContext, c: &TextConfig, slots: usize) -> Result<Self, GpuError> {
+        let (conv, state) = gdn_state_bytes(c);
+        let layers = c
+            .layer_types
+            .iter()
+            .enumerate()
+            .map(|(i, ty)| {
+                if !matches!(ty, LayerType::Linear) {
+                    return Ok(None);
+                }
+                let buf = |what: &str, p: usize, bytes: u64| {
+                    ctx.storage_buffer(&format!("batch pool layers.{i}.{what}[{p}]"), bytes * slots as u64, true)
+                };
+                let convs = [buf("conv_state", 0, conv)?, buf("conv_state", 1, conv)?];
+                let states = [buf("recurrent_state", 0, state)?, buf("recurrent_state", 1, state)?];
+                Ok(Some((convs, states)))
+            })
+            .collect::<Result<_, GpuError>>()?;
+        Ok(Self { slots, start: Vec::new(), layers })
+    }
+
+    /// Copy session `i`'s states into slot `i` of parity 0 (`into`, noting its position) or
+    /// slot `i`'s states at the parity of its committed steps since then back into the session.
+    fn copy(&mut self, ctx: &GpuContext, c: &TextConfig, sessions: &[&mut Session], into: bool) {
+        if into {
+            self.start = sessions.iter().map(|s| s.pos).collect();
+        }
+        let start = &self.start;
+        let (conv_bytes, state_bytes) = gdn_state_bytes(c);
+        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("batch pool") });
+        for (layer, pooled) in self.layers.iter().enumerate() {
+            let Some((pc, ps)) = pooled else { continue };
+            for (i, s) in sessions.iter().enumerate() {
+                let LayerState::Gdn { conv, state } = &s.states[layer] else { continue };
+                let at = (s.pos - start[i]) % 2;
+                for (own, pool, bytes) in [(&conv[s.parity], pc, conv_bytes), (&state[s.parity], ps, state_bytes)] {
+                    let slot = i as u64 * bytes;
+                    if into {
+                        enc.copy_buffer_to_buffer(own, 0, &pool[0], slot, bytes);
+                    } else {
+                        enc.copy_buffer_to_buffer(&pool[at], slot, own, 0, bytes);
+                    }
+                }
+            }
+        }
+        ctx.submit(enc.finish(), 0);
+    }
 }
 
 /// Where a batched step's token ids come from.
@@ -137,6 +219,7 @@ impl Batch {
             lora_t: None,
             run_ahead: !ctx.is_cpu(),
             profile: None,
+            pool: None,
         })
     }
 
@@ -222,7 +305,17 @@ impl Batch {
     /// adapter set), in one step; returns every row's logits and commits the token to each
     /// session. Nothing changes on error.
     pub fn step(&mut self, sessions: &mut [&mut Session], ids: &[u32]) -> Result<Logits, RunError> {
-        self.submit(sessions, StepIds::Host(ids), Head::Logits)?;
+        self.step_rows(sessions, ids, None)
+    }
+
+    /// [`Batch::step`], on the pooled states of slots `slots` where given.
+    fn step_rows(
+        &mut self,
+        sessions: &mut [&mut Session],
+        ids: &[u32],
+        slots: Option<&[usize]>,
+    ) -> Result<Logits, RunError> {
+        self.submit(sessions, StepIds::Host(ids), Head::Logits, slots)?;
         let (ctx, n, vocab) = (&self.model.ctx, sessions.len(), self.model.config.vocab_size);
         let data = read_f32_via(ctx, &self.logits, 0, n * vocab, &self.staging)?;
         commit(sessions);
@@ -250,8 +343,9 @@ impl Batch {
         sessions: &mut [&mut Session],
         ids: &[u32],
         (k, hists, mass): (usize, &[Vec<u32>], Option<f32>),
+        slots: Option<&[usize]>,
     ) -> Result<Vec<SampleRead>, RunError> {
-        let index = self.submit(sessions, StepIds::Host(ids), Head::Sample { k, hists, mass })?;
+        let index = self.submit(sessions, StepIds::Host(ids), Head::Sample { k, hists, mass }, slots)?;
         commit(sessions);
         let shape = |r: usize| (k, hists[r].len(), mass.is_some());
         sessions.iter().enumerate().map(|(r, s)| s.read_sample(index.clone(), shape(r), s.pos - 1)).collect()
@@ -263,12 +357,15 @@ impl Batch {
         Ok(read_f32_via(&self.model.ctx, &self.logits, row * vocab, vocab, &self.staging)?)
     }
 
-    /// Record and submit one step of every row, ending with `head`; nothing is committed.
+    /// Record and submit one step of every row, ending with `head`; nothing is committed. With
+    /// `slots` (during `generate` with the pool: row r's slot), the GDN layers step the pooled
+    /// states.
     fn submit(
         &mut self,
         sessions: &mut [&mut Session],
         ids: StepIds,
         head: Head,
+        slots: Option<&[usize]>,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
         let n = sessions.len();
         let given = match ids {
@@ -316,6 +413,16 @@ impl Batch {
             }
         }
         self.bind_lora(sessions)?;
+        let pooled = match (slots, &self.pool) {
+            (Some(slots), Some(pool)) => {
+                let parity = match (sessions.first(), slots.first()) {
+                    (Some(s), Some(&i)) => (s.pos - pool.start[i]) % 2,
+                    _ => 0,
+                };
+                Some(PoolRows { pool, slots, parity })
+            }
+            _ => None,
+        };
         let model = self.model.clone();
         let ctx = &model.ctx;
         let c = &model.config;
@@ -344,7 +451,7 @@ impl Batch {
                 n,
             )?;
             match &layer.mixer {
-                Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
+                Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, (sessions, pooled), i, mixer_in, lora)?,
                 Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
             }
             let mlp_in = block_input(
@@ -394,7 +501,11 @@ impl Batch {
     /// logit. Each session draws with its own [`Sampler`].
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
     /// without one). One session runs its own generation, which is faster than a batched step
-    /// of one row (the same tokens; see `generate_alone`).
+    /// of one row (the same tokens; see `generate_alone`). Several sessions step their GDN
+    /// layers together on the batch's pool of their states (`GdnPool`), which the first such
+    /// call allocates for its sessions and the batch keeps: two copies of each session's GDN
+    /// states (38 MiB a session at the 0.8B dims); where it cannot be allocated, each session
+    /// steps on its own states.
     pub fn generate(
         &mut self,
         sessions: &mut [&mut Session],
@@ -424,14 +535,12 @@ impl Batch {
             s.check_at(prompts[i], s.pos - fed[i])?;
             samplers.push(Sampler::from_params(params)?);
         }
-        let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
         if params.max_tokens == 0 {
-            return Ok(out);
+            return Ok(vec![Vec::new(); n]);
         }
         if let [only] = sessions {
             return Ok(vec![self.generate_alone(only, prompts[0], fed[0], params)?]);
         }
-        let mut history: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
         let mut next: Vec<u32> = Vec::with_capacity(n);
         for (i, s) in sessions.iter_mut().enumerate() {
             let rest = &prompts[i][fed[i]..];
@@ -440,11 +549,63 @@ impl Batch {
             }
             next.push(rest[rest.len() - 1]);
         }
+        // The rows' GDN states go into the pool for the steps and back after them, also when a
+        // step fails (the sessions keep the tokens committed so far).
+        let pooled = self.pool_in(sessions);
         // Plain greedy rows (the same params for every row) are chosen on the GPU; sampled rows
         // draw from candidates found on the GPU where the settings allow (`generate`'s rule).
-        if samplers.first().is_some_and(Sampler::is_plain_greedy) {
-            return self.generate_greedy(sessions, &next, params);
+        let out = if samplers.first().is_some_and(Sampler::is_plain_greedy) {
+            self.generate_greedy(sessions, &next, params, pooled)
+        } else {
+            self.generate_sampled(sessions, prompts, next, samplers, params, pooled)
+        };
+        if pooled {
+            self.pool_out(sessions);
         }
+        out
+    }
+
+    /// Copy the sessions' GDN states into the pool (allocated or grown for them), where their
+    /// layers' steps fit one `gdn_decode` dispatch and the pool fits the device; whether it did.
+    fn pool_in(&mut self, sessions: &[&mut Session]) -> bool {
+        let (ctx, c) = (&self.model.ctx, &self.model.config);
+        if !gdn_step_fits(c) || sessions.len() > GDN_MAX_ROWS {
+            return false;
+        }
+        if self.pool.as_ref().is_none_or(|p| p.slots < sessions.len()) {
+            // The old pool goes first: only the larger one is held.
+            self.pool = None;
+            self.pool = GdnPool::new(ctx, c, sessions.len()).ok();
+        }
+        match &mut self.pool {
+            Some(pool) => {
+                pool.copy(ctx, c, sessions, true);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Copy the pooled GDN states back into the sessions.
+    fn pool_out(&mut self, sessions: &[&mut Session]) {
+        if let Some(pool) = &mut self.pool {
+            pool.copy(&self.model.ctx, &self.model.config, sessions, false);
+        }
+    }
+
+    /// [`Batch::generate`]'s sampled decoding from the rows' last prompt tokens `next`.
+    fn generate_sampled(
+        &mut self,
+        sessions: &mut [&mut Session],
+        prompts: &[&[u32]],
+        mut next: Vec<u32>,
+        mut samplers: Vec<Sampler>,
+        params: &GenerateParams,
+        pooled: bool,
+    ) -> Result<Vec<Vec<u32>>, RunError> {
+        let n = sessions.len();
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
+        let mut history: Vec<Vec<u32>> = prompts.iter().map(|p| p.to_vec()).collect();
         let eos = self.model.eos_token_ids.clone();
         let vocab = self.model.config.vocab_size;
         let candidates = samplers.first().and_then(|s| s.gpu_candidates(vocab, topk_max(vocab)));
@@ -458,13 +619,14 @@ impl Batch {
         let mut live: Vec<usize> = (0..n).collect();
         while !live.is_empty() {
             let step = {
+                let slots = pooled.then_some(live.as_slice());
                 let mut rows = pick(sessions, &live);
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
                 if let Some(k) = candidates {
                     let hists: Vec<Vec<u32>> = live.iter().map(|&i| distinct[i].iter().copied().collect()).collect();
-                    StepOut::Sampled(self.step_sample(&mut rows, &ids, (k, &hists, mass))?)
+                    StepOut::Sampled(self.step_sample(&mut rows, &ids, (k, &hists, mass), slots)?)
                 } else {
-                    StepOut::Logits(self.step(&mut rows, &ids)?)
+                    StepOut::Logits(self.step_rows(&mut rows, &ids, slots)?)
                 }
             };
             let mut still = Vec::with_capacity(live.len());
@@ -539,6 +701,7 @@ impl Batch {
         sessions: &mut [&mut Session],
         first: &[u32],
         params: &GenerateParams,
+        pooled: bool,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let eos = self.model.eos_token_ids.clone();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); sessions.len()];
@@ -547,7 +710,9 @@ impl Batch {
         let mut live: Vec<usize> = (0..sessions.len()).collect();
         let mut slot = 0;
         let mut staged = live.clone();
-        let mut index = self.submit(&mut pick(sessions, &live), StepIds::Host(first), Head::Choose { slot })?;
+        let ids = StepIds::Host(first);
+        let mut index =
+            self.submit(&mut pick(sessions, &live), ids, Head::Choose { slot }, pooled.then_some(live.as_slice()))?;
         commit_rows(sessions, &live);
         loop {
             // Rows whose token of this step is not their last run ahead on it.
@@ -562,7 +727,8 @@ impl Batch {
                 .unzip();
             let ahead = if self.run_ahead && !ahead_rows.is_empty() {
                 let mut rows = pick(sessions, &ahead_rows);
-                Some(self.submit(&mut rows, StepIds::Chosen(&from), Head::Choose { slot: 1 - slot })?)
+                let head = Head::Choose { slot: 1 - slot };
+                Some(self.submit(&mut rows, StepIds::Chosen(&from), head, pooled.then_some(ahead_rows.as_slice()))?)
             } else {
                 None
             };
@@ -592,7 +758,13 @@ impl Batch {
                     staged = ahead_rows;
                 }
                 _ => {
-                    index = self.submit(&mut pick(sessions, &still), StepIds::Host(&next), Head::Choose { slot })?;
+                    let ids = StepIds::Host(&next);
+                    index = self.submit(
+                        &mut pick(sessions, &still),
+                        ids,
+                        Head::Choose { slot },
+                        pooled.then_some(still.as_slice()),
+                    )?;
                     staged = still.clone();
                 }
             }
@@ -666,8 +838,9 @@ impl Batch {
 }
 
 /// A GDN layer for every row: the input projections for all rows (row k of `mixer_in` is
-/// session k's qkv|z|b|a), then per session the fused step reading its row and writing its output
-/// row of `mid_b` on its own states, then out_proj for all rows. Where the fused step does not fit
+/// session k's qkv|z|b|a), then the fused step of every row in one dispatch on the pooled states
+/// (`pooled`), else per session on its own states, reading its row and writing its output row of
+/// `mid_b`, then out_proj for all rows. Where the fused step does not fit
 /// (wide heads), each row is copied into the session's scratch for the unfused kernels and back.
 #[allow(clippy::too_many_arguments)]
 fn gdn_rows(
@@ -675,7 +848,7 @@ fn gdn_rows(
     c: &TextConfig,
     sc: &Scratch,
     w: &GdnWeights,
-    sessions: &[&mut Session],
+    (sessions, pooled): (&[&mut Session], Option<PoolRows>),
     layer: usize,
     (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
@@ -689,6 +862,21 @@ fn gdn_rows(
         project(rec, c, part, &LinearIo { y_offset: at, ..src.io(&sc.mixer_in, n, width) }, src, &s)?;
     }
     let params = gdn_params(c, 1);
+    if let Some(PoolRows { pool, slots, parity }) = pooled {
+        let (Some((conv, state)), Some(params)) = (&pool.layers[layer], params.with_slots(slots)) else {
+            return Err(mismatch(layer));
+        };
+        let io = GdnStepIo {
+            mixed: &sc.mixer_in,
+            conv_in: &conv[parity],
+            conv_out: &conv[1 - parity],
+            state_in: &state[parity],
+            state_out: &state[1 - parity],
+            core: &sc.mid_b,
+        };
+        gdn_step_rows(rec, &w.step_params, &params, &io, n)?;
+        return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (None, NextWrites::default()));
+    }
     let f = |e: usize| (e * 4) as u64;
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Gdn { conv, state } = &sess.states[layer] else {

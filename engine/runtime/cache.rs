@@ -117,6 +117,13 @@ impl Scratch {
     }
 }
 
+/// Bytes of one session's (conv history, recurrent state) of a GDN layer.
+pub fn gdn_state_bytes(c: &TextConfig) -> (u64, u64) {
+    let conv = c.conv_dim() as u64 * (c.conv_kernel as u64 - 1) * 4;
+    let state = c.linear_value_heads as u64 * c.linear_key_dim as u64 * c.linear_value_dim as u64 * 4;
+    (conv, state)
+}
+
 /// Allocate every layer's state for a context of `positions` tokens.
 pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Result<Vec<LayerState>, GpuError> {
     c.layer_types
@@ -132,8 +139,7 @@ pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Resul
                     }
                 }
                 LayerType::Linear => {
-                    let conv = c.conv_dim() as u64 * (c.conv_kernel as u64 - 1) * 4;
-                    let state = c.linear_value_heads as u64 * c.linear_key_dim as u64 * c.linear_value_dim as u64 * 4;
+                    let (conv, state) = gdn_state_bytes(c);
                     let buf = |what: &str, p: usize, bytes: u64| {
                         ctx.storage_buffer(&format!("layers.{i}.{what}[{p}]"), bytes, true)
                     };
