@@ -1321,17 +1321,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                 let a = rand(t * d.hv, seed + 2, 3.0);
                 let (mb, bb, ab) = (upload(&ctx, &mixed), upload(&ctx, &b), upload(&ctx, &a));
                 let (yb, core) = (upload(&ctx, &vec![0.0; t * c]), upload(&ctx, &vec![0.0; t * d.hv * d.dv]));
-                let params = GdnParams {
-                    t: t as u32,
-                    c: c as u32,
-                    k: k as u32,
-                    hk: d.hk as u32,
-                    hv: d.hv as u32,
-                    dk: d.dk as u32,
-                    dv: d.dv as u32,
-                    eps: 0.0,
-                    ..Default::default()
-                };
+                let params = gdn_test_params(t, c, k, d, 0.0);
                 let (from, to) = (step % 2, 1 - step % 2);
                 let io = GdnIo {
                     mixed: &mb,
@@ -1382,6 +1372,35 @@ fn delta_rule_refuses_head_dims_past_its_registers() {
     }
 }
 
+/// The fused GDN step's buffers on step `step` of ping-pong pairs `conv` and `state`: it reads
+/// parity `step % 2` and writes the other.
+fn step_io<'a>(
+    mixed: &'a wgpu::Buffer,
+    conv: &'a [wgpu::Buffer; 2],
+    state: &'a [wgpu::Buffer; 2],
+    core: &'a wgpu::Buffer,
+    step: usize,
+) -> GdnStepIo<'a> {
+    let (from, to) = (step % 2, 1 - step % 2);
+    GdnStepIo { mixed, conv_in: &conv[from], conv_out: &conv[to], state_in: &state[from], state_out: &state[to], core }
+}
+
+/// The GDN kernels' parameters for `t` tokens of `c` conv channels, conv width `k`, heads `d`
+/// and norm epsilon `eps`.
+fn gdn_test_params(t: usize, c: usize, k: usize, d: &cpu::GdnDims, eps: f32) -> GdnParams {
+    GdnParams {
+        t: t as u32,
+        c: c as u32,
+        k: k as u32,
+        hk: d.hk as u32,
+        hv: d.hv as u32,
+        dk: d.dk as u32,
+        dv: d.dv as u32,
+        eps,
+        ..Default::default()
+    }
+}
+
 #[test]
 fn fused_gdn_token_step_matches_reference_across_steps() {
     let Some(ctx) = ctx() else { return };
@@ -1423,25 +1442,9 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let params = GdnParams {
                     mixed_at: lead_in as u32,
                     core_at: lead_out as u32,
-                    t: 1,
-                    c: c as u32,
-                    k: k as u32,
-                    hk: d.hk as u32,
-                    hv: d.hv as u32,
-                    dk: d.dk as u32,
-                    dv: d.dv as u32,
-                    eps: 1e-6,
-                    ..Default::default()
+                    ..gdn_test_params(1, c, k, d, 1e-6)
                 };
-                let (from, to) = (step % 2, 1 - step % 2);
-                let io = GdnStepIo {
-                    mixed: &mb,
-                    conv_in: &conv[from],
-                    conv_out: &conv[to],
-                    state_in: &state[from],
-                    state_out: &state[to],
-                    core: &core,
-                };
+                let (io, to) = (step_io(&mb, &conv, &state, &core, step), 1 - step % 2);
                 let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
                 run(&ctx, |rec| gdn_step(rec, &pv, &params, &io, shrink));
                 let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, 1, c, k);
@@ -1493,28 +1496,8 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
         for step in 0..2 {
             let rows: Vec<Vec<f32>> = (0..slots.len()).map(|r| rand(width, 90 + 10 * step + r as u64, 2.0)).collect();
             let (mb, core) = (upload(&ctx, &rows.concat()), upload(&ctx, &vec![7.0; slots.len() * vd]));
-            let params = GdnParams {
-                t: 1,
-                c: c as u32,
-                k: k as u32,
-                hk: d.hk as u32,
-                hv: d.hv as u32,
-                dk: d.dk as u32,
-                dv: d.dv as u32,
-                eps: 1e-6,
-                ..Default::default()
-            }
-            .with_slots(&slots)
-            .expect("slots");
-            let (from, to) = (step as usize % 2, 1 - step as usize % 2);
-            let io = GdnStepIo {
-                mixed: &mb,
-                conv_in: &conv[from],
-                conv_out: &conv[to],
-                state_in: &state[from],
-                state_out: &state[to],
-                core: &core,
-            };
+            let params = gdn_test_params(1, c, k, d, 1e-6).with_slots(&slots).expect("slots");
+            let (io, to) = (step_io(&mb, &conv, &state, &core, step as usize), 1 - step as usize % 2);
             run(&ctx, |rec| gdn_step_rows(rec, &pv, &params, &io, slots.len()));
             let got_core = read(&ctx, &core, slots.len() * vd);
             let got_state = read(&ctx, &state[to], pool_slots * state_len);
