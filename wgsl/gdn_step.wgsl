@@ -27,7 +27,7 @@
 // = A[:, h*Dv .. (h+1)*Dv] . core[h*Dv .. (h+1)*Dv], where A is the group's [rank, Vd] shrink
 // matrix; matvec.wgsl sums the Hv parts in out_proj's prologue (no shrink dispatch).
 
-struct Params {       // the same as gdn_conv.wgsl's (one GdnParams on the host)
+struct Params {       // one GdnParams on the host; gdn_conv.wgsl's and gdn_rule.wgsl's are its first fields
     t: u32,           // 1 here
     c: u32,
     k: u32,

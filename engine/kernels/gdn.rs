@@ -5,7 +5,8 @@ use crate::error::GpuError;
 use crate::gpu::{GpuVector, Recorder};
 use crate::kernels::{Kernel, PipelineKey};
 
-/// Mirrors `Params` in `gdn_conv.wgsl`, `gdn_rule.wgsl` and `gdn_step.wgsl`.
+/// Mirrors `Params` in `gdn_step.wgsl`; `gdn_conv.wgsl` and `gdn_rule.wgsl` declare its first fields
+/// (all but `slots`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct GdnParams {

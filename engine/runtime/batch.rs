@@ -65,7 +65,7 @@ pub struct Batch {
     /// Timestamps of every dispatch while profiling (`Batch::start_profile`).
     profile: Option<Profile>,
     /// The GDN states of `generate`'s sessions side by side, allocated by the first generation
-    /// of several sessions and grown for more (`GdnPool`).
+    /// of several sessions and grown for more (`GdnPool`, `Batch::pool_in`).
     pool: Option<GdnPool>,
 }
 
@@ -503,9 +503,9 @@ impl Batch {
     /// without one). One session runs its own generation, which is faster than a batched step
     /// of one row (the same tokens; see `generate_alone`). Several sessions step their GDN
     /// layers together on the batch's pool of their states (`GdnPool`), which the first such
-    /// call allocates for its sessions and the batch keeps: two copies of each session's GDN
-    /// states (38 MiB a session at the 0.8B dims); where it cannot be allocated, each session
-    /// steps on its own states.
+    /// call allocates for its sessions (rounded up to a power of two) and the batch keeps: two
+    /// copies of each slot's GDN states (38 MiB a slot at the 0.8B dims); where it cannot be
+    /// allocated, each session steps on its own states.
     pub fn generate(
         &mut self,
         sessions: &mut [&mut Session],
@@ -573,9 +573,13 @@ impl Batch {
             return false;
         }
         if self.pool.as_ref().is_none_or(|p| p.slots < sessions.len()) {
-            // The old pool goes first: only the larger one is held.
+            // The old pool goes first (with the cached bind groups, which hold its buffers), so
+            // only the larger one is held; sized to a power of two, within the batch's rows, so
+            // that batches growing one session at a time reallocate it a few times only.
+            self.io.forget_groups();
             self.pool = None;
-            self.pool = GdnPool::new(ctx, c, sessions.len()).ok();
+            let slots = sessions.len().next_power_of_two().min(self.rows);
+            self.pool = GdnPool::new(ctx, c, slots).ok();
         }
         match &mut self.pool {
             Some(pool) => {
