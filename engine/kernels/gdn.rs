@@ -165,15 +165,18 @@ pub fn gdn_step(
     io: &GdnStepIo,
     shrink: Option<HeadShrink>,
 ) -> Result<(), GpuError> {
+    let Some(s) = shrink else {
+        return gdn_step_rows(rec, prm, params, io, 1);
+    };
     let storage = [io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core];
-    let groups = [params.hv, 1, 1];
-    match shrink {
-        None => rec.dispatch(PipelineKey::plain(Kernel::GdnDecode), params, &storage, &[&prm.bind_group], groups),
-        Some(s) => {
-            let params = GdnParams { lora_rank: s.rank as u32, ..*params };
-            rec.dispatch(PipelineKey::plain(Kernel::GdnDecodeLora), &params, &storage, &[&prm.bind_group, s.a], groups)
-        }
-    }
+    let params = GdnParams { lora_rank: s.rank as u32, ..*params };
+    rec.dispatch(
+        PipelineKey::plain(Kernel::GdnDecodeLora),
+        &params,
+        &storage,
+        &[&prm.bind_group, s.a],
+        [params.hv, 1, 1],
+    )
 }
 
 /// Record one token of each of `rows` rows of a GDN layer in one dispatch (a workgroup per value

@@ -867,9 +867,13 @@ fn gdn_rows(
     }
     let params = gdn_params(c, 1);
     if let Some(PoolRows { pool, slots, parity }) = pooled {
-        let (Some((conv, state)), Some(params)) = (&pool.layers[layer], params.with_slots(slots)) else {
+        let Some((conv, state)) = &pool.layers[layer] else {
             return Err(mismatch(layer));
         };
+        let params = params.with_slots(slots).ok_or_else(|| GpuError::Validation {
+            during: format!("layer {layer}"),
+            message: format!("pooled slots {slots:?} (expected at most {GDN_MAX_ROWS} rows, each slot below 256)"),
+        })?;
         let io = GdnStepIo {
             mixed: &sc.mixer_in,
             conv_in: &conv[parity],

@@ -541,17 +541,16 @@ pub(crate) fn mlp_block(
 ) -> Result<(), GpuError> {
     let i = c.intermediate_size;
     let part = |parts| Parts { w: &w.gate_up, order: &MLP_IN, parts };
+    let both = part(0..2);
+    let gate_up = both.rows(c);
     let mut split = None;
-    if t == 1 && part(0..2).rows(c).in_one_chunk() {
+    if t == 1 && gate_up.in_one_chunk() {
         // down_proj's shrink, written by the SwiGLU dispatch.
         split = split_out(rec.ctx(), lora, (InputGroup::MlpOut, None), (2 * i, true), &sc.mlp_g);
         let shrink_out = split.as_ref().map(|(out, _)| *out);
         let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
-    } else if batched_matvec_takes(&part(0..2).rows(c), t, src.offset)
-        && part(0..2).rows(c).in_one_chunk()
-        && src.fuse.code() == 0
-    {
+    } else if batched_matvec_takes(&gate_up, t, src.offset) && gate_up.in_one_chunk() && src.fuse.code() == 0 {
         let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
     } else {
