@@ -18,9 +18,9 @@ use qwen35_wgpu::kernels::gdn::{
 };
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
-    batch_tokens, linear, linear_rows, matmul_tile, matvec_lanes, shrink_out_parts, Fuse, FusedNorm, LinearIo,
-    LoraExpand, LoraSegment, NormOut, ScaleTableAt, ShrinkOut, SplitShrink, WeightRows, MATMUL_TILES,
-    MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    batch_tokens, linear, linear_rows, matmul_overrides, matmul_split, matmul_split_floats, matmul_tile, matvec_lanes,
+    shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, NormOut, ScaleTableAt, ShrinkOut,
+    SplitShrink, WeightRows, MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES, SPLIT_MIN_SPAN,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
@@ -630,6 +630,70 @@ fn matmul_sweep_matches_reference() {
     }
 }
 
+#[test]
+fn matmul_splits_its_reduction_where_its_tiles_leave_the_device_idle() {
+    // A context of its own: the dispatch counters below are this test's alone.
+    let Some(ctx) = common::gpu_with(GpuOptions::default()) else { return };
+    let g = ctx.min_workgroups();
+    // (m, n, k): one tile over a long reduction, which splits on any device (the shape of a LoRA
+    // shrink at prefill, or of GDN's b and a): k a multiple of 16, of 8 only (the last slice ends
+    // in a partial step), odd (element staging), a 128-token tile; then a grid of tiles too short
+    // in k to split.
+    let shapes = [(128, 16, 3584), (31, 40, 1032), (5, 33, 1001), (70, 64, 2048), (1100, 1800, 24)];
+    for (si, &(m, n, k)) in shapes.iter().enumerate() {
+        let (slices, span) = matmul_split(m, n, k, matmul_tile(m, n, g), g);
+        assert_eq!(slices > 1, si < 4, "m{m} n{n} k{k}: {slices} slices of {span}");
+        if slices > 1 {
+            assert!(span % 16 == 0 && span >= SPLIT_MIN_SPAN, "m{m} n{n} k{k}: span {span}");
+            assert!((slices - 1) * span < k && k <= slices * span, "m{m} n{n} k{k}: {slices} slices of {span}");
+        }
+        for dtype in [Dtype::F32, Dtype::BF16, Dtype::F16] {
+            // The 16-byte path, an unaligned x, a weight in two bindings (each chunk splits on its
+            // own), a fused expand (slice 0 adds it); odd ranks accumulate into y.
+            for (x_off, chunk_rows, rank) in [(4, n, 0), (1, n, 3), (4, 24, 5), (4, n, 20)] {
+                let before = ctx.counters();
+                check_linear(&ctx, (m, n, k), dtype, (x_off, chunk_rows, rank), 1300 + si as u64 * 13);
+                // Each chunk's matmul, and the sum of its slices where it splits.
+                let chunks = n.div_ceil(chunk_rows.min(n)) as u64;
+                let want = if slices > 1 { 2 * chunks } else { chunks };
+                let what = format!("m{m} n{n} k{k} {dtype:?} rank {rank}: dispatches");
+                assert_eq!((ctx.counters() - before).dispatches, want, "{what}");
+            }
+        }
+    }
+}
+
+#[test]
+fn split_reductions_fit_their_scratch_and_cover_k() {
+    // Every prompt length up to two tiles of 128, output widths from one column to a wide
+    // projection, reductions from too short to split to down_proj's, on a CPU adapter's and a
+    // GPU's minimum workgroups.
+    let mut splits = 0;
+    for g in [4, 128] {
+        for m in 9..=256 {
+            for n in [1, 16, 40, 64, 65, 256, 1024, 2048, 4096, 6144] {
+                for k in [24, 255, 256, 512, 1000, 1024, 2048, 3584] {
+                    let variant = matmul_tile(m, n, g);
+                    let (slices, span) = matmul_split(m, n, k, variant, g);
+                    let (tm, tn) = matmul_overrides(variant);
+                    let tiles = n.div_ceil(tn as usize) * m.div_ceil(tm as usize);
+                    let what = format!("m{m} n{n} k{k} g{g}: {slices} slices of {span} over {tiles} tiles");
+                    if slices == 1 {
+                        assert_eq!(span, k, "{what}");
+                        continue;
+                    }
+                    splits += 1;
+                    assert!(span % 16 == 0 && span >= SPLIT_MIN_SPAN, "{what}");
+                    assert!((slices - 1) * span < k && k <= slices * span, "{what}");
+                    assert!(2 * tiles <= g && slices * tiles <= g, "{what}");
+                    assert!((slices * m * n) as u64 <= matmul_split_floats(g), "{what}");
+                }
+            }
+        }
+    }
+    assert!(splits > 0, "no shape split");
+}
+
 /// A linear layer of `m` tokens `[n, k]` in `dtype` (x from element `x_off`, the weight in chunks
 /// of `chunk_rows` rows, a rank-`rank` LoRA expand, accumulating for odd ranks) vs the reference.
 fn check_linear(
@@ -839,7 +903,8 @@ fn affine_sweep(ctx: &GpuContext) {
     // long one (tiled matmul); (x offset, rows per chunk, LoRA rank): the 16-byte paths, an
     // unaligned x (element-wise), a weight split across bindings, a fused expand; the last
     // shape takes 128 x 128 tiles on any device (aligned, with a fused expand only).
-    let shapes = [(1, 37, 128), (1, 300, 256), (3, 37, 128), (20, 70, 384), (1100, 1800, 128)];
+    // (20, 37, 1024) is one tile over a reduction long enough to split on any device.
+    let shapes = [(1, 37, 128), (1, 300, 256), (3, 37, 128), (20, 70, 384), (20, 37, 1024), (1100, 1800, 128)];
     for (fi, &(bits, group, scales)) in formats.iter().enumerate() {
         let a = Affine { bits, group, scales };
         for (si, &(m, n, k)) in shapes.iter().enumerate() {

@@ -73,7 +73,7 @@ struct Params {
     ssq_at: u32,
     ssq_parts: u32,
     ssq_parts_at: u32,
-    _pad: u32,
+    k_span: u32,     // matmul: inputs one slice of a split reduction takes (k: unsplit)
     seg_end: vec4<u32>,
     seg_rank: vec4<u32>,
     seg_t: vec4<u32>,

@@ -28,6 +28,13 @@
 // + 4, so the 16 lanes of a row read consecutive vec4. The loads for step s + 1 are issued into
 // registers before step s is computed. When K is not a multiple of 8 or x is not 16-byte
 // aligned, tiles are staged element by element.
+//
+// Split K: where the grid of tiles is too small to fill the device (few outputs: the narrow
+// residual projections, the LoRA shrinks, GDN's b and a), the host splits the reduction into
+// slices of k_span inputs (a multiple of BK), one per workgroup z. Slice z reduces inputs
+// z * k_span .. + k_span and stores its partial tile at y_offset + z * m * y_stride (a scratch
+// buffer, never accumulating); a second dispatch adds the slices into y in order. The LoRA expand
+// is added by slice 0 only. Unsplit: k_span = k, one slice.
 
 override TM: u32 = 128u; // tile rows (tokens): 128, 64, 32 or 16
 override TN: u32 = 64u;  // tile columns (outputs): 64 or 128
@@ -127,10 +134,10 @@ struct Staged {
 
 // Issue the loads of K step k0: x chunk li (< 2 TM) is row li % TM, k chunk li / TM (of 8);
 // w chunk c = li + j * WG (< 2 TN) is row c % TN, k chunk c / TN.
-fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
+fn load_step(k0: u32, k_hi: u32, row0: u32, col0: u32, li: u32) -> Staged {
     var s: Staged;
     let kx = k0 + (li / TM) * 8u;
-    if (li < 2u * TM && kx < p.k && row0 + li % TM < p.m) {
+    if (li < 2u * TM && kx < k_hi && row0 + li % TM < p.m) {
         let xe = (p.x_offset + (row0 + li % TM) * p.x_stride + kx) >> 2u;
         s.xa = x[xe];
         s.xb = x[xe + 1u];
@@ -138,7 +145,7 @@ fn load_step(k0: u32, row0: u32, col0: u32, li: u32) -> Staged {
     for (var j = 0u; j < W_CHUNKS; j++) {
         let c = li + j * WG;
         let kw = k0 + (c / TN) * 8u;
-        if (c >= 2u * TN || kw >= p.k) {
+        if (c >= 2u * TN || kw >= k_hi) {
             continue;
         }
         let wr = p.w_row0 + min(col0 + c % TN, p.n - 1u);
@@ -182,14 +189,14 @@ fn store_step(s: Staged, li: u32) {
     }
 }
 
-// Element-wise staging of K step k0 (any K, any x offset).
-fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
+// Element-wise staging of K step k0 (any K, any x offset), inputs below k_hi.
+fn stage_elements(k0: u32, k_hi: u32, row0: u32, col0: u32, li: u32) {
     for (var idx = li; idx < BK * TM; idx += WG) {
         let r = idx % TM;
         let kk = idx / TM;
         let kg = k0 + kk;
         var xv = 0.0;
-        if (kg < p.k && row0 + r < p.m) {
+        if (kg < k_hi && row0 + r < p.m) {
             xv = x_elem(p.x_offset + (row0 + r) * p.x_stride + kg);
         }
         put_x(kk, r, xv);
@@ -199,32 +206,35 @@ fn stage_elements(k0: u32, row0: u32, col0: u32, li: u32) {
         let kk = idx / TN;
         let kg = k0 + kk;
         var wv = 0.0;
-        if (kg < p.k) {
+        if (kg < k_hi) {
             wv = weight_at((p.w_row0 + min(col0 + c, p.n - 1u)) * p.k + kg);
         }
         put_w(kk, c, wv);
     }
 }
 
+// The tile's product over slice wg.z of the reduction.
 fn base_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
     let row0 = wg.y * TM;
     let col0 = wg.x * TN;
+    let k_lo = wg.z * p.k_span;
+    let k_hi = min(p.k, k_lo + p.k_span);
     if ((p.k & 7u) == 0u && (p.x_offset & 3u) == 0u) {
-        var next = load_step(0u, row0, col0, li);
-        for (var k0 = 0u; k0 < p.k; k0 += BK) {
+        var next = load_step(k_lo, k_hi, row0, col0, li);
+        for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
             workgroupBarrier();
             store_step(next, li);
             workgroupBarrier();
-            next = load_step(k0 + BK, row0, col0, li);
+            next = load_step(k0 + BK, k_hi, row0, col0, li);
             if (live_rows(row0, lid)) {
                 fma_tile(acc, lid);
             }
         }
         return;
     }
-    for (var k0 = 0u; k0 < p.k; k0 += BK) {
+    for (var k0 = k_lo; k0 < k_hi; k0 += BK) {
         workgroupBarrier();
-        stage_elements(k0, row0, col0, li);
+        stage_elements(k0, k_hi, row0, col0, li);
         workgroupBarrier();
         if (live_rows(row0, lid)) {
             fma_tile(acc, lid);
@@ -232,11 +242,12 @@ fn base_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
     }
 }
 
-// The LoRA expand (segment 0) as extra K steps: x' = s * t[:, offset..offset + r], w' = B.
+// The LoRA expand (segment 0) as extra K steps: x' = s * t[:, offset..offset + r], w' = B; in
+// slice 0 of a split reduction only (wg.z is uniform, so are the barriers under it).
 fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>, li: u32) {
     let row0 = wg.y * TM;
     let col0 = wg.x * TN;
-    let rank = p.seg_rank.x;
+    let rank = select(p.seg_rank.x, 0u, wg.z > 0u);
     for (var k0 = 0u; k0 < rank; k0 += BK) {
         workgroupBarrier();
         for (var idx = li; idx < BK * TM; idx += WG) {
@@ -268,7 +279,9 @@ fn lora_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<
     }
 }
 
+// Store the tile (slice wg.z's partial at its own place in the scratch of a split reduction).
 fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3<u32>) {
+    let base = p.y_offset + wg.z * p.m * p.y_stride;
     for (var half = 0u; half < TN / 64u; half++) {
         for (var i = 0u; i < RM; i++) {
             let r = wg.y * TM + lid.y * RM + i;
@@ -276,7 +289,7 @@ fn store_tile(acc: ptr<function, array<vec4<f32>, 16>>, wg: vec3<u32>, lid: vec3
             for (var j = 0u; j < 4u; j++) {
                 let c = wg.x * TN + half * 64u + lid.x * 4u + j;
                 if (r < p.m && c < p.n) {
-                    let idx = p.y_offset + r * p.y_stride + c;
+                    let idx = base + r * p.y_stride + c;
                     if (ACCUMULATE) {
                         y[idx] = y[idx] + v[j];
                     } else {

@@ -113,7 +113,8 @@ fn matmul_dx(
 }
 
 // dx[m, k] (+)= sum of the p.n slices of a split matmul_dx, bound as dy: slice z holds row r at
-// dy_offset + z * slice_stride + r * k. One invocation per output, slices added in order.
+// dy_offset + z * slice_stride + r * k. One invocation per output, slices added in order. The
+// forward matmul's split reduction (matmul.wgsl) sums its slices here too (dx: its y, k: its n).
 @compute @workgroup_size(64)
 fn matmul_dx_sum(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups) nwg: vec3<u32>) {
     let i = gid.x + gid.y * nwg.x * 64u;

@@ -36,15 +36,18 @@ enum Op {
 /// Group-0 bind groups over a fixed set of buffers plus the uniform arena, cached by the
 /// buffers they bind (built once per session, reused by every step). The arena grows to what a
 /// recording needs (the bind groups are then rebuilt once), so nobody counts dispatches ahead.
+/// It also keeps the scratch that split reductions write their slices to
+/// ([`Recorder::split_scratch`]), allocated by the first recording that needs it.
 pub struct IoBindCache {
     params: wgpu::Buffer,
     groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
+    split: Option<wgpu::Buffer>,
 }
 
 impl IoBindCache {
     /// A cache whose bind groups use `params` as the uniform arena.
     pub fn new(params: wgpu::Buffer) -> Self {
-        Self { params, groups: HashMap::new() }
+        Self { params, groups: HashMap::new(), split: None }
     }
 
     /// The uniform arena.
@@ -180,6 +183,22 @@ impl<'a> Recorder<'a> {
     /// The context.
     pub fn ctx(&self) -> &GpuContext {
         self.ctx
+    }
+
+    /// A scratch buffer of at least `floats` f32 for the slices of a split reduction (a matmul
+    /// over too few tiles to fill the device), kept by the cache for every later recording: the
+    /// callers ask for their device's bound, so it is allocated once. `None` where it cannot be
+    /// allocated (the caller then runs the reduction unsplit).
+    pub fn split_scratch(&mut self, floats: u64) -> Option<wgpu::Buffer> {
+        if let Some(buf) = self.cache.split.as_ref().filter(|b| b.size() >= floats * 4) {
+            return Some(buf.clone());
+        }
+        let buf = self.ctx.storage_buffer("split reduction scratch", floats * 4, true).ok()?;
+        // The cached bind groups over a smaller scratch would keep it alive.
+        if self.cache.split.replace(buf.clone()).is_some() {
+            self.cache.groups.clear();
+        }
+        Some(buf)
     }
 
     /// Record a dispatch of `key` with uniform `params`, group-0 storage `buffers` (in binding

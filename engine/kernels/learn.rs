@@ -205,20 +205,42 @@ pub fn matmul_dx(rec: &mut Recorder, w: &[DxWeight], rows: Range<usize>, io: &Dx
     }
     if let Some((_, buf)) = scratch {
         let k = w.first().map_or(0, |c| c.k);
-        let params = DxParams {
-            m: io.m as u32,
-            n: slice0 as u32,
-            k: k as u32,
-            dx_offset: io.dx_offset as u32,
-            dx_stride: io.dx_stride as u32,
-            slice_stride: (io.m * k) as u32,
-            ..Default::default()
-        };
-        let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
-        let key = PipelineKey { kernel: Kernel::MatmulDxSum, dtype: Dtype::F32, accumulate: io.accumulate, variant: 0 };
-        rec.dispatch(key, &params, &[buf, io.dx], &[], grid_1d(((io.m * k) as u32).div_ceil(64), max))?;
+        let out = SlicesOut { y: io.dx, y_offset: io.dx_offset, y_stride: io.dx_stride, accumulate: io.accumulate };
+        sum_slices(rec, buf, slice0, (io.m, k), &out)?;
     }
     Ok(())
+}
+
+/// Where [`sum_slices`] writes.
+pub(crate) struct SlicesOut<'a> {
+    pub(crate) y: &'a wgpu::Buffer,
+    pub(crate) y_offset: usize,
+    pub(crate) y_stride: usize,
+    pub(crate) accumulate: bool,
+}
+
+/// Record `y[r, c] (+)= Σ_z slices[z, r, c]` over `rows × cols` outputs, the `slices` partial
+/// products of a split reduction stored one after the other (`rows · cols` floats each) from the
+/// start of `scratch`, added in order (`matmul_dx_sum`, the same result on every run).
+pub(crate) fn sum_slices(
+    rec: &mut Recorder,
+    scratch: &wgpu::Buffer,
+    slices: usize,
+    (rows, cols): (usize, usize),
+    out: &SlicesOut,
+) -> Result<(), GpuError> {
+    let params = DxParams {
+        m: rows as u32,
+        n: slices as u32,
+        k: cols as u32,
+        dx_offset: out.y_offset as u32,
+        dx_stride: out.y_stride as u32,
+        slice_stride: (rows * cols) as u32,
+        ..Default::default()
+    };
+    let max = rec.ctx().limits.max_compute_workgroups_per_dimension;
+    let key = PipelineKey { kernel: Kernel::MatmulDxSum, dtype: Dtype::F32, accumulate: out.accumulate, variant: 0 };
+    rec.dispatch(key, &params, &[scratch, out.y], &[], grid_1d(((rows * cols) as u32).div_ceil(64), max))
 }
 
 /// Mirrors `Params` in `lora_grad.wgsl`.

@@ -9,6 +9,7 @@ pub use crate::gpu::{
     MATMUL_TILES, MATVEC_BATCH_GLU, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
 };
 use crate::gpu::{Kernel, PipelineKey};
+use crate::kernels::learn::{sum_slices, SlicesOut};
 
 /// Mirrors `Params` in `matmul.wgsl`.
 #[repr(C)]
@@ -63,8 +64,8 @@ pub struct MatmulParams {
     pub ssq_parts: u32,
     /// The element of x where those parts start.
     pub ssq_parts_at: u32,
-    /// Padding (the segment fields are 16-byte aligned).
-    pub _pad: u32,
+    /// Matmul: inputs one slice of a split reduction takes ([`matmul_split`]; `k`: unsplit).
+    pub k_span: u32,
     /// End row of each LoRA segment (`u32::MAX` past the last).
     pub seg_end: [u32; 4],
     /// Rank of each segment (0: no adapter on its rows).
@@ -453,6 +454,34 @@ pub fn matmul_tile(m: usize, n: usize, min_groups: usize) -> u32 {
     matmul_variant(tm, if wide { 128 } else { 64 })
 }
 
+/// Inputs each slice of a split matmul reduction takes at least: 16 of its 16-deep steps, so the
+/// slices' stores and their sum stay small against the reduction.
+pub const SPLIT_MIN_SPAN: usize = 256;
+
+/// How the tiled matmul over `m` tokens, `n` outputs and `k` inputs with the tile `variant`
+/// splits its reduction on a device that wants `min_groups` workgroups: `(slices, span)`, slice z
+/// reducing inputs `z · span .. + span` (a multiple of the 16-deep K step), so that tiles times
+/// slices come close to `min_groups` without passing it. `(1, k)` where the tiles alone give
+/// more than half of `min_groups` or `k` is too short to split.
+pub fn matmul_split(m: usize, n: usize, k: usize, variant: u32, min_groups: usize) -> (usize, usize) {
+    let (tm, tn) = matmul_overrides(variant);
+    let tiles = n.div_ceil(tn as usize) * m.div_ceil(tm as usize);
+    let slices = (min_groups / tiles.max(1)).min(k / SPLIT_MIN_SPAN);
+    if 2 * tiles > min_groups || slices < 2 {
+        return (1, k);
+    }
+    let span = k.div_ceil(slices).next_multiple_of(16);
+    (k.div_ceil(span), span)
+}
+
+/// Floats of scratch a split matmul reduction takes at most on a device that wants `min_groups`
+/// workgroups: slices times tiles stay within `min_groups` ([`matmul_split`]), and a split tile
+/// is at most 128 tokens by 64 outputs (the 128-wide tile is chosen only where its grid alone
+/// fills the device, [`matmul_tile`]).
+pub fn matmul_split_floats(min_groups: usize) -> u64 {
+    min_groups as u64 * 128 * 64
+}
+
 /// Record `y (+)= x Wᵀ [+ s·t·Bᵀ]`, one dispatch per weight chunk. Without `lora` the plain
 /// pipelines run (no LoRA code at all).
 pub fn linear(rec: &mut Recorder, w: &GpuWeight, io: &LinearIo, lora: Option<&LoraExpand>) -> Result<(), GpuError> {
@@ -592,9 +621,18 @@ pub fn linear_rows(
             }
             _ => matmul_tile(io.m, n_out, g),
         };
-        let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate: io.accumulate, variant };
+        // A tiled matmul over too few tiles splits its reduction: the slices go to the
+        // recorder's scratch, and a second dispatch adds them into y.
+        let (slices, span) = match kernel {
+            Kernel::Matmul | Kernel::MatmulLora => matmul_split(io.m, n_out, w.cols, variant, g),
+            _ => (1, w.cols),
+        };
+        let scratch = if slices > 1 { rec.split_scratch(matmul_split_floats(g)) } else { None };
+        let y = scratch.as_ref().unwrap_or(io.y);
+        let accumulate = io.accumulate && scratch.is_none();
+        let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate, variant };
         let row0 = lo - rows.start;
-        let params = MatmulParams {
+        let mut params = MatmulParams {
             m: io.m as u32,
             n: n_out as u32,
             k: w.cols as u32,
@@ -618,24 +656,31 @@ pub fn linear_rows(
             ssq_at: fuse.norm_out.map_or(0, |o| o.ssq_at as u32),
             ssq_parts: prenormed.map_or(0, |p| p.count as u32),
             ssq_parts_at: prenormed.map_or(0, |p| p.at as u32),
-            _pad: 0,
+            k_span: w.cols as u32,
             seg_end,
             seg_rank,
             seg_t,
             seg_b,
             seg_scale,
         };
+        if scratch.is_some() {
+            // Slice z's partial products at z · m · n_out of the scratch, rows of n_out.
+            params.y_offset = 0;
+            params.y_stride = n_out as u32;
+            params.k_span = span as u32;
+        }
         let groups = if io.m == 1 || batch {
             // Rows per workgroup: 8 per invocation row group (4 with SwiGLU).
             let per_group = if fuse.glu { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
             grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
             let (tm, tn) = matmul_overrides(variant);
-            [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), 1]
+            let z = if scratch.is_some() { slices as u32 } else { 1 };
+            [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), z]
         };
         match (lora, io.m == 1) {
-            (None, false) => rec.dispatch(key, &params, &[io.x, io.y], &[&chunk.bind_group], groups)?,
-            (Some(l), false) => rec.dispatch(key, &params, &[io.x, io.y, l.t], &[&chunk.bind_group, l.b], groups)?,
+            (None, false) => rec.dispatch(key, &params, &[io.x, y], &[&chunk.bind_group], groups)?,
+            (Some(l), false) => rec.dispatch(key, &params, &[io.x, y, l.t], &[&chunk.bind_group, l.b], groups)?,
             // matvec binds t, the norm weight and the shrink-out A always (x where unused).
             (None, true) => {
                 rec.dispatch(key, &params, &[io.x, io.y, io.x, aux, out_a], &[&chunk.bind_group], groups)?
@@ -645,6 +690,11 @@ pub fn linear_rows(
             }
         }
         rec.weight_bytes((n_rows * chunk.dtype.row_bytes(w.cols)) as u64);
+        if let Some(scratch) = &scratch {
+            let out =
+                SlicesOut { y: io.y, y_offset: io.y_offset + row0, y_stride: io.y_stride, accumulate: io.accumulate };
+            rec.tagged("matmul_split_sum", |rec| sum_slices(rec, scratch, slices, (io.m, n_out), &out))?;
+        }
     }
     Ok(())
 }
