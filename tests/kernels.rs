@@ -637,12 +637,12 @@ fn matmul_splits_its_reduction_where_its_tiles_leave_the_device_idle() {
     let g = ctx.min_workgroups();
     // (m, n, k): one tile over a long reduction, which splits on any device (the shape of a LoRA
     // shrink at prefill, or of GDN's b and a): k a multiple of 16, of 8 only (the last slice ends
-    // in a partial step), odd (element staging), a 128-token tile; then a grid of tiles too short
-    // in k to split.
-    let shapes = [(128, 16, 3584), (31, 40, 1032), (5, 33, 1001), (70, 64, 2048), (1100, 1800, 24)];
+    // in a partial step), odd (element staging), a 128-token tile, two tile rows (each slice
+    // stores both); then a grid of tiles too short in k to split.
+    let shapes = [(128, 16, 3584), (31, 40, 1032), (5, 33, 1001), (70, 64, 2048), (200, 16, 2048), (1100, 1800, 24)];
     for (si, &(m, n, k)) in shapes.iter().enumerate() {
         let (slices, span) = matmul_split(m, n, k, matmul_tile(m, n, g), g);
-        assert_eq!(slices > 1, si < 4, "m{m} n{n} k{k}: {slices} slices of {span}");
+        assert_eq!(slices > 1, si < 5, "m{m} n{n} k{k}: {slices} slices of {span}");
         if slices > 1 {
             assert!(span % 16 == 0 && span >= SPLIT_MIN_SPAN, "m{m} n{n} k{k}: span {span}");
             assert!((slices - 1) * span < k && k <= slices * span, "m{m} n{n} k{k}: {slices} slices of {span}");

@@ -42,12 +42,14 @@ pub struct IoBindCache {
     params: wgpu::Buffer,
     groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
     split: Option<wgpu::Buffer>,
+    /// The largest split scratch (f32) that could not be allocated: larger requests are not retried.
+    split_refused: Option<u64>,
 }
 
 impl IoBindCache {
     /// A cache whose bind groups use `params` as the uniform arena.
     pub fn new(params: wgpu::Buffer) -> Self {
-        Self { params, groups: HashMap::new(), split: None }
+        Self { params, groups: HashMap::new(), split: None, split_refused: None }
     }
 
     /// The uniform arena.
@@ -188,12 +190,19 @@ impl<'a> Recorder<'a> {
     /// A scratch buffer of at least `floats` f32 for the slices of a split reduction (a matmul
     /// over too few tiles to fill the device), kept by the cache for every later recording: the
     /// callers ask for their device's bound, so it is allocated once. `None` where it cannot be
-    /// allocated (the caller then runs the reduction unsplit).
+    /// allocated (the caller then runs the reduction unsplit; the cache remembers the refusal,
+    /// so later recordings do not ask the device again).
     pub fn split_scratch(&mut self, floats: u64) -> Option<wgpu::Buffer> {
         if let Some(buf) = self.cache.split.as_ref().filter(|b| b.size() >= floats * 4) {
             return Some(buf.clone());
         }
-        let buf = self.ctx.storage_buffer("split reduction scratch", floats * 4, true).ok()?;
+        if self.cache.split_refused.is_some_and(|f| f <= floats) {
+            return None;
+        }
+        let Ok(buf) = self.ctx.storage_buffer("split reduction scratch", floats * 4, true) else {
+            self.cache.split_refused = Some(self.cache.split_refused.map_or(floats, |f| f.min(floats)));
+            return None;
+        };
         // The cached bind groups over a smaller scratch would keep it alive.
         if self.cache.split.replace(buf.clone()).is_some() {
             self.cache.groups.clear();
