@@ -42,7 +42,8 @@ pub struct IoBindCache {
     params: wgpu::Buffer,
     groups: HashMap<(Kernel, Vec<wgpu::Buffer>), wgpu::BindGroup>,
     split: Option<wgpu::Buffer>,
-    /// The largest split scratch (f32) that could not be allocated: larger requests are not retried.
+    /// The smallest split scratch (in floats) the device refused: requests of that size or more
+    /// are not retried.
     split_refused: Option<u64>,
 }
 

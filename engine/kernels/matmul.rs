@@ -628,18 +628,22 @@ pub fn linear_rows(
             _ => (1, w.cols),
         };
         let scratch = if slices > 1 { rec.split_scratch(matmul_split_floats(g)) } else { None };
-        let y = scratch.as_ref().unwrap_or(io.y);
-        let accumulate = io.accumulate && scratch.is_none();
-        let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate, variant };
         let row0 = lo - rows.start;
-        let mut params = MatmulParams {
+        // Split: slice z's partial products at z · m · n_out of the scratch, rows of n_out, never
+        // accumulating (the sum adds into y); unsplit (also where no scratch could be had): y.
+        let (y, y_offset, y_stride, accumulate, slices, span) = match &scratch {
+            Some(s) => (s, 0, n_out, false, slices, span),
+            None => (io.y, io.y_offset + row0, io.y_stride, io.accumulate, 1, w.cols),
+        };
+        let key = PipelineKey { kernel, dtype: chunk.dtype, accumulate, variant };
+        let params = MatmulParams {
             m: io.m as u32,
             n: n_out as u32,
             k: w.cols as u32,
             x_offset: io.x_offset as u32,
             x_stride: w.cols as u32,
-            y_offset: (io.y_offset + row0) as u32,
-            y_stride: io.y_stride as u32,
+            y_offset: y_offset as u32,
+            y_stride: y_stride as u32,
             w_row0: (lo - chunk.row_start) as u32,
             lora_t_stride: lora.map_or(0, |l| l.t_stride as u32),
             lora_row0: row0 as u32,
@@ -656,37 +660,28 @@ pub fn linear_rows(
             ssq_at: fuse.norm_out.map_or(0, |o| o.ssq_at as u32),
             ssq_parts: prenormed.map_or(0, |p| p.count as u32),
             ssq_parts_at: prenormed.map_or(0, |p| p.at as u32),
-            k_span: w.cols as u32,
+            k_span: span as u32,
             seg_end,
             seg_rank,
             seg_t,
             seg_b,
             seg_scale,
         };
-        if scratch.is_some() {
-            // Slice z's partial products at z · m · n_out of the scratch, rows of n_out.
-            params.y_offset = 0;
-            params.y_stride = n_out as u32;
-            params.k_span = span as u32;
-        }
         let groups = if io.m == 1 || batch {
             // Rows per workgroup: 8 per invocation row group (4 with SwiGLU).
             let per_group = if fuse.glu { 4 * 64 } else { 8 * 64 } / matvec_overrides(variant).0;
             grid_1d((n_out as u32).div_ceil(per_group), max)
         } else {
             let (tm, tn) = matmul_overrides(variant);
-            let z = if scratch.is_some() { slices as u32 } else { 1 };
-            [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), z]
+            [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), slices as u32]
         };
         match (lora, io.m == 1) {
             (None, false) => rec.dispatch(key, &params, &[io.x, y], &[&chunk.bind_group], groups)?,
             (Some(l), false) => rec.dispatch(key, &params, &[io.x, y, l.t], &[&chunk.bind_group, l.b], groups)?,
             // matvec binds t, the norm weight and the shrink-out A always (x where unused).
-            (None, true) => {
-                rec.dispatch(key, &params, &[io.x, io.y, io.x, aux, out_a], &[&chunk.bind_group], groups)?
-            }
+            (None, true) => rec.dispatch(key, &params, &[io.x, y, io.x, aux, out_a], &[&chunk.bind_group], groups)?,
             (Some(l), true) => {
-                rec.dispatch(key, &params, &[io.x, io.y, l.t, aux, out_a], &[&chunk.bind_group, l.b], groups)?
+                rec.dispatch(key, &params, &[io.x, y, l.t, aux, out_a], &[&chunk.bind_group, l.b], groups)?
             }
         }
         rec.weight_bytes((n_rows * chunk.dtype.row_bytes(w.cols)) as u64);
