@@ -294,6 +294,32 @@ fn batched_generation_steps_each_gdn_layer_of_all_rows_in_one_dispatch() {
     assert_eq!(per_submit, [3 * gdn_layers, gdn_layers, gdn_layers, gdn_layers], "a step, then 3 pooled steps");
 }
 
+/// A batched step of 2 to 8 rows runs each layer's input projections (q|k|v, or GDN's qkv, z, b
+/// and a) in one batched matvec dispatch with every row's LoRA segments, whatever the rows'
+/// adapter sets: per layer that, the mixer's output projection, gate|up with SwiGLU and
+/// down_proj; and lm_head once.
+#[test]
+fn a_batched_step_projects_each_layers_inputs_in_one_dispatch() {
+    let Some(_) = gpu() else { return };
+    // A context of its own: the profile counts only this test's work.
+    let f = fixture_with_eos(Arc::new(qwen35_wgpu::GpuContext::new().expect("context")), None);
+    let model = f.model.clone();
+    let mut sessions: Vec<Session> = sets(&f).iter().map(|set| session(&f, set)).collect();
+    let mut batch = Batch::new(model.clone(), 4).expect("batch");
+    if !batch.start_profile() {
+        return;
+    }
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    batch.step(&mut rows, &f.ids[..4]).expect("step");
+    let profile = batch.take_profile().expect("profiled");
+    let mut families = std::collections::BTreeMap::new();
+    for t in &profile.submits[0] {
+        *families.entry(t.family).or_insert(0) += 1;
+    }
+    let matvecs: usize = families.iter().filter(|(k, _)| k.starts_with("matvec_batch")).map(|(_, v)| v).sum();
+    assert_eq!(matvecs, 4 * model.layers.len() + 1, "batched matvec dispatches per step: {families:?}");
+}
+
 #[test]
 fn sampled_batched_generation_draws_what_each_session_draws_alone() {
     let Some(f) = fixture() else { return };

@@ -1017,6 +1017,114 @@ fn batched_matvec_sweep_matches_reference() {
     }
 }
 
+/// The batched matvec over rows of several projections (a batched step's concatenated q|k|v or
+/// GDN inputs in one dispatch): up to 4 LoRA segments with their own ranks (one of them 0), t
+/// columns, B blocks and scales, as tiny as one row so that an invocation's 8 rows straddle up to
+/// four of them, from an odd row of the weight split across bindings (each chunk's rows numbered
+/// on from the view's), with and without a per-token scale table; every TOK, LANES and dtype.
+/// The tiled matmul still takes one segment (a typed error).
+#[test]
+fn batched_matvec_takes_several_lora_segments() {
+    let Some(ctx) = ctx() else { return };
+    let g = ctx.min_workgroups();
+    // (tokens, rows n, k, segment rows (the last takes the rest))
+    let shapes: [(usize, usize, usize, &[usize]); 5] = [
+        (2, 12, 8, &[1, 2, 5]),
+        (3, 8 * g + 3, 16, &[3, 4 * g, 2]),
+        (5, 16 * g + 1, 24, &[16 * g - 7, 1, 1]),
+        (8, 32 * g - 5, 40, &[9 * g, 2 * g + 1, 16]),
+        (4, 64 * g + 1, 8, &[48 * g, 16]),
+    ];
+    let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _, _)| matvec_lanes(n, g)).collect();
+    assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "LANES variants covered");
+    let toks: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _, _)| batch_tokens(m)).collect();
+    assert_eq!(toks.into_iter().collect::<Vec<_>>(), MATVEC_BATCH_TOKENS.to_vec(), "TOK variants covered");
+    for (si, &(m, n, k, rows)) in shapes.iter().enumerate() {
+        for (di, dtype) in [Dtype::F32, Dtype::BF16, Dtype::F16].into_iter().enumerate() {
+            let seed = 2600 + si as u64 * 29 + di as u64 * 5;
+            let table = (si + di) % 2 == 1;
+            let view0 = 3;
+            let total = view0 + n + 2;
+            let (bytes, w) = weight_bytes(&rand(total * k, seed, 1.0), dtype);
+            // Chunks of 7 rows where the weight has few rows (boundaries inside segments), else one.
+            let chunk = (if total < 64 { 7 } else { total } * dtype.row_bytes(k)) as u64;
+            let gw = GpuWeight::upload(&ctx, "w", dtype, total, k, &bytes, chunk).expect("weight");
+            // Segments: (rank, rows), the second one without an adapter.
+            let mut seg_rows: Vec<usize> = rows.to_vec();
+            seg_rows.push(n - rows.iter().sum::<usize>());
+            let ranks = [3, 0, 16, 5];
+            let segs: Vec<(usize, usize)> = seg_rows.iter().enumerate().map(|(j, &r)| (ranks[j], r)).collect();
+            let scales = [0.5, 9.0, -0.25, 1.5];
+            // t: [m, stride], segment j's columns after two unused ones and those of the segments before.
+            let t_offs: Vec<usize> =
+                segs.iter().scan(2, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r))).collect();
+            let stride = 2 + segs.iter().map(|s| s.0).sum::<usize>() + 1;
+            let mut t = rand(m * stride, seed + 1, 1.0);
+            let at = ScaleTableAt { offset: t.len().next_multiple_of(4), stride: stride.next_multiple_of(4) };
+            let factors = exact_factors(m * at.stride, seed + 2);
+            if table {
+                t.resize(at.offset, 0.0);
+                t.extend_from_slice(&factors);
+            }
+            let factor = |i: usize, c: usize| if table { factors[i * at.stride + c] } else { 1.0 };
+            let (b, b_offs) = segment_b(&segs, seed + 3);
+            let x = rand(4 + m * k, seed + 4, 1.0);
+            let (xb, yb, tb, bb) =
+                (upload(&ctx, &x), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t), upload(&ctx, &b));
+            let bg = ctx.weights_bind_group(&bb, "b");
+            let segments: Vec<LoraSegment> = segs
+                .iter()
+                .enumerate()
+                .map(|(j, &(rank, rows))| LoraSegment {
+                    rows,
+                    rank,
+                    t_offset: t_offs[j],
+                    b_offset: b_offs[j],
+                    scale: scales[j],
+                })
+                .collect();
+            let lora = LoraExpand {
+                segments,
+                table: table.then_some(at),
+                ..LoraExpand::single(&tb, (0, stride), (0, 0), 1.0, &bg)
+            };
+            let io = LinearIo { x: &xb, x_offset: 4, m, y: &yb, y_offset: 1, y_stride: n, accumulate: false };
+            let view = WeightRows { w: &gw, rows: view0..view0 + n };
+            run(&ctx, |rec| linear_rows(rec, view, &io, Some(&lora), Fuse::NONE));
+            let mut want = vec![7.0];
+            want.extend(cpu::linear(&x[4..], &w[view0 * k..(view0 + n) * k], m, n, k));
+            for i in 0..m {
+                let mut start = 0;
+                for (j, &(rank, seg_n)) in segs.iter().enumerate() {
+                    for r in 0..seg_n {
+                        let d: f32 = (0..rank)
+                            .map(|c| {
+                                let col = t_offs[j] + c;
+                                t[i * stride + col] * factor(i, col) * b[b_offs[j] + r * rank + c]
+                            })
+                            .sum();
+                        want[1 + i * n + start + r] += scales[j] * d;
+                    }
+                    start += seg_n;
+                }
+            }
+            let what = format!(
+                "batched matvec m{m} n{n} k{k} {dtype:?} segments {segs:?} chunks {} table {table}",
+                gw.chunks.len()
+            );
+            assert_close(&what, &read(&ctx, &yb, m * n + 1), &want, KERNEL_ATOL, KERNEL_RTOL);
+            if si == 0 && di == 0 {
+                let io = LinearIo { m: 9, ..io };
+                let view = WeightRows { w: &gw, rows: view0..view0 + n };
+                let mut cache = bind_cache(&ctx, 1 << 16);
+                let mut rec = Recorder::new(&ctx, &mut cache);
+                let err = linear_rows(&mut rec, view, &io, Some(&lora), Fuse::NONE).expect_err("9 tokens, 4 segments");
+                assert!(err.to_string().contains("one LoRA segment"), "{err}");
+            }
+        }
+    }
+}
+
 /// SwiGLU in the batched matvec (2 to 8 tokens over a `[gate; up]` weight of 2n rows): every
 /// `TOK` and `LANES` variant, every dtype, n below and above a workgroup's outputs, without LoRA and
 /// with the gate and up segments' own ranks, t columns, B rows and scales (one of them rank 0),

@@ -14,7 +14,8 @@
 //    rows (the projections of a concatenated weight), segment j ending at seg_end[j]; each has
 //    its rank, its first column in t (f32 [M, lora_t_stride]), the element of B (f32, every
 //    segment's [rows, rank] in one buffer) of its row 0, and its scale. Rank 0: no adapter on
-//    those rows. matmul.wgsl takes segment 0 only (one projection per prefill dispatch).
+//    those rows. matvec.wgsl and matvec_batch.wgsl take all of them; matmul.wgsl takes segment
+//    0 only (one projection per tiled dispatch).
 // Scale table: unless lora_sc is NO_TABLE, every t element is also multiplied by the element of
 //    t's buffer at lora_sc + m * lora_sc_stride + (its column): one factor per rank column (an
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row

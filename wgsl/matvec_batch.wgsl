@@ -20,9 +20,10 @@
 // from there (the same invocation stores and reads each output: no barrier needed for that).
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
-// m <= TOK (token rows past m are skipped: not loaded, computed or stored), one LoRA segment
-// (segment 0; with GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings and the
-// helpers: linear.wgsl.
+// m <= TOK (token rows past m are skipped: not loaded, computed or stored), up to 4 LoRA
+// segments (the projections of a concatenated weight, as the single-token matvec takes them; with
+// GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings and the helpers:
+// linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
@@ -155,25 +156,60 @@ fn t_at(tk: u32, seg: u32, c: u32) -> f32 {
     return v;
 }
 
-// The first B element of row slot i (slot_row) in segment seg: rows are numbered from lora_row0
-// within segment 0; with GLU rows 4-7 are up rows, numbered from output n (segment 1's rows;
-// segment 0 does not load them, but their index stays inside its block).
+// Segment seg's first row, numbered from lora_row0 (segment j ends at seg_end[j]).
+fn seg_start(seg: u32) -> u32 {
+    if (seg == 0u) {
+        return 0u;
+    }
+    return p.seg_end[seg - 1u];
+}
+
+// The first B element of row slot i (slot_row) in segment seg: without GLU the row's number
+// (from lora_row0) clamped into the segment, so a row outside it indexes a row of the segment's
+// block (loaded and masked off); with GLU rows are numbered from lora_row0 within segment 0 and
+// rows 4-7 are up rows, numbered from output n (segment 1's rows; segment 0 does not load them,
+// but their index stays inside its block).
 fn b_row(first: u32, i: u32, seg: u32) -> u32 {
     let rank = p.seg_rank[seg];
-    let up = select(0u, p.n, GLU && i >= 4u);
-    return p.seg_b[seg] + (p.lora_row0 + slot_row(first, i) - up) * rank;
+    if (GLU) {
+        let up = select(0u, p.n, i >= 4u);
+        return p.seg_b[seg] + (p.lora_row0 + slot_row(first, i) - up) * rank;
+    }
+    let start = seg_start(seg);
+    let g = clamp(p.lora_row0 + slot_row(first, i), start, p.seg_end[seg] - 1u);
+    return p.seg_b[seg] + (g - start) * rank;
+}
+
+// Whether row slots (0-3, 4-7) of the invocation whose first output row is `first` are rows of
+// segment seg: with GLU the gate half is segment 0's and the up half segment 1's.
+fn in_segment(first: u32, seg: u32) -> array<vec4<bool>, 2> {
+    if (GLU) {
+        return array<vec4<bool>, 2>(vec4<bool>(seg == 0u), vec4<bool>(seg == 1u));
+    }
+    let start = seg_start(seg);
+    let end = p.seg_end[seg];
+    let lo = p.lora_row0 + vec4<u32>(slot_row(first, 0u), slot_row(first, 1u), slot_row(first, 2u), slot_row(first, 3u));
+    let hi = p.lora_row0 + vec4<u32>(slot_row(first, 4u), slot_row(first, 5u), slot_row(first, 6u), slot_row(first, 7u));
+    return array<vec4<bool>, 2>((lo >= vec4<u32>(start)) & (lo < vec4<u32>(end)),
+        (hi >= vec4<u32>(start)) & (hi < vec4<u32>(end)));
 }
 
 // Adds s * t . B[row] of this invocation's rows in segment seg for every token into its
 // partials, before the reduction: lane l takes rank columns l, l + LANES, ..., loading per
-// column one B element of each row and one t value of each token. Without GLU all 8 rows are
-// segment 0's (a multi-token dispatch has one LoRA segment; the host checks); with GLU rows 0-3
-// (gate) are segment 0's and rows 4-7 (up) segment 1's: each call loads its half's B (a
-// uniform branch) and adds 0 to the other half. Rows past n are clamped as their weights are
-// (never stored).
+// column one B element of each row and one t value of each token. Each half of the 8 rows (0-3,
+// 4-7) whose rows all lie outside the segment loads nothing (with GLU: the gate half is segment
+// 0's, the up half segment 1's); a half that straddles the segment's edge loads its outside rows
+// from inside the segment's block and masks them off. Rows past n are clamped as their weights
+// are (never stored).
 fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
     let rank = p.seg_rank[seg];
     let first = s.row0 + s.group * per_invocation();
+    let inside = in_segment(first, seg);
+    let has_lo = any(inside[0]);
+    let has_hi = any(inside[1]);
+    if (rank == 0u || !(has_lo || has_hi)) {
+        return;
+    }
     let b0 = b_row(first, 0u, seg);
     let b1 = b_row(first, 1u, seg);
     let b2 = b_row(first, 2u, seg);
@@ -182,17 +218,15 @@ fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
     let b5 = b_row(first, 5u, seg);
     let b6 = b_row(first, 6u, seg);
     let b7 = b_row(first, 7u, seg);
-    let has_lo = !GLU || seg == 0u;
-    let has_hi = !GLU || seg == 1u;
     for (var c = s.lane; c < rank; c += LANES) {
         let sc = p.seg_scale[seg];
         var lo = vec4<f32>(0.0);
         var hi = vec4<f32>(0.0);
         if (has_lo) {
-            lo = sc * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c));
+            lo = select(lo, sc * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c)), inside[0]);
         }
         if (has_hi) {
-            hi = sc * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c));
+            hi = select(hi, sc * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c)), inside[1]);
         }
         var v = t_at(0u, seg, c);
         (*acc)[0] += lo * v;
@@ -328,9 +362,8 @@ fn matvec_batch_lora(
 ) {
     let s = slot(wg, nwg, li);
     var acc = partials(s);
-    add_expand(s, &acc, 0u);
-    if (GLU) {
-        add_expand(s, &acc, 1u);
+    for (var seg = 0u; seg < select(4u, 2u, GLU); seg++) {
+        add_expand(s, &acc, seg);
     }
     for (var h = 0u; h < 2u; h++) {
         stage(s, half(acc, h));

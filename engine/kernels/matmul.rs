@@ -535,8 +535,11 @@ pub fn linear_rows(
         Some(format!("SwiGLU pairs the halves of rows {rows:?} in one binding"))
     } else if rows.end > view.w.rows || rows.start > rows.end {
         Some(format!("rows {rows:?} of a weight with {} rows", view.w.rows))
-    } else if lora.is_some_and(|l| io.m != 1 && !fuse.glu && l.segments.len() != 1) {
-        Some("a multi-token linear layer takes one LoRA segment".to_string())
+    } else if lora.is_some_and(|l| io.m != 1 && !batch && l.segments.len() != 1) {
+        Some(format!(
+            "the tiled matmul ({} tokens) takes one LoRA segment; several need the batched matvec's 2 to {MAX_BATCH_TOKENS} tokens",
+            io.m
+        ))
     } else if lora
         .is_some_and(|l| io.m != 1 && fuse.glu && (l.segments.len() != 2 || l.segments.iter().any(|s| s.rows != n_glu)))
     {

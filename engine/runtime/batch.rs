@@ -13,7 +13,7 @@ use crate::error::{AdapterError, GpuError, RunError};
 use crate::gpu::{read_f32_via, GpuContext, IoBindCache, Profile, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
-use crate::kernels::matmul::LinearIo;
+use crate::kernels::matmul::{batched_matvec_takes, LinearIo};
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
@@ -860,11 +860,7 @@ fn gdn_rows(
     let n = sessions.len();
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let width = cd + vd + 2 * hv;
-    // Each part (one LoRA segment each) into its columns of the rows.
-    for (i, at) in [0, cd, cd + vd, cd + vd + hv].into_iter().enumerate() {
-        let part = Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
-        project(rec, c, part, &LinearIo { y_offset: at, ..src.io(&sc.mixer_in, n, width) }, src, &s)?;
-    }
+    project_rows(rec, c, Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..GDN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
     let params = gdn_params(c, 1);
     if let Some(PoolRows { pool, slots, parity }) = pooled {
         let Some((conv, state)) = &pool.layers[layer] else {
@@ -955,11 +951,7 @@ fn attention_rows(
     let n = sessions.len();
     let (q_out, kv, attn) = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_heads * c.head_dim);
     let width = q_out + 2 * kv;
-    // Each part (one LoRA segment each) into its columns of the rows.
-    for (i, at) in [0, q_out, q_out + kv].into_iter().enumerate() {
-        let part = Parts { w: &w.qkv, order: &ATTN_IN, parts: i..i + 1 };
-        project(rec, c, part, &LinearIo { y_offset: at, ..src.io(&sc.mixer_in, n, width) }, src, &s)?;
-    }
+    project_rows(rec, c, Parts { w: &w.qkv, order: &ATTN_IN, parts: 0..ATTN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Attention { k: k_cache, v: v_cache } = &sess.states[layer] else {
             return Err(mismatch(layer));
@@ -975,6 +967,33 @@ fn attention_rows(
         attention_one(rec, &w.qk_norm, &params, &io, None)?;
     }
     mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, NextWrites::default()))
+}
+
+/// A batched step's input projections (`parts`, consecutive projections of one weight) for the
+/// `n` rows, each row's outputs side by side in `y` (row k from element k times their total):
+/// one dispatch where the kernel takes their LoRA segments together (no adapter on them, or the
+/// batched matvec's 2 to 8 rows), else one dispatch per projection into its columns.
+fn project_rows(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    parts: Parts,
+    y: &wgpu::Buffer,
+    n: usize,
+    (src, s): (Src, &Option<Shrunk>),
+) -> Result<(), GpuError> {
+    let dims = |i: usize| parts.order[i].dims(c).1;
+    let width: usize = parts.parts.clone().map(dims).sum();
+    let io = src.io(y, n, width);
+    if s.is_none() || batched_matvec_takes(&parts.rows(c), n, src.offset) {
+        return project(rec, c, parts, &io, src, s);
+    }
+    let mut at = 0;
+    for i in parts.parts.clone() {
+        let one = Parts { parts: i..i + 1, ..parts };
+        project(rec, c, one, &LinearIo { y_offset: at, ..io }, src, s)?;
+        at += dims(i);
+    }
+    Ok(())
 }
 
 /// Every row's session takes the step's token.

@@ -302,7 +302,7 @@ pub(crate) struct Parts<'a> {
 }
 
 impl Parts<'_> {
-    fn rows(&self, c: &TextConfig) -> WeightRows<'_> {
+    pub(crate) fn rows(&self, c: &TextConfig) -> WeightRows<'_> {
         let end = |i: usize| self.order[..i].iter().map(|p| p.dims(c).1).sum::<usize>();
         WeightRows { w: self.w, rows: end(self.parts.start)..end(self.parts.end) }
     }
