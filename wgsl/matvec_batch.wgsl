@@ -204,9 +204,9 @@ fn in_segment(first: u32, seg: u32) -> array<vec4<bool>, 2> {
 fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
     let rank = p.seg_rank[seg];
     let first = s.row0 + s.group * per_invocation();
-    let inside = in_segment(first, seg);
-    let has_lo = any(inside[0]);
-    let has_hi = any(inside[1]);
+    let member = in_segment(first, seg);
+    let has_lo = any(member[0]);
+    let has_hi = any(member[1]);
     if (rank == 0u || !(has_lo || has_hi)) {
         return;
     }
@@ -223,10 +223,10 @@ fn add_expand(s: Slot, acc: ptr<function, array<vec4<f32>, ACC>>, seg: u32) {
         var lo = vec4<f32>(0.0);
         var hi = vec4<f32>(0.0);
         if (has_lo) {
-            lo = select(lo, sc * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c)), inside[0]);
+            lo = select(lo, sc * vec4<f32>(b_elem(b0 + c), b_elem(b1 + c), b_elem(b2 + c), b_elem(b3 + c)), member[0]);
         }
         if (has_hi) {
-            hi = select(hi, sc * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c)), inside[1]);
+            hi = select(hi, sc * vec4<f32>(b_elem(b4 + c), b_elem(b5 + c), b_elem(b6 + c), b_elem(b7 + c)), member[1]);
         }
         var v = t_at(0u, seg, c);
         (*acc)[0] += lo * v;

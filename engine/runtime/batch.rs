@@ -971,8 +971,9 @@ fn attention_rows(
 
 /// A batched step's input projections (`parts`, consecutive projections of one weight) for the
 /// `n` rows, each row's outputs side by side in `y` (row k from element k times their total):
-/// one dispatch where the kernel takes their LoRA segments together (no adapter on them, or the
-/// batched matvec's 2 to 8 rows), else one dispatch per projection into its columns.
+/// one dispatch where the kernel takes their LoRA segments together (no adapter on them, one row:
+/// the single-token matvec, or the batched matvec's 2 to 8 rows), else (the tiled matmul's one
+/// segment: 9 rows and more, or affine weights) one dispatch per projection into its columns.
 fn project_rows(
     rec: &mut Recorder,
     c: &TextConfig,
@@ -984,7 +985,7 @@ fn project_rows(
     let dims = |i: usize| parts.order[i].dims(c).1;
     let width: usize = parts.parts.clone().map(dims).sum();
     let io = src.io(y, n, width);
-    if s.is_none() || batched_matvec_takes(&parts.rows(c), n, src.offset) {
+    if s.is_none() || n == 1 || batched_matvec_takes(&parts.rows(c), n, src.offset) {
         return project(rec, c, parts, &io, src, s);
     }
     let mut at = 0;
