@@ -1017,6 +1017,20 @@ fn batched_matvec_sweep_matches_reference() {
     }
 }
 
+/// A shrink output t of `m` rows of `stride` columns, with (when `table`) a scale table of one
+/// row per token after it in the same buffer: t's values, where the table is, and the factor of
+/// (token, column) (1 without the table).
+fn t_rows(m: usize, stride: usize, table: bool, seed: u64) -> (Vec<f32>, ScaleTableAt, impl Fn(usize, usize) -> f32) {
+    let mut t = rand(m * stride, seed, 1.0);
+    let at = ScaleTableAt { offset: t.len().next_multiple_of(4), stride: stride.next_multiple_of(4) };
+    let factors = exact_factors(m * at.stride, seed + 1);
+    if table {
+        t.resize(at.offset, 0.0);
+        t.extend_from_slice(&factors);
+    }
+    (t, at, move |i: usize, c: usize| if table { factors[i * at.stride + c] } else { 1.0 })
+}
+
 /// The batched matvec over rows of several projections (a batched step's concatenated q|k|v or
 /// GDN inputs in one dispatch): up to 4 LoRA segments with their own ranks (one of them 0), t
 /// columns, B blocks and scales, as tiny as one row so that an invocation's 8 rows straddle up to
@@ -1059,14 +1073,7 @@ fn batched_matvec_takes_several_lora_segments() {
             let t_offs: Vec<usize> =
                 segs.iter().scan(2, |acc, &(r, _)| Some(std::mem::replace(acc, *acc + r))).collect();
             let stride = 2 + segs.iter().map(|s| s.0).sum::<usize>() + 1;
-            let mut t = rand(m * stride, seed + 1, 1.0);
-            let at = ScaleTableAt { offset: t.len().next_multiple_of(4), stride: stride.next_multiple_of(4) };
-            let factors = exact_factors(m * at.stride, seed + 2);
-            if table {
-                t.resize(at.offset, 0.0);
-                t.extend_from_slice(&factors);
-            }
-            let factor = |i: usize, c: usize| if table { factors[i * at.stride + c] } else { 1.0 };
+            let (t, at, factor) = t_rows(m, stride, table, seed + 1);
             let (b, b_offs) = segment_b(&segs, seed + 3);
             let x = rand(4 + m * k, seed + 4, 1.0);
             let (xb, yb, tb, bb) =
@@ -1152,14 +1159,7 @@ fn batched_swiglu_sweep_matches_reference() {
                 let x = rand(4 + m * k, seed + 1, 1.0);
                 // t: [m, stride] with the gate's columns from 1 and the up's after them.
                 let stride = 1 + rg + ru + 2;
-                let mut t = rand(m * stride, seed + 2, 1.0);
-                let at = ScaleTableAt { offset: t.len().next_multiple_of(4), stride: stride.next_multiple_of(4) };
-                let factors = exact_factors(m * at.stride, seed + 3);
-                if table {
-                    t.resize(at.offset, 0.0);
-                    t.extend_from_slice(&factors);
-                }
-                let factor = |i: usize, c: usize| if table { factors[i * at.stride + c] } else { 1.0 };
+                let (t, at, factor) = t_rows(m, stride, table, seed + 2);
                 // B: the gate's [n, rg] after 2 unused elements, the up's [n, ru] after it.
                 let b = rand(2 + n * (rg + ru), seed + 4, 1.0);
                 let (xb, yb, tb, bb) =
