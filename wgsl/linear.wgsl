@@ -97,6 +97,14 @@ fn t_elem(e: u32) -> f32 {
     return t[e >> 2u][e & 3u];
 }
 
+// LoRA segment j's first row, numbered from lora_row0 (segment j ends at seg_end[j]).
+fn seg_start(j: u32) -> u32 {
+    if (j == 0u) {
+        return 0u;
+    }
+    return p.seg_end[j - 1u];
+}
+
 fn b_elem(e: u32) -> f32 {
     return lora_b[e >> 2u][e & 3u];
 }

@@ -123,10 +123,7 @@ fn t_one(e: u32) -> f32 {
 fn lora_row(row: u32) -> f32 {
     let g = p.lora_row0 + row;
     let j = min(u32(g >= p.seg_end.x) + u32(g >= p.seg_end.y) + u32(g >= p.seg_end.z), 3u);
-    var start = 0u;
-    if (j > 0u) {
-        start = p.seg_end[j - 1u];
-    }
+    let start = seg_start(j);
     let rank = p.seg_rank[j];
     let b0 = p.seg_b[j] + (g - start) * rank;
     let t0 = p.seg_t[j];

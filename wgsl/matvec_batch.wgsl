@@ -156,14 +156,6 @@ fn t_at(tk: u32, seg: u32, c: u32) -> f32 {
     return v;
 }
 
-// Segment seg's first row, numbered from lora_row0 (segment j ends at seg_end[j]).
-fn seg_start(seg: u32) -> u32 {
-    if (seg == 0u) {
-        return 0u;
-    }
-    return p.seg_end[seg - 1u];
-}
-
 // The first B element of row slot i (slot_row) in segment seg: without GLU the row's number
 // (from lora_row0) clamped into the segment, so a row outside it indexes a row of the segment's
 // block (loaded and masked off); with GLU rows are numbered from lora_row0 within segment 0 and
