@@ -297,7 +297,7 @@ fn batched_generation_steps_each_gdn_layer_of_all_rows_in_one_dispatch() {
 /// A batched step of 2 to 8 rows runs each layer's input projections (q|k|v, or GDN's qkv, z, b
 /// and a) in one batched matvec dispatch with every row's LoRA segments, whatever the rows'
 /// adapter sets: per layer that, the mixer's output projection, gate|up with SwiGLU and
-/// down_proj; and lm_head once.
+/// down_proj; and lm_head once. The block norms have no dispatch of their own.
 #[test]
 fn a_batched_step_projects_each_layers_inputs_in_one_dispatch() {
     let Some(_) = gpu() else { return };
@@ -323,6 +323,9 @@ fn a_batched_step_projects_each_layers_inputs_in_one_dispatch() {
         (4 * model.layers.len(), 1),
         "batched matvec dispatches per step: {families:?}"
     );
+    // The block norms and the final norm fold into the projections that read them (and their
+    // shrinks): no norm dispatch.
+    assert_eq!(count("rms_norm") + count("rms_norm_shrink"), 0, "norm dispatches per step: {families:?}");
 }
 
 #[test]

@@ -1035,8 +1035,9 @@ fn t_rows(m: usize, stride: usize, table: bool, seed: u64) -> (Vec<f32>, ScaleTa
 /// GDN inputs in one dispatch): up to 4 LoRA segments with their own ranks (one of them 0), t
 /// columns, B blocks and scales, as tiny as one row so that an invocation's 8 rows straddle up to
 /// four of them, from an odd row of the weight split across bindings (each chunk's rows numbered
-/// on from the view's), with and without a per-token scale table; every TOK, LANES and dtype.
-/// The tiled matmul still takes one segment (a typed error).
+/// on from the view's), with and without a per-token scale table, with and without the block's
+/// RMSNorm1p fused (then also without LoRA, as a batched step's shrink runs); every TOK, LANES and
+/// dtype. The tiled matmul still takes one segment (a typed error).
 #[test]
 fn batched_matvec_takes_several_lora_segments() {
     let Some(ctx) = ctx() else { return };
@@ -1057,6 +1058,7 @@ fn batched_matvec_takes_several_lora_segments() {
         for (di, dtype) in [Dtype::F32, Dtype::BF16, Dtype::F16].into_iter().enumerate() {
             let seed = 2600 + si as u64 * 29 + di as u64 * 5;
             let table = (si + di) % 2 == 1;
+            let norm = (si + di) % 3 != 1;
             let view0 = 3;
             let total = view0 + n + 2;
             let (bytes, w) = weight_bytes(&rand(total * k, seed, 1.0), dtype);
@@ -1076,9 +1078,14 @@ fn batched_matvec_takes_several_lora_segments() {
             let (t, at, factor) = t_rows(m, stride, table, seed + 1);
             let (b, b_offs) = segment_b(&segs, seed + 3);
             let x = rand(4 + m * k, seed + 4, 1.0);
+            let norm_w = rand(k, seed + 5, 0.5);
             let (xb, yb, tb, bb) =
                 (upload(&ctx, &x), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t), upload(&ctx, &b));
-            let bg = ctx.weights_bind_group(&bb, "b");
+            let (bg, nb) = (ctx.weights_bind_group(&bb, "b"), upload(&ctx, &norm_w));
+            let fuse =
+                Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None }), ..Fuse::NONE };
+            let xin = if norm { cpu::rms_norm(&x[4..], &norm_w, k, 1e-6) } else { x[4..].to_vec() };
+            let base = cpu::linear(&xin, &w[view0 * k..(view0 + n) * k], m, n, k);
             let segments: Vec<LoraSegment> = segs
                 .iter()
                 .enumerate()
@@ -1096,10 +1103,20 @@ fn batched_matvec_takes_several_lora_segments() {
                 ..LoraExpand::single(&tb, (0, stride), (0, 0), 1.0, &bg)
             };
             let io = LinearIo { x: &xb, x_offset: 4, m, y: &yb, y_offset: 1, y_stride: n, accumulate: false };
-            let view = WeightRows { w: &gw, rows: view0..view0 + n };
-            run(&ctx, |rec| linear_rows(rec, view, &io, Some(&lora), Fuse::NONE));
+            let view = || WeightRows { w: &gw, rows: view0..view0 + n };
+            let what = format!(
+                "batched matvec m{m} n{n} k{k} {dtype:?} segments {segs:?} chunks {} table {table} norm {norm}",
+                gw.chunks.len()
+            );
+            if norm {
+                run(&ctx, |rec| linear_rows(rec, view(), &io, None, fuse));
+                let want: Vec<f32> = std::iter::once(7.0).chain(base.iter().copied()).collect();
+                let what = format!("{what}, no LoRA");
+                assert_close(&what, &read(&ctx, &yb, m * n + 1), &want, KERNEL_ATOL, KERNEL_RTOL);
+            }
+            run(&ctx, |rec| linear_rows(rec, view(), &io, Some(&lora), fuse));
             let mut want = vec![7.0];
-            want.extend(cpu::linear(&x[4..], &w[view0 * k..(view0 + n) * k], m, n, k));
+            want.extend(base);
             for i in 0..m {
                 let mut start = 0;
                 for (j, &(rank, seg_n)) in segs.iter().enumerate() {
@@ -1115,18 +1132,16 @@ fn batched_matvec_takes_several_lora_segments() {
                     start += seg_n;
                 }
             }
-            let what = format!(
-                "batched matvec m{m} n{n} k{k} {dtype:?} segments {segs:?} chunks {} table {table}",
-                gw.chunks.len()
-            );
             assert_close(&what, &read(&ctx, &yb, m * n + 1), &want, KERNEL_ATOL, KERNEL_RTOL);
             if si == 0 && di == 0 {
                 let io = LinearIo { m: 9, ..io };
-                let view = WeightRows { w: &gw, rows: view0..view0 + n };
                 let mut cache = bind_cache(&ctx, 1 << 16);
                 let mut rec = Recorder::new(&ctx, &mut cache);
-                let err = linear_rows(&mut rec, view, &io, Some(&lora), Fuse::NONE).expect_err("9 tokens, 4 segments");
+                let err =
+                    linear_rows(&mut rec, view(), &io, Some(&lora), Fuse::NONE).expect_err("9 tokens, 4 segments");
                 assert!(err.to_string().contains("one LoRA segment"), "{err}");
+                let err = linear_rows(&mut rec, view(), &io, None, fuse).expect_err("9 tokens, a fused norm");
+                assert!(err.to_string().contains("a fused norm needs one token or the batched matvec"), "{err}");
             }
         }
     }
@@ -1135,7 +1150,7 @@ fn batched_matvec_takes_several_lora_segments() {
 /// SwiGLU in the batched matvec (2 to 8 tokens over a `[gate; up]` weight of 2n rows): every
 /// `TOK` and `LANES` variant, every dtype, n below and above a workgroup's outputs, without LoRA and
 /// with the gate and up segments' own ranks, t columns, B rows and scales (one of them rank 0),
-/// with and without a per-token scale table.
+/// with and without a per-token scale table, with and without the block's RMSNorm1p fused.
 #[test]
 fn batched_swiglu_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
@@ -1157,6 +1172,8 @@ fn batched_swiglu_sweep_matches_reference() {
                 let (bytes, w) = weight_bytes(&rand(2 * n * k, seed, 1.0), dtype);
                 let gw = GpuWeight::upload(&ctx, "w", dtype, 2 * n, k, &bytes, u64::MAX).expect("weight");
                 let x = rand(4 + m * k, seed + 1, 1.0);
+                let norm = (si + ci) % 2 == 0;
+                let norm_w = rand(k, seed + 5, 0.5);
                 // t: [m, stride] with the gate's columns from 1 and the up's after them.
                 let stride = 1 + rg + ru + 2;
                 let (t, at, factor) = t_rows(m, stride, table, seed + 2);
@@ -1164,7 +1181,7 @@ fn batched_swiglu_sweep_matches_reference() {
                 let b = rand(2 + n * (rg + ru), seed + 4, 1.0);
                 let (xb, yb, tb, bb) =
                     (upload(&ctx, &x), upload(&ctx, &vec![7.0; m * n + 3]), upload(&ctx, &t), upload(&ctx, &b));
-                let bg = ctx.weights_bind_group(&bb, "b");
+                let (bg, nb) = (ctx.weights_bind_group(&bb, "b"), upload(&ctx, &norm_w));
                 let segments = vec![
                     LoraSegment { rows: n, rank: rg, t_offset: 1, b_offset: 2, scale: 0.5 },
                     LoraSegment { rows: n, rank: ru, t_offset: 1 + rg, b_offset: 2 + n * rg, scale: -1.5 },
@@ -1175,10 +1192,12 @@ fn batched_swiglu_sweep_matches_reference() {
                     ..LoraExpand::single(&tb, (0, stride), (0, 0), 1.0, &bg)
                 };
                 let io = LinearIo { x: &xb, x_offset: 4, m, y: &yb, y_offset: 3, y_stride: n, accumulate: false };
-                let fuse = Fuse { glu: true, ..Fuse::NONE };
+                let fused_norm = norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None });
+                let fuse = Fuse { glu: true, norm: fused_norm, ..Fuse::NONE };
                 let adapted = rg + ru > 0;
                 run(&ctx, |rec| linear_rows(rec, WeightRows::all(&gw), &io, adapted.then_some(&lora), fuse));
-                let mut vals = cpu::linear(&x[4..], &w, m, 2 * n, k);
+                let xin = if norm { cpu::rms_norm(&x[4..], &norm_w, k, 1e-6) } else { x[4..].to_vec() };
+                let mut vals = cpu::linear(&xin, &w, m, 2 * n, k);
                 for i in 0..m {
                     for r in 0..2 * n {
                         let s = &segments[r / n];
@@ -1195,7 +1214,7 @@ fn batched_swiglu_sweep_matches_reference() {
                 for i in 0..m {
                     want.extend((0..n).map(|o| cpu::silu(vals[i * 2 * n + o]) * vals[i * 2 * n + n + o]));
                 }
-                let what = format!("batched SwiGLU m{m} n{n} k{k} {dtype:?} ranks {rg}/{ru} table {table}");
+                let what = format!("batched SwiGLU m{m} n{n} k{k} {dtype:?} ranks {rg}/{ru} table {table} norm {norm}");
                 assert_close(&what, &read(&ctx, &yb, m * n + 3), &want, KERNEL_ATOL, KERNEL_RTOL);
             }
         }

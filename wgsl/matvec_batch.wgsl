@@ -19,8 +19,15 @@
 // stores silu(gate) * up. Its half 0 (the gate sums) goes to y, and its half 1 reads them back
 // from there (the same invocation stores and reads each output: no barrier needed for that).
 //
+// NORM: the block's RMSNorm1p of x with weight aux first, x * rsqrt(mean(x^2) + eps) * (1 + aux)
+// (a batched step's block input, read only by its projections and their shrink): the product
+// runs on x * (1 + aux), each lane sums x^2 of every token on the way (every row group reads all of
+// x), row group 0 hands its lanes' sums over workgroup memory and each token's scale multiplies
+// its partials before the expand is added (t is the shrink of the normed rows). Two barriers.
+//
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
-// m <= TOK (token rows past m are skipped: not loaded, computed or stored), up to 4 LoRA
+// m <= TOK (token rows past m are skipped: not loaded, computed or stored), aux bound (x when
+// unused), up to 4 LoRA
 // segments (the projections of a concatenated weight, as the single-token matvec takes them; with
 // GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings and the helpers:
 // linear.wgsl.
@@ -28,6 +35,7 @@
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
 override GLU: bool = false;
+override NORM: bool = false;
 
 const WG: u32 = 64u;
 const TR: u32 = 8u;
@@ -35,8 +43,13 @@ const MAX_TOK: u32 = 8u;
 const ACC: u32 = 16u; // vec4 accumulators: two per token
 const_assert ACC == 2u * MAX_TOK && TR == 8u;
 
+@group(0) @binding(4) var<storage, read> aux: array<vec4<f32>>; // NORM: the norm weight [K]
+
 // One half of the partials: [4 rows of each row group][TOK][LANES] = 4 * WG * TOK floats.
 var<workgroup> red: array<f32, 2048>;
+// NORM: row group 0's partial sums of x^2, [TOK][LANES], then each token's norm scale.
+var<workgroup> sq_red: array<f32, 512>;
+var<workgroup> norm_scale: array<f32, MAX_TOK>;
 
 struct Slot {
     row0: u32,  // first row of the workgroup
@@ -72,28 +85,52 @@ fn weights8(rv: u32, j: u32) -> array<vec4<f32>, 2> {
 }
 
 // The dot products of the 8 rows' weights at step j (`wv`, as weights8 gives them) with token
-// row tk's 8 x values: rows 0-3, rows 4-7.
-fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>) -> array<vec4<f32>, 2> {
+// row tk's 8 x values (times `nw`, 1 + the norm weight's 8 values, with NORM): rows 0-3, rows 4-7,
+// and with NORM the sum of the 8 x values' squares.
+struct Dots {
+    lo: vec4<f32>,
+    hi: vec4<f32>,
+    sq: f32,
+}
+
+fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>, nw: array<vec4<f32>, 2>) -> Dots {
     let x4 = (p.x_offset + tk * p.x_stride) >> 2u;
-    let xa = x[x4 + 2u * j];
-    let xb = x[x4 + 2u * j + 1u];
+    var xa = x[x4 + 2u * j];
+    var xb = x[x4 + 2u * j + 1u];
+    var sq = 0.0;
+    if (NORM) {
+        sq = dot(xa, xa) + dot(xb, xb);
+        xa *= nw[0];
+        xb *= nw[1];
+    }
     var xe = xa;
     var xo = xb;
     if (W_DTYPE != 0u) {
         xe = vec4<f32>(xa.x, xa.z, xb.x, xb.z);
         xo = vec4<f32>(xa.y, xa.w, xb.y, xb.w);
     }
-    return array<vec4<f32>, 2>(
+    return Dots(
         vec4<f32>(dot(wv[0][0], xe) + dot(wv[0][1], xo), dot(wv[1][0], xe) + dot(wv[1][1], xo),
             dot(wv[2][0], xe) + dot(wv[2][1], xo), dot(wv[3][0], xe) + dot(wv[3][1], xo)),
         vec4<f32>(dot(wv[4][0], xe) + dot(wv[4][1], xo), dot(wv[5][0], xe) + dot(wv[5][1], xo),
-            dot(wv[6][0], xe) + dot(wv[6][1], xo), dot(wv[7][0], xe) + dot(wv[7][1], xo)));
+            dot(wv[6][0], xe) + dot(wv[6][1], xo), dot(wv[7][0], xe) + dot(wv[7][1], xo)),
+        sq);
 }
 
-// Partial sums of this invocation's 8 rows for each token: acc[2 * token] = rows 0-3,
-// acc[2 * token + 1] = rows 4-7 (token rows past m and TOK skipped).
-fn partials(s: Slot) -> array<vec4<f32>, ACC> {
+// Partial sums of an invocation's 8 rows for each token: acc[2 * token] = rows 0-3,
+// acc[2 * token + 1] = rows 4-7; with NORM its share of each token's sum of x^2 (tokens 0-3 in
+// sq_lo, 4-7 in sq_hi).
+struct Partials {
+    acc: array<vec4<f32>, ACC>,
+    sq_lo: vec4<f32>,
+    sq_hi: vec4<f32>,
+}
+
+// This invocation's partials (token rows past m and TOK skipped).
+fn partials(s: Slot) -> Partials {
     var acc: array<vec4<f32>, ACC>;
+    var sq_lo = vec4<f32>(0.0);
+    var sq_hi = vec4<f32>(0.0);
     let first = s.row0 + s.group * per_invocation();
     let groups = p.k / 8u;
     let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
@@ -104,46 +141,95 @@ fn partials(s: Slot) -> array<vec4<f32>, ACC> {
     for (var j = s.lane; j < groups; j += LANES) {
         let wv = array<array<vec4<f32>, 2>, TR>(weights8(r[0], j), weights8(r[1], j), weights8(r[2], j),
             weights8(r[3], j), weights8(r[4], j), weights8(r[5], j), weights8(r[6], j), weights8(r[7], j));
-        var d = token_dots(0u, j, wv);
-        acc[0] += d[0];
-        acc[1] += d[1];
+        var nw = array<vec4<f32>, 2>(vec4<f32>(1.0), vec4<f32>(1.0));
+        if (NORM) {
+            nw = array<vec4<f32>, 2>(1.0 + aux[2u * j], 1.0 + aux[2u * j + 1u]);
+        }
+        var d = token_dots(0u, j, wv, nw);
+        acc[0] += d.lo;
+        acc[1] += d.hi;
+        sq_lo.x += d.sq;
         if (p.m > 1u) {
-            d = token_dots(1u, j, wv);
-            acc[2] += d[0];
-            acc[3] += d[1];
+            d = token_dots(1u, j, wv, nw);
+            acc[2] += d.lo;
+            acc[3] += d.hi;
+            sq_lo.y += d.sq;
         }
         if (TOK > 2u && p.m > 2u) {
-            d = token_dots(2u, j, wv);
-            acc[4] += d[0];
-            acc[5] += d[1];
+            d = token_dots(2u, j, wv, nw);
+            acc[4] += d.lo;
+            acc[5] += d.hi;
+            sq_lo.z += d.sq;
         }
         if (TOK > 2u && p.m > 3u) {
-            d = token_dots(3u, j, wv);
-            acc[6] += d[0];
-            acc[7] += d[1];
+            d = token_dots(3u, j, wv, nw);
+            acc[6] += d.lo;
+            acc[7] += d.hi;
+            sq_lo.w += d.sq;
         }
         if (TOK > 4u && p.m > 4u) {
-            d = token_dots(4u, j, wv);
-            acc[8] += d[0];
-            acc[9] += d[1];
+            d = token_dots(4u, j, wv, nw);
+            acc[8] += d.lo;
+            acc[9] += d.hi;
+            sq_hi.x += d.sq;
         }
         if (TOK > 4u && p.m > 5u) {
-            d = token_dots(5u, j, wv);
-            acc[10] += d[0];
-            acc[11] += d[1];
+            d = token_dots(5u, j, wv, nw);
+            acc[10] += d.lo;
+            acc[11] += d.hi;
+            sq_hi.y += d.sq;
         }
         if (TOK > 4u && p.m > 6u) {
-            d = token_dots(6u, j, wv);
-            acc[12] += d[0];
-            acc[13] += d[1];
+            d = token_dots(6u, j, wv, nw);
+            acc[12] += d.lo;
+            acc[13] += d.hi;
+            sq_hi.z += d.sq;
         }
         if (TOK > 4u && p.m > 7u) {
-            d = token_dots(7u, j, wv);
-            acc[14] += d[0];
-            acc[15] += d[1];
+            d = token_dots(7u, j, wv, nw);
+            acc[14] += d.lo;
+            acc[15] += d.hi;
+            sq_hi.w += d.sq;
         }
     }
-    return acc;
+    return Partials(acc, sq_lo, sq_hi);
+}
+
+// NORM: each token's scale rsqrt(mean(x^2) + eps) from row group 0's lanes' sums (staged, one
+// barrier, invocation tk < TOK sums token tk's, one barrier), multiplied into the partials.
+fn apply_norm(s: Slot, part: ptr<function, Partials>, li: u32) {
+    if (s.group == 0u) {
+        for (var tk = 0u; tk < TOK; tk++) {
+            sq_red[tk * LANES + s.lane] = select((*part).sq_lo, (*part).sq_hi, tk >= 4u)[tk % 4u];
+        }
+    }
+    workgroupBarrier();
+    if (li < TOK) {
+        var sum = 0.0;
+        for (var l = 0u; l < LANES; l++) {
+            sum += sq_red[li * LANES + l];
+        }
+        norm_scale[li] = inverseSqrt(sum / f32(p.k) + p.eps);
+    }
+    workgroupBarrier();
+    let lo = vec4<f32>(norm_scale[0], norm_scale[1], norm_scale[2], norm_scale[3]);
+    let hi = vec4<f32>(norm_scale[4], norm_scale[5], norm_scale[6], norm_scale[7]);
+    (*part).acc[0] *= lo.x;
+    (*part).acc[1] *= lo.x;
+    (*part).acc[2] *= lo.y;
+    (*part).acc[3] *= lo.y;
+    (*part).acc[4] *= lo.z;
+    (*part).acc[5] *= lo.z;
+    (*part).acc[6] *= lo.w;
+    (*part).acc[7] *= lo.w;
+    (*part).acc[8] *= hi.x;
+    (*part).acc[9] *= hi.x;
+    (*part).acc[10] *= hi.y;
+    (*part).acc[11] *= hi.y;
+    (*part).acc[12] *= hi.z;
+    (*part).acc[13] *= hi.z;
+    (*part).acc[14] *= hi.w;
+    (*part).acc[15] *= hi.w;
 }
 
 // Token row tk's t value of rank column c of segment seg, times its scale-table factor.
@@ -333,7 +419,11 @@ fn matvec_batch(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    let acc = partials(s);
+    var part = partials(s);
+    if (NORM) {
+        apply_norm(s, &part, li);
+    }
+    let acc = part.acc;
     for (var h = 0u; h < 2u; h++) {
         stage(s, half(acc, h));
         for (var o = li; o < outputs(); o += WG) {
@@ -353,7 +443,11 @@ fn matvec_batch_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    var acc = partials(s);
+    var part = partials(s);
+    if (NORM) {
+        apply_norm(s, &part, li);
+    }
+    var acc = part.acc;
     for (var seg = 0u; seg < select(4u, 2u, GLU); seg++) {
         add_expand(s, &acc, seg);
     }

@@ -15,6 +15,6 @@ pub use recorder::{grid_1d, IoBindCache, Profile, Recorder, Timed};
 pub use registry::{
     matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_sg_variants, matvec_variant,
     matvec_variants, Kernel, KernelDesc, PipelineKey, Shader, ShaderDesc, KERNELS, MATMUL_TILES, MATVEC_BATCH_GLU,
-    MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT, SHADERS,
+    MATVEC_BATCH_NORM, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT, SHADERS,
 };
 pub use tensor::{AffineData, GpuVector, GpuWeight, WeightChunk};

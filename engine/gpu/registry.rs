@@ -341,7 +341,7 @@ pub const KERNELS: [KernelDesc; 42] = [
         kernel: Kernel::MatvecBatch,
         shader: Shader::MatvecBatch,
         entry: "matvec_batch",
-        io: &[R, W],
+        io: &[R, W, R, R],
         weights: true,
         lora: false,
         accumulate: true,
@@ -352,7 +352,7 @@ pub const KERNELS: [KernelDesc; 42] = [
         kernel: Kernel::MatvecBatchLora,
         shader: Shader::MatvecBatch,
         entry: "matvec_batch_lora",
-        io: &[R, W, R],
+        io: &[R, W, R, R],
         weights: true,
         lora: true,
         accumulate: true,
@@ -847,8 +847,9 @@ impl PipelineKey {
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 let (lanes, code) = matvec_overrides(self.variant);
                 c.push(("LANES", lanes as f64));
-                c.push(("TOK", (code & !MATVEC_BATCH_GLU) as f64));
+                c.push(("TOK", (code & !(MATVEC_BATCH_GLU | MATVEC_BATCH_NORM)) as f64));
                 c.push(("GLU", u32::from(code & MATVEC_BATCH_GLU != 0) as f64));
+                c.push(("NORM", u32::from(code & MATVEC_BATCH_NORM != 0) as f64));
             }
             _ => {}
         }
@@ -926,8 +927,13 @@ pub const MATVEC_BATCH_TOKENS: [u32; 3] = [2, 4, 8];
 /// Bit of a batched-matvec variant's second byte (beside `TOK`): SwiGLU on the way out (`GLU`).
 pub const MATVEC_BATCH_GLU: u32 = 16;
 
-/// Every batched-matvec pipeline variant (`LANES | (TOK | GLU) << 8`).
+/// Bit of a batched-matvec variant's second byte (beside `TOK`): the block's RMSNorm1p of x
+/// first (`NORM`).
+pub const MATVEC_BATCH_NORM: u32 = 32;
+
+/// Every batched-matvec pipeline variant (`LANES | (TOK | GLU | NORM) << 8`).
 pub fn matvec_batch_variants() -> &'static [u32] {
     static ALL: std::sync::OnceLock<Vec<u32>> = std::sync::OnceLock::new();
-    by_lanes(&ALL, MATVEC_BATCH_TOKENS.iter().flat_map(|&t| [t, t | MATVEC_BATCH_GLU]))
+    let fuses = [0, MATVEC_BATCH_GLU, MATVEC_BATCH_NORM, MATVEC_BATCH_NORM | MATVEC_BATCH_GLU];
+    by_lanes(&ALL, MATVEC_BATCH_TOKENS.iter().flat_map(move |&t| fuses.map(|f| t | f)))
 }

@@ -6,7 +6,7 @@ use crate::error::GpuError;
 use crate::gpu::{grid_1d, Dtype, GpuContext, GpuWeight, Recorder};
 pub use crate::gpu::{
     matmul_overrides, matmul_variant, matvec_batch_variants, matvec_overrides, matvec_variant, matvec_variants,
-    MATMUL_TILES, MATVEC_BATCH_GLU, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
+    MATMUL_TILES, MATVEC_BATCH_GLU, MATVEC_BATCH_NORM, MATVEC_BATCH_TOKENS, MATVEC_LANES, MATVEC_SPLIT,
 };
 use crate::gpu::{Kernel, PipelineKey};
 use crate::kernels::learn::{sum_slices, SlicesOut};
@@ -78,7 +78,8 @@ pub struct MatmulParams {
     pub seg_scale: [f32; 4],
 }
 
-/// The block norm a single-token linear layer applies to x first (`NORM` in `matvec.wgsl`).
+/// The block norm a linear layer applies to x first (`NORM` in `matvec.wgsl` for a single
+/// token, in `matvec_batch.wgsl` for 2 to 8; the tiled matmul has none).
 #[derive(Clone, Copy)]
 pub struct FusedNorm<'a> {
     /// The RMSNorm1p weight `[K]` (f32).
@@ -128,7 +129,8 @@ pub struct ShrinkOut<'a> {
     pub norm: Option<&'a wgpu::Buffer>,
 }
 
-/// What a single-token linear layer fuses in, saving the dispatches that would do it.
+/// What a linear layer fuses in, saving the dispatches that would do it: all of it for a single
+/// token, the norm and SwiGLU for the batched matvec's 2 to 8 tokens.
 #[derive(Clone, Copy)]
 pub struct Fuse<'a> {
     /// The block's RMSNorm1p of x, before the product.
@@ -498,8 +500,8 @@ pub fn batched_matvec_takes(view: &WeightRows, m: usize, x_offset: usize) -> boo
         && view.w.chunks.iter().all(|c| !matches!(c.dtype, Dtype::Affine(_)))
 }
 
-/// [`linear`] with a fused norm or SwiGLU; those exist for single-token steps only (SwiGLU also
-/// for the batched matvec's 2 to 8 tokens: [`batched_matvec_takes`]).
+/// [`linear`] with what `fuse` names: a single token takes all of it, the batched matvec's 2 to 8
+/// tokens ([`batched_matvec_takes`]) the norm (not prenormed) and SwiGLU, the tiled matmul none.
 pub fn linear_with(
     rec: &mut Recorder,
     w: &GpuWeight,
@@ -525,8 +527,10 @@ pub fn linear_rows(
     let split = lora.and_then(|l| l.parts.map(|p| (l.t_stride, p)));
     let batch = batched_matvec_takes(&view, io.m, io.x_offset);
     let n_glu = rows.len() / 2;
-    let bad = if io.m != 1 && (fuse.norm.is_some() || fuse.shrink_out.is_some() || fuse.norm_out.is_some()) {
-        Some(format!("a fused norm or shrink out needs one token, got {}", io.m))
+    let bad = if io.m != 1 && (fuse.shrink_out.is_some() || fuse.norm_out.is_some()) {
+        Some(format!("a shrink out or norm out needs one token, got {}", io.m))
+    } else if fuse.norm.is_some() && io.m != 1 && !batch {
+        Some(format!("a fused norm needs one token or the batched matvec's 2 to {MAX_BATCH_TOKENS} (16-bit or f32 weights, K a multiple of 8, x 16-byte aligned), got {} tokens", io.m))
     } else if fuse.glu && io.m != 1 && !batch {
         Some(format!("SwiGLU needs one token or the batched matvec's 2 to {MAX_BATCH_TOKENS} (16-bit or f32 weights, K a multiple of 8, x 16-byte aligned), got {} tokens", io.m))
     } else if fuse.glu && io.accumulate {
@@ -620,7 +624,8 @@ pub fn linear_rows(
             }
             Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
                 let glu = if fuse.glu { MATVEC_BATCH_GLU } else { 0 };
-                matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m) | glu)
+                let norm = if fuse.norm.is_some() { MATVEC_BATCH_NORM } else { 0 };
+                matvec_variant(matvec_lanes(n_rows, g), batch_tokens(io.m) | glu | norm)
             }
             _ => matmul_tile(io.m, n_out, g),
         };
@@ -678,14 +683,27 @@ pub fn linear_rows(
             let (tm, tn) = matmul_overrides(variant);
             [(n_out as u32).div_ceil(tn), (io.m as u32).div_ceil(tm), slices as u32]
         };
-        match (lora, io.m == 1) {
-            (None, false) => rec.dispatch(key, &params, &[io.x, y], &[&chunk.bind_group], groups)?,
-            (Some(l), false) => rec.dispatch(key, &params, &[io.x, y, l.t], &[&chunk.bind_group, l.b], groups)?,
-            // matvec binds t, the norm weight and the shrink-out A always (x where unused).
-            (None, true) => rec.dispatch(key, &params, &[io.x, y, io.x, aux, out_a], &[&chunk.bind_group], groups)?,
-            (Some(l), true) => {
-                rec.dispatch(key, &params, &[io.x, y, l.t, aux, out_a], &[&chunk.bind_group, l.b], groups)?
+        // The matvecs bind t and the norm weight always (x where unused), the single-token one
+        // also the shrink-out A; the tiled matmul binds t only with LoRA.
+        let t = lora.map_or(io.x, |l| l.t);
+        let (plain, adapted);
+        let bind: &[&wgpu::BindGroup] = match lora {
+            Some(l) => {
+                adapted = [&chunk.bind_group, l.b];
+                &adapted
             }
+            None => {
+                plain = [&chunk.bind_group];
+                &plain
+            }
+        };
+        match kernel {
+            Kernel::Matmul => rec.dispatch(key, &params, &[io.x, y], bind, groups)?,
+            Kernel::MatmulLora => rec.dispatch(key, &params, &[io.x, y, t], bind, groups)?,
+            Kernel::MatvecBatch | Kernel::MatvecBatchLora => {
+                rec.dispatch(key, &params, &[io.x, y, t, aux], bind, groups)?
+            }
+            _ => rec.dispatch(key, &params, &[io.x, y, t, aux, out_a], bind, groups)?,
         }
         rec.weight_bytes((n_rows * chunk.dtype.row_bytes(w.cols)) as u64);
         if let Some(scratch) = &scratch {

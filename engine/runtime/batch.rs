@@ -10,10 +10,10 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use crate::error::{AdapterError, GpuError, RunError};
-use crate::gpu::{read_f32_via, GpuContext, IoBindCache, Profile, Recorder, Staging};
+use crate::gpu::{read_f32_via, GpuContext, GpuWeight, IoBindCache, Profile, Recorder, Staging};
 use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
-use crate::kernels::matmul::{batched_matvec_takes, LinearIo};
+use crate::kernels::matmul::{batched_matvec_takes, LinearIo, WeightRows};
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed, topk_max};
 use crate::kernels::norm::{rms_norm, rms_norm_gated, NormIo};
 use crate::lora::{InputGroup, LoraAdapter, Proj};
@@ -440,12 +440,16 @@ impl Batch {
         for (i, layer) in model.layers.iter().enumerate() {
             let lora =
                 self.lora.as_ref().zip(self.lora_t.as_ref()).map(|(l, t)| LayerLora { bound: &l.bound, t, layer: i });
+            let mixer_w = match &layer.mixer {
+                Mixer::Gdn(w) => &w.in_proj,
+                Mixer::Attention(w) => &w.qkv,
+            };
             let mixer_in = block_input(
                 &mut rec,
                 c,
                 sc,
                 &layer.input_norm,
-                false,
+                folds(mixer_w, n),
                 lora,
                 (InputGroup::MixerIn, NextReads::default()),
                 n,
@@ -459,15 +463,20 @@ impl Batch {
                 c,
                 sc,
                 &layer.post_norm,
-                false,
+                folds(&layer.mlp.gate_up, n),
                 lora,
                 (InputGroup::MlpIn, NextReads::default()),
                 n,
             )?;
             mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, NextWrites::default()), n)?;
         }
-        rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
-        lm_head(&mut rec, &model, Src::plain(&sc.xnorm), &self.logits, 0, n)?;
+        let head_src = if folds(model.output(), n) {
+            Src::normed(&sc.hidden, &model.norm.buffer, c.rms_norm_eps, None)
+        } else {
+            rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
+            Src::plain(&sc.xnorm)
+        };
+        lm_head(&mut rec, &model, head_src, &self.logits, 0, n)?;
         match head {
             Head::Logits => {}
             Head::Choose { slot } => {
@@ -995,6 +1004,13 @@ fn project_rows(
         at += dims(i);
     }
     Ok(())
+}
+
+/// Whether a batched step of `n` rows folds a block's RMSNorm1p into the projections over `w`
+/// that read it and into their LoRA shrink (no norm dispatch): one row runs the single-token
+/// matvec, 2 to 8 the batched matvec, both of which fuse it; the tiled matmul does not.
+fn folds(w: &GpuWeight, n: usize) -> bool {
+    n == 1 || batched_matvec_takes(&WeightRows::all(w), n, 0)
 }
 
 /// Every row's session takes the step's token.

@@ -550,7 +550,7 @@ pub(crate) fn mlp_block(
         let shrink_out = split.as_ref().map(|(out, _)| *out);
         let glu = Src { fuse: Fuse { glu: true, shrink_out, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
-    } else if batched_matvec_takes(&gate_up, t, src.offset) && gate_up.in_one_chunk() && src.fuse.code() == 0 {
+    } else if batched_matvec_takes(&gate_up, t, src.offset) && gate_up.in_one_chunk() {
         let glu = Src { fuse: Fuse { glu: true, ..src.fuse }, ..src };
         project(rec, c, part(0..2), &src.io(&sc.mlp_g, t, i), glu, &s)?;
     } else {
