@@ -21,8 +21,8 @@
 //
 // NORM: the block's RMSNorm1p of x with weight aux first, x * rsqrt(mean(x^2) + eps) * (1 + aux)
 // (a batched step's block input, read only by its projections and their shrink): the product
-// runs on x * (1 + aux), each lane sums x^2 of every token on the way (every row group reads all of
-// x), row group 0 hands its lanes' sums over workgroup memory and each token's scale multiplies
+// runs on x * (1 + aux), row group 0's lanes sum x^2 of every token on the way (every row group
+// reads all of x) and hand their sums over workgroup memory, and each token's scale multiplies
 // its partials before the expand is added (t is the shrink of the normed rows). Two barriers.
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
@@ -86,20 +86,22 @@ fn weights8(rv: u32, j: u32) -> array<vec4<f32>, 2> {
 
 // The dot products of the 8 rows' weights at step j (`wv`, as weights8 gives them) with token
 // row tk's 8 x values (times `nw`, 1 + the norm weight's 8 values, with NORM): rows 0-3, rows 4-7,
-// and with NORM the sum of the 8 x values' squares.
+// and when `sums` the sum of the 8 x values' squares (0 otherwise).
 struct Dots {
     lo: vec4<f32>,
     hi: vec4<f32>,
     sq: f32,
 }
 
-fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>, nw: array<vec4<f32>, 2>) -> Dots {
+fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>, nw: array<vec4<f32>, 2>, sums: bool) -> Dots {
     let x4 = (p.x_offset + tk * p.x_stride) >> 2u;
     var xa = x[x4 + 2u * j];
     var xb = x[x4 + 2u * j + 1u];
     var sq = 0.0;
-    if (NORM) {
+    if (sums) {
         sq = dot(xa, xa) + dot(xb, xb);
+    }
+    if (NORM) {
         xa *= nw[0];
         xb *= nw[1];
     }
@@ -118,8 +120,8 @@ fn token_dots(tk: u32, j: u32, wv: array<array<vec4<f32>, 2>, TR>, nw: array<vec
 }
 
 // Partial sums of an invocation's 8 rows for each token: acc[2 * token] = rows 0-3,
-// acc[2 * token + 1] = rows 4-7; with NORM its share of each token's sum of x^2 (tokens 0-3 in
-// sq_lo, 4-7 in sq_hi).
+// acc[2 * token + 1] = rows 4-7; with NORM, in row group 0, its share of each token's sum of x^2
+// (tokens 0-3 in sq_lo, 4-7 in sq_hi; every row group reads all of x, one of them sums it).
 struct Partials {
     acc: array<vec4<f32>, ACC>,
     sq_lo: vec4<f32>,
@@ -134,6 +136,7 @@ fn partials(s: Slot) -> Partials {
     let first = s.row0 + s.group * per_invocation();
     let groups = p.k / 8u;
     let row_vecs = select(groups, 2u * groups, W_DTYPE == 0u);
+    let sums = NORM && s.group == 0u;
     var r: array<u32, TR>;
     for (var i = 0u; i < TR; i++) {
         r[i] = (p.w_row0 + slot_row(first, i)) * row_vecs;
@@ -145,48 +148,48 @@ fn partials(s: Slot) -> Partials {
         if (NORM) {
             nw = array<vec4<f32>, 2>(1.0 + aux[2u * j], 1.0 + aux[2u * j + 1u]);
         }
-        var d = token_dots(0u, j, wv, nw);
+        var d = token_dots(0u, j, wv, nw, sums);
         acc[0] += d.lo;
         acc[1] += d.hi;
         sq_lo.x += d.sq;
         if (p.m > 1u) {
-            d = token_dots(1u, j, wv, nw);
+            d = token_dots(1u, j, wv, nw, sums);
             acc[2] += d.lo;
             acc[3] += d.hi;
             sq_lo.y += d.sq;
         }
         if (TOK > 2u && p.m > 2u) {
-            d = token_dots(2u, j, wv, nw);
+            d = token_dots(2u, j, wv, nw, sums);
             acc[4] += d.lo;
             acc[5] += d.hi;
             sq_lo.z += d.sq;
         }
         if (TOK > 2u && p.m > 3u) {
-            d = token_dots(3u, j, wv, nw);
+            d = token_dots(3u, j, wv, nw, sums);
             acc[6] += d.lo;
             acc[7] += d.hi;
             sq_lo.w += d.sq;
         }
         if (TOK > 4u && p.m > 4u) {
-            d = token_dots(4u, j, wv, nw);
+            d = token_dots(4u, j, wv, nw, sums);
             acc[8] += d.lo;
             acc[9] += d.hi;
             sq_hi.x += d.sq;
         }
         if (TOK > 4u && p.m > 5u) {
-            d = token_dots(5u, j, wv, nw);
+            d = token_dots(5u, j, wv, nw, sums);
             acc[10] += d.lo;
             acc[11] += d.hi;
             sq_hi.y += d.sq;
         }
         if (TOK > 4u && p.m > 6u) {
-            d = token_dots(6u, j, wv, nw);
+            d = token_dots(6u, j, wv, nw, sums);
             acc[12] += d.lo;
             acc[13] += d.hi;
             sq_hi.z += d.sq;
         }
         if (TOK > 4u && p.m > 7u) {
-            d = token_dots(7u, j, wv, nw);
+            d = token_dots(7u, j, wv, nw, sums);
             acc[14] += d.lo;
             acc[15] += d.hi;
             sq_hi.w += d.sq;
