@@ -176,6 +176,50 @@ fn a_fused_decode_token_with_an_adapter_takes_one_shrink_dispatch() {
     }
 }
 
+/// A prompt of 2 to 8 tokens folds each block's RMSNorm1p into the projections and the LoRA
+/// shrinks that read it (the batched matvec's `NORM`), and runs 2 · layers + 1 dispatches fewer
+/// than with the norms unfused. With an adapter on all 12 projections both match peft (the first
+/// rows of the 11-token reference, the model being causal); without one they match each other.
+#[test]
+fn a_short_prompt_folds_its_norms_and_matches_peft() {
+    let Some(ctx) = gpu().map(|_| Arc::new(qwen35_wgpu::GpuContext::new().expect("context"))) else {
+        return;
+    };
+    // A context of its own: the shared one counts the work of tests running beside this one.
+    let model = Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model"));
+    let r = Reference::load("adapters");
+    let ids = r.ids("all12_r8.ids");
+    let (_, want) = r.f32("all12_r8.s1.logits");
+    let a = Arc::new(LoraAdapter::load(&model, &adapter_path("all12_r8")).expect("a"));
+    let vocab = model.config.vocab_size;
+    let norms = 2 * model.config.num_layers() as u64 + 1;
+    let mut s = Session::new(model.clone(), opts()).expect("session");
+    for adapter in [None, Some(a)] {
+        let adapted = adapter.is_some();
+        s.set_adapter(adapter.map(|a| (a, 1.0))).expect("set");
+        for t in [2, 5, 8] {
+            let mut run = |fused: bool| {
+                s.reset();
+                s.set_fused_decode(fused);
+                let before = model.ctx.counters();
+                let logits = s.feed_all(&ids[..t]).expect("prefill").data;
+                (logits, (model.ctx.counters() - before).dispatches)
+            };
+            let (folded, fewer) = run(true);
+            let (unfolded, more) = run(false);
+            let what = format!("{t} tokens, adapter {adapted}");
+            if adapted {
+                check_logits(&format!("{what}, folded"), &folded, &want[..t * vocab], vocab);
+                check_logits(&format!("{what}, unfolded"), &unfolded, &want[..t * vocab], vocab);
+            } else {
+                let (rel, _) = rel_and_max(&folded, &unfolded);
+                assert!(rel <= PATHS_REL, "{what}: folded vs unfolded rel {rel:.3e}");
+            }
+            assert_eq!(more - fewer, norms, "{what}: dispatches {fewer} folded, {more} not");
+        }
+    }
+}
+
 /// A backend that keeps the trait's adapter defaults and "generates" fixed token ids (with the
 /// demo model's tokenizer when it has one).
 struct NoAdapters {

@@ -87,6 +87,17 @@ pub enum Mixer {
     Gdn(GdnWeights),
 }
 
+impl Mixer {
+    /// The concatenated weight of the projections that read the block's input (attention's
+    /// q|gate, k, v; GDN's qkv, z, b, a).
+    pub fn input_weight(&self) -> &GpuWeight {
+        match self {
+            Mixer::Attention(w) => &w.qkv,
+            Mixer::Gdn(w) => &w.in_proj,
+        }
+    }
+}
+
 /// SwiGLU MLP weights.
 pub struct Mlp {
     /// `gate_proj.weight` `[I, H]` and `up_proj.weight` `[I, H]`, rows concatenated.

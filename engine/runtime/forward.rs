@@ -225,6 +225,13 @@ pub(crate) fn block_input<'a>(
     Ok((src, shrink(rec, lora, group, src, t)?))
 }
 
+/// Whether `t` rows can fold a block's RMSNorm1p into the projections over `w` that read it and
+/// into their LoRA shrink (no norm dispatch): one row runs the single-token matvec, 2 to 8 the
+/// batched matvec, both of which fuse it; the tiled matmul does not.
+pub(crate) fn folds_norm(w: &GpuWeight, t: usize) -> bool {
+    t == 1 || batched_matvec_takes(&WeightRows::all(w), t, 0)
+}
+
 /// The input of a block's projections: a buffer and what to do to it first (single-token steps
 /// fold the block's RMSNorm or the SwiGLU product into the projections that read it).
 #[derive(Clone, Copy)]

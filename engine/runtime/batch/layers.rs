@@ -2,10 +2,10 @@
 //! per session (or pooled, for GDN).
 
 use crate::error::GpuError;
-use crate::gpu::{GpuWeight, Recorder};
+use crate::gpu::Recorder;
 use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
-use crate::kernels::matmul::{batched_matvec_takes, LinearIo, WeightRows};
+use crate::kernels::matmul::{batched_matvec_takes, LinearIo};
 use crate::kernels::norm::{rms_norm_gated, NormIo};
 use crate::lora::Proj;
 use crate::model::{AttnWeights, GdnWeights, TextConfig};
@@ -172,13 +172,6 @@ fn project_rows(
         at += dims(i);
     }
     Ok(())
-}
-
-/// Whether a batched step of `n` rows folds a block's RMSNorm1p into the projections over `w`
-/// that read it and into their LoRA shrink (no norm dispatch): one row runs the single-token
-/// matvec, 2 to 8 the batched matvec, both of which fuse it; the tiled matmul does not.
-pub(super) fn folds(w: &GpuWeight, n: usize) -> bool {
-    n == 1 || batched_matvec_takes(&WeightRows::all(w), n, 0)
 }
 
 pub(super) fn mismatch(layer: usize) -> GpuError {

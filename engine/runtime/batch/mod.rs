@@ -23,10 +23,12 @@ use crate::lora::{InputGroup, LoraAdapter};
 use crate::model::{Mixer, Model};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
 use crate::runtime::cache::Scratch;
-use crate::runtime::forward::{block_input, lm_head, mlp_block, norm_rows, LayerLora, NextReads, NextWrites, Src};
+use crate::runtime::forward::{
+    block_input, folds_norm, lm_head, mlp_block, norm_rows, LayerLora, NextReads, NextWrites, Src,
+};
 use crate::runtime::session::{Logits, SampleRead, Session};
 
-use layers::{attention_rows, folds, gdn_rows};
+use layers::{attention_rows, gdn_rows};
 use pool::{GdnPool, PoolRows};
 
 /// Most sessions one batched step takes.
@@ -362,16 +364,12 @@ impl Batch {
         for (i, layer) in model.layers.iter().enumerate() {
             let lora =
                 self.lora.as_ref().zip(self.lora_t.as_ref()).map(|(l, t)| LayerLora { bound: &l.bound, t, layer: i });
-            let mixer_w = match &layer.mixer {
-                Mixer::Gdn(w) => &w.in_proj,
-                Mixer::Attention(w) => &w.qkv,
-            };
             let mixer_in = block_input(
                 &mut rec,
                 c,
                 sc,
                 &layer.input_norm,
-                folds(mixer_w, n),
+                folds_norm(layer.mixer.input_weight(), n),
                 lora,
                 (InputGroup::MixerIn, NextReads::default()),
                 n,
@@ -385,14 +383,14 @@ impl Batch {
                 c,
                 sc,
                 &layer.post_norm,
-                folds(&layer.mlp.gate_up, n),
+                folds_norm(&layer.mlp.gate_up, n),
                 lora,
                 (InputGroup::MlpIn, NextReads::default()),
                 n,
             )?;
             mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, NextWrites::default()), n)?;
         }
-        let head_src = if folds(model.output(), n) {
+        let head_src = if folds_norm(model.output(), n) {
             Src::normed(&sc.hidden, &model.norm.buffer, c.rms_norm_eps, None)
         } else {
             rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;

@@ -509,7 +509,9 @@ impl Session {
     /// block's input already through the norm weight, with its sums of squares, so the folded
     /// projections load no more than plain ones (on lavapipe, where every extra load costs
     /// instructions, `bench --fusion-ab` measures fused / unfused 1.00; ARCHITECTURE.md,
-    /// "Decode"). Off runs the norms and SwiGLU as dispatches of their own.
+    /// "Decode"). Steps of 2 to 8 tokens (short prompts) fold the block norms too, into the
+    /// batched matvec, when their rows are not read back as hidden states or for learning. Off
+    /// runs the norms and SwiGLU as dispatches of their own.
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused = on;
     }

@@ -3,15 +3,15 @@
 //! into one command buffer and submitted.
 
 use crate::error::{GpuError, RunError};
-use crate::gpu::{GpuContext, Recorder};
+use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::misc::{argmax, embed};
 use crate::kernels::norm::rms_norm;
 use crate::lora::InputGroup;
 use crate::model::Mixer;
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attention_block, block_input, gdn_block, lm_head, mlp_block, norm_rows, residual_out, LayerLora, NextReads,
-    NextWrites, Src,
+    attention_block, block_input, folds_norm, gdn_block, lm_head, mlp_block, norm_rows, residual_out, LayerLora,
+    NextReads, NextWrites, Src,
 };
 
 use super::{Logits, Session};
@@ -128,9 +128,15 @@ impl Session {
         let last = matches!(rows, Rows::Last | Rows::Choose { .. } | Rows::Sample { .. });
         let (r0, n) = if last { (t - 1, 1) } else { (0, t) };
         let first_rows = if rows == Rows::Hidden { 0 } else { n.min(self.logits_rows) };
-        // One token whose normalised rows nobody reads back: the norms and the SwiGLU product go into
-        // the prologues of the projections that read them (no dispatch of their own).
-        let fold = self.fused && t == 1 && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. });
+        // Rows whose normalised values nobody reads back (not learning, not the final hidden
+        // states, every logits row in this step's lm_head): each block norm goes into the
+        // projections that read it and their shrink (no dispatch of its own) where they take it
+        // (one token, or the batched matvec's 2 to 8: `folds_norm`). One token also folds the
+        // SwiGLU product, and each residual projection writes the next block's input.
+        let foldable =
+            self.fused && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. }) && first_rows == n;
+        let fold = |w: &GpuWeight| foldable && folds_norm(w, t);
+        let chain = foldable && t == 1;
         // One token not captured for learning: attention runs q|k|v in one dispatch, read in place.
         let one = t == 1 && !matches!(capture, Capture::Learn { .. });
         let eps = c.rms_norm_eps;
@@ -145,7 +151,7 @@ impl Session {
             // shrink (no shrink dispatch but layer 0's mixer input's) and its input through the
             // block's norm weight (lm_head's too).
             let next_writes = |i: usize, group, norm, w| {
-                if fold {
+                if chain {
                     residual_out(ctx, layer_lora(i), (group, norm), w, &sc.hidden)
                 } else {
                     (NextWrites::default(), NextReads::default())
@@ -159,7 +165,7 @@ impl Session {
                     c,
                     sc,
                     &layer.input_norm,
-                    fold,
+                    fold(layer.mixer.input_weight()),
                     lora,
                     (InputGroup::MixerIn, std::mem::take(&mut written)),
                     t,
@@ -217,8 +223,9 @@ impl Session {
                         rec.copy(&sc.hidden, row0 as u64 * row, taps.mlp_in, 0, rows as u64 * row);
                     }
                 }
+                let mlp_fold = fold(&layer.mlp.gate_up);
                 let mlp_in =
-                    block_input(&mut rec, c, sc, &layer.post_norm, fold, lora, (InputGroup::MlpIn, mlp_reads), t)?;
+                    block_input(&mut rec, c, sc, &layer.post_norm, mlp_fold, lora, (InputGroup::MlpIn, mlp_reads), t)?;
                 // The next layer's input, or lm_head's after the last.
                 let (group, next_norm) = match model.layers.get(i + 1) {
                     Some(n) => (Some(InputGroup::MixerIn), &n.input_norm),
@@ -229,7 +236,7 @@ impl Session {
                 mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, to_next), t)?;
                 capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
             }
-            let head_src = if fold {
+            let head_src = if foldable && folds_norm(model.output(), first_rows) {
                 Src::normed(&sc.hidden, &model.norm.buffer, eps, written.input)
             } else {
                 rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
