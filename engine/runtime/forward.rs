@@ -395,19 +395,32 @@ pub(crate) fn gdn_block(
             state_in: state[0],
             state_out: state[1],
         };
-        gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
-        let norm = NormIo {
-            x: &sc.mid_a,
-            y: &sc.mid_b,
-            x_offset: 0,
-            y_offset: 0,
-            rows: t * hv,
-            n: c.linear_value_dim,
-            eps: c.rms_norm_eps,
-        };
-        rms_norm_gated(rec, &w.norm, &norm)?;
+        gated_delta_norm(rec, c, w, (&params, &io), &sc.mid_a, t)?;
     }
     mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, t, (None, next))
+}
+
+/// The unfused GDN core of `t` tokens: conv and delta rule into `io.core`, then the gated norm
+/// of `io.core` in place with the gate `z` (both from element 0).
+pub(crate) fn gated_delta_norm(
+    rec: &mut Recorder,
+    c: &TextConfig,
+    w: &GdnWeights,
+    (params, io): (&GdnParams, &GdnIo),
+    z: &wgpu::Buffer,
+    t: usize,
+) -> Result<(), GpuError> {
+    gated_delta(rec, &w.conv_w, &w.gate_p, params, io)?;
+    let norm = NormIo {
+        x: z,
+        y: io.core,
+        x_offset: 0,
+        y_offset: 0,
+        rows: t * c.linear_value_heads,
+        n: c.linear_value_dim,
+        eps: c.rms_norm_eps,
+    };
+    rms_norm_gated(rec, &w.norm, &norm)
 }
 
 /// The GDN kernels' parameters for `t` tokens.

@@ -4,15 +4,14 @@
 use crate::error::GpuError;
 use crate::gpu::Recorder;
 use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
+use crate::kernels::gdn::{gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
 use crate::kernels::matmul::{batched_matvec_takes, LinearIo};
-use crate::kernels::norm::{rms_norm_gated, NormIo};
 use crate::lora::Proj;
 use crate::model::{AttnWeights, GdnWeights, TextConfig};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attn_params, gdn_params, gdn_step_fits, mixer_out, project, LayerLora, NextWrites, Parts, Shrunk, Src, ATTN_IN,
-    GDN_IN,
+    attn_params, gated_delta_norm, gdn_params, gdn_step_fits, mixer_out, project, LayerLora, NextWrites, Parts, Shrunk,
+    Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::session::Session;
 
@@ -94,17 +93,7 @@ pub(super) fn gdn_rows(
                 state_in: &state[from],
                 state_out: &state[to],
             };
-            gated_delta(rec, &w.conv_w, &w.gate_p, &params, &io)?;
-            let norm = NormIo {
-                x: &own.mid_a,
-                y: &own.mid_b,
-                x_offset: 0,
-                y_offset: 0,
-                rows: hv,
-                n: c.linear_value_dim,
-                eps: c.rms_norm_eps,
-            };
-            rms_norm_gated(rec, &w.norm, &norm)?;
+            gated_delta_norm(rec, c, w, (&params, &io), &own.mid_a, 1)?;
             rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));
         }
     }
