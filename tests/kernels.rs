@@ -1042,12 +1042,13 @@ fn t_rows(m: usize, stride: usize, table: bool, seed: u64) -> (Vec<f32>, ScaleTa
 fn batched_matvec_takes_several_lora_segments() {
     let Some(ctx) = ctx() else { return };
     let g = ctx.min_workgroups();
-    // (tokens, rows n, k, segment rows (the last takes the rest))
+    // (tokens, rows n, k, segment rows (the last takes the rest)); k 1032 and 520 give every lane
+    // several steps along K (the fused norm's sums of squares and weight carried across them).
     let shapes: [(usize, usize, usize, &[usize]); 5] = [
         (2, 12, 8, &[1, 2, 5]),
-        (3, 8 * g + 3, 16, &[3, 4 * g, 2]),
+        (3, 8 * g + 3, 1032, &[3, 4 * g, 2]),
         (5, 16 * g + 1, 24, &[16 * g - 7, 1, 1]),
-        (8, 32 * g - 5, 40, &[9 * g, 2 * g + 1, 16]),
+        (8, 32 * g - 5, 520, &[9 * g, 2 * g + 1, 16]),
         (4, 64 * g + 1, 8, &[48 * g, 16]),
     ];
     let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _, _)| matvec_lanes(n, g)).collect();
@@ -1155,9 +1156,9 @@ fn batched_matvec_takes_several_lora_segments() {
 fn batched_swiglu_sweep_matches_reference() {
     let Some(ctx) = ctx() else { return };
     let g = ctx.min_workgroups();
-    // (tokens, outputs n, k)
+    // (tokens, outputs n, k): k 1032 gives every lane several steps along K.
     let shapes =
-        [(2, 1, 8), (3, 13, 16), (5, 4 * g - 3, 24), (8, 8 * g + 1, 40), (6, 16 * g - 5, 64), (4, 32 * g + 3, 8)];
+        [(2, 1, 8), (3, 13, 1032), (5, 4 * g - 3, 24), (8, 8 * g + 1, 40), (6, 16 * g - 5, 64), (4, 32 * g + 3, 8)];
     let lanes: std::collections::BTreeSet<u32> = shapes.iter().map(|&(_, n, _)| matvec_lanes(2 * n, g)).collect();
     assert_eq!(lanes.into_iter().collect::<Vec<_>>(), MATVEC_LANES.to_vec(), "LANES variants covered");
     let toks: std::collections::BTreeSet<u32> = shapes.iter().map(|&(m, _, _)| batch_tokens(m)).collect();
@@ -1172,7 +1173,8 @@ fn batched_swiglu_sweep_matches_reference() {
                 let (bytes, w) = weight_bytes(&rand(2 * n * k, seed, 1.0), dtype);
                 let gw = GpuWeight::upload(&ctx, "w", dtype, 2 * n, k, &bytes, u64::MAX).expect("weight");
                 let x = rand(4 + m * k, seed + 1, 1.0);
-                let norm = (si + ci) % 2 == 0;
+                // The fused norm on two cases of each shape: with and without LoRA on half of them.
+                let norm = (si / 2 + ci) % 2 == 0;
                 let norm_w = rand(k, seed + 5, 0.5);
                 // t: [m, stride] with the gate's columns from 1 and the up's after them.
                 let stride = 1 + rg + ru + 2;

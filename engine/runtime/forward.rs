@@ -232,8 +232,9 @@ pub(crate) fn folds_norm(w: &GpuWeight, t: usize) -> bool {
     t == 1 || batched_matvec_takes(&WeightRows::all(w), t, 0)
 }
 
-/// The input of a block's projections: a buffer and what to do to it first (single-token steps
-/// fold the block's RMSNorm or the SwiGLU product into the projections that read it).
+/// The input of a block's projections: a buffer and what to do to it first (steps of 1 to 8
+/// rows fold the block's RMSNorm into the projections that read it, single-token steps also the
+/// SwiGLU product).
 #[derive(Clone, Copy)]
 pub(crate) struct Src<'a> {
     pub(crate) x: &'a wgpu::Buffer,

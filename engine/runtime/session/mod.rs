@@ -510,8 +510,10 @@ impl Session {
     /// projections load no more than plain ones (on lavapipe, where every extra load costs
     /// instructions, `bench --fusion-ab` measures fused / unfused 1.00; ARCHITECTURE.md,
     /// "Decode"). Steps of 2 to 8 tokens (short prompts) fold the block norms too, into the
-    /// batched matvec, when their rows are not read back as hidden states or for learning. Off
-    /// runs the norms and SwiGLU as dispatches of their own.
+    /// batched matvec, and a step of any length whose last row alone goes to lm_head folds the
+    /// final norm into it, when the rows are not read back as hidden states or for learning.
+    /// Off runs the norms and SwiGLU as dispatches of their own (a [`crate::Batch`] step folds
+    /// its norms either way).
     pub fn set_fused_decode(&mut self, on: bool) {
         self.fused = on;
     }

@@ -131,8 +131,10 @@ impl Session {
         // Rows whose normalised values nobody reads back (not learning, not the final hidden
         // states, every logits row in this step's lm_head): each block norm goes into the
         // projections that read it and their shrink (no dispatch of its own) where they take it
-        // (one token, or the batched matvec's 2 to 8: `folds_norm`). One token also folds the
-        // SwiGLU product, and each residual projection writes the next block's input.
+        // (one token, or the batched matvec's 2 to 8: `folds_norm`), and the final norm into
+        // lm_head where its rows take it (one row, the last, whatever the step's length). One
+        // token also folds the SwiGLU product, and each residual projection writes the next
+        // block's input.
         let foldable =
             self.fused && rows != Rows::Hidden && !matches!(capture, Capture::Learn { .. }) && first_rows == n;
         let fold = |w: &GpuWeight| foldable && folds_norm(w, t);
