@@ -27,10 +27,9 @@
 //
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
 // m <= TOK (token rows past m are skipped: not loaded, computed or stored), aux bound (x when
-// unused), up to 4 LoRA
-// segments (the projections of a concatenated weight, as the single-token matvec takes them; with
-// GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings and the helpers:
-// linear.wgsl.
+// unused), up to 4 LoRA segments (the projections of a concatenated weight, as the single-token
+// matvec takes them; with GLU two: gate and up, n rows each, lora_row0 0). Parameters, bindings
+// and the helpers: linear.wgsl.
 
 override LANES: u32 = 16u;       // invocations along K per row group: 8, 16, 32 or 64
 override TOK: u32 = 4u;          // token rows per dispatch: 2, 4 or 8
@@ -415,18 +414,17 @@ fn store(s: Slot, row: u32, o: u32, h: u32, v: f32) {
     }
 }
 
-@compute @workgroup_size(64)
-fn matvec_batch(
-    @builtin(workgroup_id) wg: vec3<u32>,
-    @builtin(num_workgroups) nwg: vec3<u32>,
-    @builtin(local_invocation_index) li: u32,
-) {
-    let s = slot(wg, nwg, li);
+// The invocation's partials, through the norm with NORM (before any expand is added).
+fn normed_partials(s: Slot, li: u32) -> array<vec4<f32>, ACC> {
     var part = partials(s);
     if (NORM) {
         apply_norm(s, &part, li);
     }
-    let acc = part.acc;
+    return part.acc;
+}
+
+// Both halves of the partials reduced across the lanes and stored (a barrier after each).
+fn reduce_and_store(s: Slot, acc: array<vec4<f32>, ACC>, li: u32) {
     for (var h = 0u; h < 2u; h++) {
         stage(s, half(acc, h));
         for (var o = li; o < outputs(); o += WG) {
@@ -440,28 +438,25 @@ fn matvec_batch(
 }
 
 @compute @workgroup_size(64)
+fn matvec_batch(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
+    let s = slot(wg, nwg, li);
+    reduce_and_store(s, normed_partials(s, li), li);
+}
+
+@compute @workgroup_size(64)
 fn matvec_batch_lora(
     @builtin(workgroup_id) wg: vec3<u32>,
     @builtin(num_workgroups) nwg: vec3<u32>,
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
-    var part = partials(s);
-    if (NORM) {
-        apply_norm(s, &part, li);
-    }
-    var acc = part.acc;
+    var acc = normed_partials(s, li);
     for (var seg = 0u; seg < select(4u, 2u, GLU); seg++) {
         add_expand(s, &acc, seg);
     }
-    for (var h = 0u; h < 2u; h++) {
-        stage(s, half(acc, h));
-        for (var o = li; o < outputs(); o += WG) {
-            let row = out_row(o, h);
-            if (inside(s, row, o)) {
-                store(s, row, o, h, lane_sum(o));
-            }
-        }
-        workgroupBarrier();
-    }
+    reduce_and_store(s, acc, li);
 }

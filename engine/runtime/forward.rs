@@ -601,6 +601,24 @@ pub(crate) fn norm_rows<'a>(sc: &'a Scratch, c: &TextConfig, r0: usize, rows: us
     }
 }
 
+/// lm_head's input: the residual rows through the final norm, folded into lm_head (`fold`; from
+/// the prenormed row the last residual projection wrote, if it wrote one) or normed by a
+/// dispatch of their own into `xnorm` (rows `r0..r0 + n`).
+pub(crate) fn head_input<'a>(
+    rec: &mut Recorder,
+    model: &'a Model,
+    sc: &'a Scratch,
+    (fold, prenormed): (bool, Option<(usize, SplitShrink)>),
+    (r0, n): (usize, usize),
+) -> Result<Src<'a>, GpuError> {
+    let c = &model.config;
+    if fold {
+        return Ok(Src::normed(&sc.hidden, &model.norm.buffer, c.rms_norm_eps, prenormed));
+    }
+    rms_norm(rec, &model.norm, &norm_rows(sc, c, r0, n))?;
+    Ok(Src::plain(&sc.xnorm))
+}
+
 pub(crate) fn lm_head(
     rec: &mut Recorder,
     model: &Model,

@@ -18,13 +18,12 @@ use std::sync::Arc;
 use crate::error::{AdapterError, RunError};
 use crate::gpu::{read_f32_via, IoBindCache, Profile, Recorder, Staging};
 use crate::kernels::misc::{argmax_rows, argmax_scratch_bytes, embed};
-use crate::kernels::norm::rms_norm;
 use crate::lora::{InputGroup, LoraAdapter};
 use crate::model::{Mixer, Model};
 use crate::runtime::adapters::{stack_tables, table_base, ActiveAdapter, BoundSet};
 use crate::runtime::cache::Scratch;
 use crate::runtime::forward::{
-    block_input, folds_norm, lm_head, mlp_block, norm_rows, LayerLora, NextReads, NextWrites, Src,
+    block_input, folds_norm, head_input, lm_head, mlp_block, LayerLora, NextReads, NextWrites,
 };
 use crate::runtime::session::{Logits, SampleRead, Session};
 
@@ -390,12 +389,7 @@ impl Batch {
             )?;
             mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, NextWrites::default()), n)?;
         }
-        let head_src = if folds_norm(model.output(), n) {
-            Src::normed(&sc.hidden, &model.norm.buffer, c.rms_norm_eps, None)
-        } else {
-            rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, 0, n))?;
-            Src::plain(&sc.xnorm)
-        };
+        let head_src = head_input(&mut rec, &model, sc, (folds_norm(model.output(), n), None), (0, n))?;
         lm_head(&mut rec, &model, head_src, &self.logits, 0, n)?;
         match head {
             Head::Logits => {}

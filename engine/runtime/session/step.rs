@@ -5,12 +5,11 @@
 use crate::error::{GpuError, RunError};
 use crate::gpu::{GpuContext, GpuWeight, Recorder};
 use crate::kernels::misc::{argmax, embed};
-use crate::kernels::norm::rms_norm;
 use crate::lora::InputGroup;
 use crate::model::Mixer;
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attention_block, block_input, folds_norm, gdn_block, lm_head, mlp_block, norm_rows, residual_out, LayerLora,
+    attention_block, block_input, folds_norm, gdn_block, head_input, lm_head, mlp_block, residual_out, LayerLora,
     NextReads, NextWrites, Src,
 };
 
@@ -141,7 +140,6 @@ impl Session {
         let chain = foldable && t == 1;
         // One token not captured for learning: attention runs q|k|v in one dispatch, read in place.
         let one = t == 1 && !matches!(capture, Capture::Learn { .. });
-        let eps = c.rms_norm_eps;
         let index = {
             let sc = &self.scratch;
             let mut rec = Recorder::new(ctx, &mut self.io).profiled(self.profile.as_mut());
@@ -238,12 +236,8 @@ impl Session {
                 mlp_block(&mut rec, c, sc, &layer.mlp, mlp_in, (lora, to_next), t)?;
                 capture_slot(&mut rec, sc, captured.as_ref(), i + 1, slot_bytes);
             }
-            let head_src = if foldable && folds_norm(model.output(), first_rows) {
-                Src::normed(&sc.hidden, &model.norm.buffer, eps, written.input)
-            } else {
-                rms_norm(&mut rec, &model.norm, &norm_rows(sc, c, r0, n))?;
-                Src::plain(&sc.xnorm)
-            };
+            let head_fold = foldable && folds_norm(model.output(), first_rows);
+            let head_src = head_input(&mut rec, &model, sc, (head_fold, written.input), (r0, n))?;
             if let Capture::Learn { taps, .. } = capture {
                 rec.copy(&sc.hidden, 0, taps.hidden, 0, t as u64 * row);
                 rec.copy(&sc.xnorm, 0, taps.final_norm, 0, t as u64 * row);
