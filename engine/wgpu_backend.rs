@@ -299,7 +299,7 @@ impl WgpuBackend {
             }
             loaded.fit_snapshots(budget, &using);
         }
-        let Loaded { sessions, batch, .. } = loaded;
+        let Loaded { sessions, batch, .. } = &mut *loaded;
         let mut convs: Vec<(usize, &mut Conversation)> = sessions
             .iter_mut()
             .filter_map(|c| requests.iter().position(|(id, _)| *id == c.id).map(|i| (i, c)))
@@ -312,18 +312,21 @@ impl WgpuBackend {
         };
         for (i, c) in convs.iter_mut() {
             match &out {
-                Ok(tokens) => c.cache.finish(&c.session, prompts[*i], &tokens[*i]),
+                Ok(tokens) => c.cache.finish(&mut c.session, prompts[*i], &tokens[*i]),
                 Err(_) => c.cache.clear(),
             }
         }
+        // The snapshots the prompts' steps took.
+        loaded.fit_snapshots(budget, &using);
         Ok(out?)
     }
 
     /// Bound the GPU bytes the prompt-cache snapshots of all sessions hold together (default
-    /// [`DEFAULT_SNAPSHOT_BUDGET`]): after a request's prompt is prepared, snapshots are freed,
-    /// the least recently used session's oldest first and the request's own last, until they fit.
+    /// [`DEFAULT_SNAPSHOT_BUDGET`]): after a request's prompt is prepared, and after the
+    /// request (whose steps take its prompt's snapshots), snapshots are freed, the least
+    /// recently used session's oldest first and the request's own last, until they fit.
     /// A smaller budget only makes later requests prefill more; 0 keeps no snapshot past a
-    /// prompt's preparation.
+    /// request.
     pub fn set_snapshot_budget(&mut self, bytes: u64) {
         self.snapshot_budget = bytes;
         if let Some(loaded) = self.loaded.as_mut() {
@@ -400,10 +403,12 @@ impl WgpuBackend {
         });
         match &out {
             // Tokens before a switch were computed under another adapter.
-            Ok(tokens) if !switched => conv.cache.finish(&conv.session, prompt, tokens),
+            Ok(tokens) if !switched => conv.cache.finish(&mut conv.session, prompt, tokens),
             _ => conv.cache.clear(),
         }
         conv.active = active;
+        // The snapshots the prompt's steps took.
+        loaded.fit_snapshots(self.snapshot_budget, &[current]);
         out
     }
 

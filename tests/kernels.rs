@@ -14,7 +14,8 @@ use qwen35_wgpu::kernels::attention::{
     attention, attention_one, attention_splits, AttnIo, AttnOneIo, AttnParams, ATTN_MAX_SPLITS,
 };
 use qwen35_wgpu::kernels::gdn::{
-    gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK, GDN_MAX_ROWS,
+    gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnSplit, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK,
+    GDN_MAX_ROWS,
 };
 use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
@@ -1494,7 +1495,9 @@ fn gated_delta_net_matches_reference_across_steps() {
         cpu::GdnDims { hk: 1, hv: 2, dk: 128, dv: 128 },
     ];
     // Steps of 5, 1, 70 and 130 tokens: 70 crosses the kernel's 64-token blocks of gates, 130
-    // comes back to the first half of their double buffer.
+    // comes back to the first half of their double buffer. Steps of 5, 70 and 130 also keep
+    // their states at rows inside them (a split before the last row, two splits with a one-row
+    // part, a split at a block of gates), which must not change what the step computes.
     for (di, d) in dims.iter().enumerate() {
         for k in [2usize, 4] {
             let c = 2 * d.hk * d.dk + d.hv * d.dv;
@@ -1517,6 +1520,28 @@ fn gated_delta_net_matches_reference_across_steps() {
                 let (yb, core) = (upload(&ctx, &vec![0.0; t * c]), upload(&ctx, &vec![0.0; t * d.hv * d.dv]));
                 let params = gdn_test_params(t, c, k, d, 0.0);
                 let (from, to) = (step % 2, 1 - step % 2);
+                let cuts: &[usize] = match t {
+                    5 => &[4],
+                    70 => &[1, 2, 33],
+                    130 => &[64],
+                    _ => &[],
+                };
+                let kept: Vec<_> = cuts
+                    .iter()
+                    .map(|_| (upload(&ctx, &vec![9.0; c * (k - 1)]), upload(&ctx, &vec![9.0; d.hv * d.dk * d.dv])))
+                    .collect();
+                let splits: Vec<GdnSplit> =
+                    cuts.iter().zip(&kept).map(|(&row, (conv, state))| GdnSplit { row, conv, state }).collect();
+                let want_kept: Vec<(Vec<f32>, Vec<f32>)> = cuts
+                    .iter()
+                    .map(|&row| {
+                        let (mut conv, mut state) = (cpu_conv.clone(), cpu_state.clone());
+                        let y = cpu::conv_silu(&mixed[..row * c], &mut conv, &conv_w, row, c, k);
+                        let (b, a) = (&b[..row * d.hv], &a[..row * d.hv]);
+                        cpu::delta_rule(&y, b, a, &gate, &mut state, row, *d);
+                        (conv, state)
+                    })
+                    .collect();
                 let io = GdnIo {
                     mixed: &mb,
                     conv_y: &yb,
@@ -1527,6 +1552,7 @@ fn gated_delta_net_matches_reference_across_steps() {
                     core: &core,
                     state_in: &state[from],
                     state_out: &state[to],
+                    splits: &splits,
                 };
                 run(&ctx, |rec| gated_delta(rec, &cw, &gp, &params, &io));
                 let y = cpu::conv_silu(&mixed, &mut cpu_conv, &conv_w, t, c, k);
@@ -1536,6 +1562,12 @@ fn gated_delta_net_matches_reference_across_steps() {
                 assert_close(&what, &read(&ctx, &core, t * d.hv * d.dv), &want, KERNEL_ATOL, KERNEL_RTOL);
                 let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
+                for ((row, (conv, state)), (want_conv, want_state)) in cuts.iter().zip(&kept).zip(&want_kept) {
+                    let at = format!("{what} kept at row {row}");
+                    assert_close(&format!("{at} conv"), &read(&ctx, conv, want_conv.len()), want_conv, EXACT, EXACT);
+                    let st = read(&ctx, state, want_state.len());
+                    assert_close(&format!("{at} state"), &st, want_state, KERNEL_ATOL, KERNEL_RTOL);
+                }
             }
         }
     }
@@ -1556,6 +1588,7 @@ fn delta_rule_refuses_head_dims_past_its_registers() {
         core: &buf,
         state_in: &buf,
         state_out: &buf,
+        splits: &[],
     };
     let mut cache = IoBindCache::new(upload(&ctx, &[0.0; 64]));
     for (dk, hk, hv) in [(DELTA_RULE_MAX_DK + 1, 1, 1), (0, 1, 1), (4, 2, 3)] {
@@ -1563,6 +1596,15 @@ fn delta_rule_refuses_head_dims_past_its_registers() {
         let mut rec = Recorder::new(&ctx, &mut cache);
         let err = gated_delta(&mut rec, &gp, &gp, &params, &io);
         assert!(matches!(err, Err(GpuError::Validation { .. })), "dk {dk} hk {hk} hv {hv}: {err:?}");
+    }
+    // Splits at an edge of the step, past it or out of order.
+    let params = GdnParams { t: 4, c: 8, k: 2, hk: 1, hv: 1, dk: 4, dv: 4, ..Default::default() };
+    for rows in [&[0][..], &[4], &[2, 2], &[3, 1]] {
+        let splits: Vec<GdnSplit> = rows.iter().map(|&row| GdnSplit { row, conv: &buf, state: &buf }).collect();
+        let io = GdnIo { splits: &splits, ..io };
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let err = gated_delta(&mut rec, &gp, &gp, &params, &io);
+        assert!(matches!(err, Err(GpuError::Validation { .. })), "splits at {rows:?}: {err:?}");
     }
 }
 

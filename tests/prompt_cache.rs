@@ -155,6 +155,51 @@ fn another_adapter_scale_or_a_learning_step_starts_over() {
     assert_eq!(after.reused_tokens, before.reused_tokens, "a learning step invalidates the cache");
 }
 
+/// A backend on a context of its own (its counters count only this test's work).
+fn backend_on_own_context(cache: bool) -> Option<WgpuBackend> {
+    gpu()?;
+    let ctx = std::sync::Arc::new(qwen35_wgpu::GpuContext::new().expect("context"));
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    b.prompt_cache().expect("loaded").set_enabled(cache);
+    Some(b)
+}
+
+/// A new turn's tokens run as one step: the snapshots at its turn start and before its last
+/// token are taken inside it (its GDN dispatches split there), not by steps and copies of their
+/// own, so the cached turn (going on from the tokens the session holds) submits fewer command
+/// buffers than the same turn from scratch (a reset, then its prompt as one step too), and
+/// answers the same. Prefilling up to the last token before the request, as the cache did,
+/// makes them equal.
+#[test]
+fn a_cached_turn_takes_its_snapshots_inside_its_one_prompt_step() {
+    let (Some(mut cached), Some(mut fresh)) = (backend_on_own_context(true), backend_on_own_context(false)) else {
+        return;
+    };
+    let mut messages = vec![ChatMessage::new("user", QUESTIONS[0])];
+    let reply = cached.chat(&ChatRequest::new(messages.clone()), &params(), &mut |_| true).expect("turn 1");
+    messages.push(ChatMessage::new("assistant", &reply.content));
+    messages.push(ChatMessage::new("user", QUESTIONS[1]));
+    assert!(prompt_len(&messages) <= 64, "the whole conversation fits one step");
+    let request = ChatRequest::new(messages);
+    let submits = |b: &mut WgpuBackend| {
+        let before = b.context().counters();
+        let reply = b.chat(&request, &params(), &mut |_| true).expect("turn 2");
+        (reply.text, (b.context().counters() - before).submits)
+    };
+    let before = cached.prompt_cache().expect("loaded").stats();
+    let (with, cached_submits) = submits(&mut cached);
+    let (without, fresh_submits) = submits(&mut fresh);
+    let stats = cached.prompt_cache().expect("loaded").stats();
+    assert_eq!(with, without, "the same reply");
+    assert!(stats.reused_tokens > before.reused_tokens, "turn 2 reused turn 1");
+    assert_eq!(cached.prompt_cache().expect("loaded").snapshot_count(), 4, "two snapshots a turn");
+    assert!(
+        cached_submits < fresh_submits,
+        "submits with the cache {cached_submits}, from scratch {fresh_submits}: a snapshot point ran a step of its own"
+    );
+}
+
 #[test]
 fn a_prompt_that_leaves_the_held_tokens_midway_goes_back_to_a_snapshot() {
     let (Some(mut cached), Some(mut fresh)) = (backend(true), backend(false)) else { return };
@@ -190,11 +235,14 @@ fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
     let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
     let mut cache = qwen35_wgpu::runtime::PromptCache::default();
     // Request 1, then three more tokens: the session is well past both snapshots.
+    // Nothing held: prepare prefills nothing, and the request's own steps (8 tokens each) take
+    // both snapshots on their way.
     let fed = cache.prepare(&mut s, &first, turn_start).expect("prepare");
-    assert_eq!(fed, first.len() - 1, "both snapshot points prefilled");
-    s.feed(&first[fed..]).expect("last token");
+    assert_eq!((fed, s.position()), (0, 0), "nothing prefilled before the request");
+    s.feed(&first[fed..]).expect("the prompt");
     s.feed(&ids(" is blue")).expect("more");
-    cache.finish(&s, &first, &[]);
+    cache.finish(&mut s, &first, &[]);
+    assert_eq!(cache.snapshot_count(), 2, "the turn start's and the last token's");
     // Request 2 leaves request 1 inside its assistant turn: back to the snapshot before
     // `<|im_start|>assistant`, whose GDN states must be those of that position.
     let start = first.iter().rposition(|&t| Some(t) == turn_start).expect("turn start");
@@ -252,7 +300,7 @@ fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
     let first = ids("What color is the sky?");
     let fed = cache.prepare(&mut s, &first, None).expect("prepare");
     s.feed(&first[fed..]).expect("last token");
-    cache.finish(&s, &first, &[]);
+    cache.finish(&mut s, &first, &[]);
     // Other tokens run on the session between the two requests: the cache cannot trust the
     // tokens it recorded, and goes back to its snapshot instead.
     s.feed(&ids(" Hello there")).expect("something else");

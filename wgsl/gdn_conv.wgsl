@@ -5,6 +5,9 @@
 // conv_state: [C, K-1]          the previous K-1 pre-conv inputs per channel (oldest first), read
 //                               from one buffer and written to the other (a step that is
 //                               discarded leaves the state it started from)
+// A dispatch runs rows row0 .. row0 + t of the [T, ·] buffers: a step split at a row whose
+// states are kept (a prompt cache's snapshot) runs as several, each reading the states the
+// one before wrote.
 // conv_w:     [C, K]            conv1d.weight[c, 0, j]; tap K-1 multiplies the current token
 // y:          [T, C]            silu(conv) output
 // b, a:       [T, Hv]           in_proj_b / in_proj_a outputs (beta and decay logits)
@@ -24,7 +27,7 @@ struct Params {       // the first fields of gdn_step.wgsl's (one GdnParams on t
     lora_rank: u32,  // gdn_step.wgsl's LoRA shrink (unused here)
     mixed_at: u32,   // gdn_step.wgsl's row offsets (unused here)
     core_at: u32,
-    _pad: u32,
+    row0: u32,       // the first row of mixed and y this dispatch runs (rows row0 .. row0 + t)
 }
 
 const MAX_K: u32 = 8u;
@@ -51,12 +54,12 @@ fn conv_silu(@builtin(global_invocation_id) gid: vec3<u32>) {
         win[j] = conv_in[c * km1 + j];
     }
     for (var t = 0u; t < p.t; t++) {
-        win[km1] = mixed[t * p.c + c];
+        win[km1] = mixed[(p.row0 + t) * p.c + c];
         var acc = 0.0;
         for (var j = 0u; j < p.k; j++) {
             acc = fma(conv_w[c * p.k + j], win[j], acc);
         }
-        y[t * p.c + c] = silu(acc);
+        y[(p.row0 + t) * p.c + c] = silu(acc);
         for (var j = 0u; j < km1; j++) {
             win[j] = win[j + 1u];
         }

@@ -30,7 +30,7 @@ struct Params {       // the first fields of gdn_step.wgsl's (one GdnParams on t
     lora_rank: u32,  // gdn_step.wgsl's LoRA shrink (unused here)
     mixed_at: u32,   // gdn_step.wgsl's row offsets (unused here)
     core_at: u32,
-    _pad: u32,
+    row0: u32,       // the first row of y, b, a and core this dispatch runs (gdn_conv.wgsl)
 }
 
 const WG: u32 = 64u;
@@ -56,7 +56,7 @@ fn store_output(tok: u32, slices: u32, bv: u32, jl: u32, col: u32, q_norm: f32) 
     for (var rr = 0u; rr < slices; rr++) {
         o += outs[(tok % 2u) * WG + rr * bv + jl];
     }
-    core[tok * p.hv * p.dv + col] = o * q_norm;
+    core[(p.row0 + tok) * p.hv * p.dv + col] = o * q_norm;
 }
 
 // Grid: [ceil(Dv / BV), Hv] with BV = WG / ceil(Dk / RPI).
@@ -95,11 +95,11 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         if (t % WG == 0u) {
             let tg = t + li;
             if (tg < p.t) {
-                let beta = sigmoid(b[tg * p.hv + h]);
-                gates[gate_half + li] = vec2<f32>(beta, exp(-a_scale * softplus(a[tg * p.hv + h] + dt_bias)));
+                let at = (p.row0 + tg) * p.hv + h;
+                gates[gate_half + li] = vec2<f32>(sigmoid(b[at]), exp(-a_scale * softplus(a[at] + dt_bias)));
             }
         }
-        let qb = t * p.c + kh * p.dk + i0;
+        let qb = (p.row0 + t) * p.c + kh * p.dk + i0;
         let kb = qb + kd;
         var sk = 0.0;
         var qq = 0.0;
@@ -130,7 +130,7 @@ fn delta_rule(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         let g = gates[gate_half + t % WG];
         var v = 0.0;
         if (live) {
-            v = y[t * p.c + 2u * kd + h * p.dv + j];
+            v = y[(p.row0 + t) * p.c + 2u * kd + h * p.dv + j];
         }
         let delta = g.x * (v - g.y * kn * sums.x);
         let kd_delta = kn * delta;

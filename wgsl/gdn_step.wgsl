@@ -39,7 +39,7 @@ struct Params {       // one GdnParams on the host; gdn_conv.wgsl's and gdn_rule
     lora_rank: u32,   // gdn_decode_lora: the rank of the shrink (otherwise unused)
     mixed_at: u32,    // first element of the token's row in mixed (a batch's session row)
     core_at: u32,     // first element of its output row in core
-    _pad: u32,
+    row0: u32,        // gdn_conv.wgsl's and gdn_rule.wgsl's first row (unused here)
     slots: array<vec4<u32>, 4>, // row r's state slot: byte r % 4 of word r / 4
 }
 

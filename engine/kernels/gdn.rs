@@ -33,8 +33,9 @@ pub struct GdnParams {
     pub mixed_at: u32,
     /// `gdn_decode`: the first element of its output row in `core`.
     pub core_at: u32,
-    /// Padding.
-    pub _pad: u32,
+    /// `gdn_conv` and `gdn_rule`: the first row of the step's buffers the dispatch runs (`t`
+    /// rows from there; [`gated_delta`] sets it where it splits a step).
+    pub row0: u32,
     /// `gdn_decode` over a grid of several rows (a batch's pooled states): row r's state slot
     /// in byte `r % 4` of word `r / 4` ([`GdnParams::with_slots`]); zero for one session.
     pub slots: [u32; 16],
@@ -62,6 +63,7 @@ impl GdnParams {
 pub use crate::model::config::MAX_CONV_K;
 
 /// The buffers of one GDN layer's step.
+#[derive(Clone, Copy)]
 pub struct GdnIo<'a> {
     /// in_proj_qkv output `[T, C]`.
     pub mixed: &'a wgpu::Buffer,
@@ -81,6 +83,20 @@ pub struct GdnIo<'a> {
     pub state_in: &'a wgpu::Buffer,
     /// Recurrent state after the step (another buffer).
     pub state_out: &'a wgpu::Buffer,
+    /// States to keep at rows inside the step, in row order (none for a plain step).
+    pub splits: &'a [GdnSplit<'a>],
+}
+
+/// The states of a GDN layer before row `row` of a step (after its first `row` tokens), written
+/// into buffers of their own, e.g. a prompt cache's snapshot of a prompt's prefix.
+#[derive(Clone, Copy)]
+pub struct GdnSplit<'a> {
+    /// The row, `1..T` (an edge of the step needs no split: its states are the step's own).
+    pub row: usize,
+    /// The conv history `[C, K-1]` there.
+    pub conv: &'a wgpu::Buffer,
+    /// The recurrent state `[Hv, Dk, Dv]` there.
+    pub state: &'a wgpu::Buffer,
 }
 
 /// `gdn_rule.wgsl`'s workgroup size (`WG`) and state rows per invocation (`RPI`): a workgroup
@@ -90,7 +106,10 @@ const DELTA_RULE_ROWS: u32 = 32;
 /// Largest key head dim `gdn_rule.wgsl` takes (`WG * RPI`).
 pub const DELTA_RULE_MAX_DK: u32 = DELTA_RULE_WG * DELTA_RULE_ROWS;
 
-/// Record the conv + SiLU and the delta-rule recurrence.
+/// Record the conv + SiLU and the delta-rule recurrence of `params.t` rows. A step with
+/// `io.splits` runs as one conv and one rule dispatch per part between them: each part reads
+/// the states the one before wrote (the first `io.conv_in` / `io.state_in`) and writes its
+/// split's buffers (the last `io.conv_out` / `io.state_out`).
 pub fn gated_delta(
     rec: &mut Recorder,
     conv_w: &GpuVector,
@@ -107,21 +126,39 @@ pub fn gated_delta(
             ),
         });
     }
-    rec.dispatch(
-        PipelineKey::plain(Kernel::ConvSilu),
-        params,
-        &[io.mixed, io.conv_y, io.conv_in, io.conv_out],
-        &[&conv_w.bind_group],
-        [params.c.div_ceil(64), 1, 1],
-    )?;
+    let t = params.t as usize;
+    if io.splits.windows(2).any(|w| w[0].row >= w[1].row) || io.splits.iter().any(|s| s.row == 0 || s.row >= t) {
+        return Err(GpuError::Validation {
+            during: "delta_rule".into(),
+            message: format!(
+                "split rows {:?} (expected increasing, each in 1..{t})",
+                io.splits.iter().map(|s| s.row).collect::<Vec<_>>()
+            ),
+        });
+    }
     let columns = DELTA_RULE_WG / params.dk.div_ceil(DELTA_RULE_ROWS);
-    rec.dispatch(
-        PipelineKey::plain(Kernel::DeltaRule),
-        params,
-        &[io.conv_y, io.b, io.a, io.core, io.state_in, io.state_out],
-        &[&gate_p.bind_group],
-        [params.dv.div_ceil(columns), params.hv, 1],
-    )
+    let mut from = (io.conv_in, io.state_in, 0);
+    let ends = io.splits.iter().map(|s| (s.conv, s.state, s.row)).chain([(io.conv_out, io.state_out, t)]);
+    for (conv_out, state_out, end) in ends {
+        let (conv_in, state_in, row0) = from;
+        let part = GdnParams { t: (end - row0) as u32, row0: row0 as u32, ..*params };
+        rec.dispatch(
+            PipelineKey::plain(Kernel::ConvSilu),
+            &part,
+            &[io.mixed, io.conv_y, conv_in, conv_out],
+            &[&conv_w.bind_group],
+            [params.c.div_ceil(64), 1, 1],
+        )?;
+        rec.dispatch(
+            PipelineKey::plain(Kernel::DeltaRule),
+            &part,
+            &[io.conv_y, io.b, io.a, io.core, state_in, state_out],
+            &[&gate_p.bind_group],
+            [params.dv.div_ceil(columns), params.hv, 1],
+        )?;
+        from = (conv_out, state_out, end);
+    }
+    Ok(())
 }
 
 /// Largest key and value head dims `gdn_step.wgsl` takes (`MAX_D`); larger ones use the

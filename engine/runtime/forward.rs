@@ -18,7 +18,7 @@
 use crate::error::GpuError;
 use crate::gpu::{Dtype, GpuContext, GpuVector, GpuWeight, Recorder, WeightChunk};
 use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, AttnParams};
-use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
+use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnSplit, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
     batched_matvec_takes, linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand,
     LoraSegment, NormOut, ShrinkOut, SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
@@ -355,8 +355,7 @@ pub(crate) fn gdn_block(
     c: &TextConfig,
     sc: &Scratch,
     w: &GdnWeights,
-    conv: [&wgpu::Buffer; 2],
-    state: [&wgpu::Buffer; 2],
+    (conv, state, splits): ([&wgpu::Buffer; 2], [&wgpu::Buffer; 2], &[GdnSplit]),
     (src, s): (Src, Option<Shrunk>),
     (lora, next): (Option<LayerLora>, NextWrites),
     t: usize,
@@ -364,7 +363,7 @@ pub(crate) fn gdn_block(
     let (cd, vd, hv) = (c.conv_dim(), c.value_dim(), c.linear_value_heads);
     let part = |i: usize| Parts { w: &w.in_proj, order: &GDN_IN, parts: i..i + 1 };
     let params = gdn_params(c, t);
-    let fused = t == 1 && gdn_step_fits(c);
+    let fused = t == 1 && splits.is_empty() && gdn_step_fits(c);
     if fused {
         // One token: one dispatch for the four projections, one for conv, rule and gated norm.
         let all = Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..4 };
@@ -395,6 +394,7 @@ pub(crate) fn gdn_block(
             core: &sc.mid_b,
             state_in: state[0],
             state_out: state[1],
+            splits,
         };
         gated_delta_norm(rec, c, w, (&params, &io), &sc.mid_a, t)?;
     }

@@ -6,7 +6,8 @@
 //! [`StateSnapshot`]s at two points of every prompt it prefills: before the last turn-start
 //! token (`<|im_start|>`, where the next chat turn's prompt goes on differently: Qwen's template
 //! re-renders the previous assistant turn without its reasoning) and before the prompt's last
-//! token. A new prompt continues from the session's state when it extends the tokens held, else
+//! token. The request's own steps take them on their way ([`Session::snapshot_at`]: the GDN
+//! dispatches split at those rows), so a new turn runs as one step, not one per snapshot point. A new prompt continues from the session's state when it extends the tokens held, else
 //! from the longest snapshot that is a prefix of it, else from scratch. Anything that changes
 //! what the tokens computed (another adapter or scale, a learning step, direct use of the
 //! session) clears the cache; the owner calls [`PromptCache::clear`].
@@ -96,14 +97,18 @@ impl PromptCache {
     }
 
     /// Bring `session` to a state that holds a prefix of `prompt` and return its length (fewer
-    /// than `prompt.len()` tokens, so the request still has a token to run), prefilling up to
-    /// each snapshot point on the way. `turn_start` is the tokenizer's `<|im_start|>` id.
+    /// than `prompt.len()` tokens, so the request still has a token to run), and ask the
+    /// session for the snapshots of this prompt ([`Session::snapshot_at`]): the request's own
+    /// steps take them as they pass their positions, and [`PromptCache::finish`] keeps them.
+    /// Nothing is prefilled here. `turn_start` is the tokenizer's `<|im_start|>` id.
     pub fn prepare(
         &mut self,
         session: &mut Session,
         prompt: &[u32],
         turn_start: Option<u32>,
     ) -> Result<usize, RunError> {
+        // Snapshots of a request that did not finish are not this prompt's.
+        drop(session.take_snapshots());
         let limit = prompt.len().saturating_sub(1);
         let mut fed = 0;
         match (&self.tokens, self.enabled) {
@@ -138,24 +143,28 @@ impl PromptCache {
         self.stats.prefilled_tokens += (prompt.len() - fed) as u64;
         if self.enabled {
             let turn = turn_start.and_then(|id| prompt[..limit].iter().rposition(|&t| t == id));
-            for point in [turn, Some(limit)].into_iter().flatten() {
-                if point > fed {
-                    session.prefill(&prompt[fed..point])?;
-                    fed = point;
-                    let reuse = (self.snapshots.len() >= MAX_SNAPSHOTS).then(|| self.snapshots.remove(0).1);
-                    let snap = session.snapshot(reuse)?;
-                    self.snapshots.push((prompt[..point].to_vec(), snap));
-                }
+            let points = [turn, Some(limit)].into_iter().flatten().filter(|&p| p > fed);
+            for (asked, point) in points.enumerate() {
+                let reuse = (self.snapshots.len() + asked >= MAX_SNAPSHOTS && !self.snapshots.is_empty())
+                    .then(|| self.snapshots.remove(0).1);
+                session.snapshot_at(point, reuse)?;
             }
         }
         Ok(fed)
     }
 
     /// After a request on `prompt` generated `out`: the session holds the first
-    /// `session.position()` tokens of the two.
-    pub fn finish(&mut self, session: &Session, prompt: &[u32], out: &[u32]) {
+    /// `session.position()` tokens of the two, and the snapshots its steps took are kept.
+    pub fn finish(&mut self, session: &mut Session, prompt: &[u32], out: &[u32]) {
+        let taken = session.take_snapshots();
         if !self.enabled {
             return;
+        }
+        for snap in taken.into_iter().filter(|s| s.position() < prompt.len()) {
+            if self.snapshots.len() >= MAX_SNAPSHOTS {
+                self.snapshots.remove(0);
+            }
+            self.snapshots.push((prompt[..snap.position()].to_vec(), snap));
         }
         let held: Vec<u32> = prompt.iter().chain(out).copied().take(session.position()).collect();
         self.tokens = (held.len() == session.position()).then(|| (held, session.stamp()));

@@ -92,6 +92,7 @@ pub(super) fn gdn_rows(
                 core: &own.mid_b,
                 state_in: &state[from],
                 state_out: &state[to],
+                splits: &[],
             };
             gated_delta_norm(rec, c, w, (&params, &io), &own.mid_a, 1)?;
             rec.copy(&own.mid_b, 0, &sc.mid_b, f(k * vd), f(vd));

@@ -15,8 +15,10 @@ use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerSta
 use crate::runtime::sampler::{Candidates, Sampler};
 use crate::runtime::GenerateParams;
 
+mod snapshot;
 mod step;
 
+pub use snapshot::StateSnapshot;
 pub(crate) use step::{Capture, Input, LearnTaps, Rows};
 
 /// Largest context a session holds, in tokens (2^20: four times Qwen 3.5's 262,144 positions).
@@ -151,29 +153,6 @@ impl SampleBuffers {
     }
 }
 
-/// A session's GDN states at a position ([`Session::snapshot`]), on the GPU.
-pub struct StateSnapshot {
-    pos: usize,
-    buffers: Vec<wgpu::Buffer>,
-    /// The session it was taken from, and that session's count of moves back and adapter
-    /// version at the time.
-    session: u64,
-    rewinds: u64,
-    adapters: u64,
-}
-
-impl StateSnapshot {
-    /// The position it was taken at (the number of tokens the session held).
-    pub fn position(&self) -> usize {
-        self.pos
-    }
-
-    /// GPU bytes it holds.
-    pub fn bytes(&self) -> u64 {
-        self.buffers.iter().map(wgpu::Buffer::size).sum()
-    }
-}
-
 /// Numbers of sessions, for their snapshots.
 static NEXT_SESSION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
@@ -221,6 +200,8 @@ pub struct Session {
     pub(crate) fused: bool,
     /// Whether greedy generation submits step t + 1 before it reads token t.
     pub(crate) run_ahead: bool,
+    /// Snapshots asked for at positions ahead ([`Session::snapshot_at`]).
+    taps: snapshot::Taps,
 }
 
 impl Session {
@@ -302,6 +283,7 @@ impl Session {
             profile: None,
             fused: true,
             run_ahead: !ctx.is_cpu(),
+            taps: snapshot::Taps::default(),
         };
         s.reset();
         Ok(s)
@@ -392,17 +374,12 @@ impl Session {
 
     /// Note that the position just went back (to `self.pos`).
     fn moved_back(&mut self) {
+        self.drop_pending_taps();
         self.rewinds += 1;
         while self.lows.last().is_some_and(|&(_, low)| low >= self.pos) {
             self.lows.pop();
         }
         self.lows.push((self.rewinds, self.pos));
-    }
-
-    /// Whether the KV cache still holds the tokens of a snapshot taken at `pos` after `rewinds`
-    /// moves back: no later move went below `pos`.
-    fn holds_since(&self, rewinds: u64, pos: usize) -> bool {
-        self.lows.iter().find(|&&(count, _)| count > rewinds).is_none_or(|&(_, low)| low >= pos)
     }
 
     /// Run `ids` through the model at the current position without reading anything back (a
@@ -413,80 +390,6 @@ impl Session {
             self.step(Input::Ids(chunk), Rows::Hidden, Capture::None)?;
             self.commit(chunk.len());
         }
-        Ok(())
-    }
-
-    /// A copy of the state the next step starts from: the position and every GDN layer's conv
-    /// and recurrent state (the KV cache needs no copy: positions below this one are only
-    /// written again after the session moves back past them). `reuse` gives back the buffers
-    /// of an older snapshot of this session.
-    pub fn snapshot(&self, reuse: Option<StateSnapshot>) -> Result<StateSnapshot, RunError> {
-        let ctx = self.ctx();
-        let mut buffers = reuse.map(|s| s.buffers).unwrap_or_default();
-        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("snapshot") });
-        let mut i = 0;
-        for st in &self.states {
-            if let LayerState::Gdn { conv, state } = st {
-                for src in [&conv[self.parity], &state[self.parity]] {
-                    if buffers.len() <= i || buffers[i].size() != src.size() {
-                        let b = ctx.storage_buffer("state snapshot", src.size(), false)?;
-                        if i < buffers.len() {
-                            buffers[i] = b;
-                        } else {
-                            buffers.push(b);
-                        }
-                    }
-                    enc.copy_buffer_to_buffer(src, 0, &buffers[i], 0, src.size());
-                    i += 1;
-                }
-            }
-        }
-        buffers.truncate(i);
-        ctx.submit(enc.finish(), 0);
-        Ok(StateSnapshot {
-            pos: self.pos,
-            buffers,
-            session: self.uid,
-            rewinds: self.rewinds,
-            adapters: self.adapters_version,
-        })
-    }
-
-    /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
-    /// (nothing changes) unless it was taken from this session, at or before its position,
-    /// under the adapters bound now (no set bound since), and the session has not been below
-    /// that position since (a reset, or a restore of an earlier snapshot, followed by other
-    /// tokens, rewrote the KV cache it relies on).
-    pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
-        let gdn = self.states.iter().filter(|s| matches!(s, LayerState::Gdn { .. })).count();
-        if snap.session != self.uid
-            || snap.adapters != self.adapters_version
-            || snap.pos > self.pos
-            || snap.buffers.len() != 2 * gdn
-            || !self.holds_since(snap.rewinds, snap.pos)
-        {
-            return Err(RunError::BadParam {
-                name: "snapshot",
-                value: format!("position {} of session {} (this is session {})", snap.pos, snap.session, self.uid),
-                expected: "a snapshot of this session at or before its position, under its adapters, not below which it has been since",
-            });
-        }
-        let ctx = self.ctx();
-        let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("restore") });
-        let mut copies = snap.buffers.iter();
-        for st in &self.states {
-            if let LayerState::Gdn { conv, state } = st {
-                for dst in [&conv[self.parity], &state[self.parity]] {
-                    if let Some(src) = copies.next() {
-                        enc.copy_buffer_to_buffer(src, 0, dst, 0, dst.size().min(src.size()));
-                    }
-                }
-            }
-        }
-        ctx.submit(enc.finish(), 0);
-        self.pos = snap.pos;
-        self.epoch += 1;
-        self.moved_back();
         Ok(())
     }
 
@@ -543,6 +446,7 @@ impl Session {
         self.pos += tokens;
         self.parity = 1 - self.parity;
         self.epoch += 1;
+        self.commit_taps();
     }
 
     /// Run `ids` through the model at the current position, extend the caches, and return the

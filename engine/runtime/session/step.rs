@@ -140,6 +140,8 @@ impl Session {
         let chain = foldable && t == 1;
         // One token not captured for learning: attention runs q|k|v in one dispatch, read in place.
         let one = t == 1 && !matches!(capture, Capture::Learn { .. });
+        // Snapshots asked for inside the step or at its end (`Session::snapshot_at`).
+        let taps = self.step_taps(t)?;
         let index = {
             let sc = &self.scratch;
             let mut rec = Recorder::new(ctx, &mut self.io).profiled(self.profile.as_mut());
@@ -158,6 +160,7 @@ impl Session {
                 }
             };
             let mut written = NextReads::default();
+            let mut gdn_layers = 0;
             for (i, layer) in model.layers.iter().enumerate() {
                 let lora = layer_lora(i);
                 let mixer_in = block_input(
@@ -182,8 +185,14 @@ impl Session {
                 }
                 match (&layer.mixer, &self.states[i]) {
                     (Mixer::Gdn(w), LayerState::Gdn { conv, state }) => {
-                        let (conv, state) = ([&conv[from], &conv[to]], [&state[from], &state[to]]);
-                        gdn_block(&mut rec, c, sc, w, conv, state, mixer_in, (lora, to_mlp), t)?
+                        let g = gdn_layers;
+                        gdn_layers += 1;
+                        let states = ([&conv[from], &conv[to]], [&state[from], &state[to]], &taps.splits(g)[..]);
+                        gdn_block(&mut rec, c, sc, w, states, mixer_in, (lora, to_mlp), t)?;
+                        for [conv_at, state_at] in taps.at_end(g) {
+                            rec.copy(&conv[to], 0, conv_at, 0, conv[to].size());
+                            rec.copy(&state[to], 0, state_at, 0, state[to].size());
+                        }
                     }
                     (Mixer::Attention(w), LayerState::Attention { k, v }) => {
                         let cache = (k, v);
@@ -258,6 +267,7 @@ impl Session {
                 b.record(&mut rec, &self.logits, (&b.flag, 4), c.vocab_size, (k, hist, mass))?;
             }
             let index = rec.submit()?;
+            self.step_taken(taps);
             if let Rows::Choose { .. } | Rows::Sample { .. } = rows {
                 let logits = Logits { rows: 0, vocab: c.vocab_size, data: Vec::new() };
                 return Ok(StepOutput { logits, hidden: None, index });
