@@ -40,6 +40,15 @@ struct Conversation {
     last_used: u64,
 }
 
+impl Conversation {
+    /// Clear the prompt cache after a request that did not finish, with the snapshots its
+    /// steps took.
+    fn forget_cache(&mut self) {
+        self.cache.clear();
+        drop(self.session.take_snapshots());
+    }
+}
+
 struct Loaded {
     path: PathBuf,
     model: Arc<Model>,
@@ -286,6 +295,10 @@ impl WgpuBackend {
         for (&s, (_, prompt)) in using.iter().zip(requests) {
             loaded.sessions[s].session.check_request(prompt, params)?;
         }
+        if params.max_tokens == 0 {
+            // Nothing runs: the prompt caches keep what they hold.
+            return Ok(vec![Vec::new(); n]);
+        }
         loaded.touch(&using);
         let mut fed = Vec::with_capacity(n);
         for (&s, (_, prompt)) in using.iter().zip(requests) {
@@ -293,7 +306,7 @@ impl WgpuBackend {
             match c.cache.prepare(&mut c.session, prompt, turn_start) {
                 Ok(f) => fed.push(f),
                 Err(e) => {
-                    c.cache.clear();
+                    c.forget_cache();
                     return Err(e.into());
                 }
             }
@@ -313,7 +326,7 @@ impl WgpuBackend {
         for (i, c) in convs.iter_mut() {
             match &out {
                 Ok(tokens) => c.cache.finish(&mut c.session, prompts[*i], &tokens[*i]),
-                Err(_) => c.cache.clear(),
+                Err(_) => c.forget_cache(),
             }
         }
         // The snapshots the prompts' steps took.
@@ -376,12 +389,16 @@ impl WgpuBackend {
         let current = loaded.current;
         // Bad input is refused before the prompt cache prepares (and so keeps) anything.
         loaded.cur_ref().session.check_request(prompt, params)?;
+        if params.max_tokens == 0 {
+            // Nothing runs: the prompt cache keeps what it holds.
+            return Ok(Vec::new());
+        }
         loaded.touch(&[current]);
         let conv = loaded.cur();
         let fed = match conv.cache.prepare(&mut conv.session, prompt, turn_start) {
             Ok(fed) => fed,
             Err(e) => {
-                conv.cache.clear();
+                conv.forget_cache();
                 return Err(e.into());
             }
         };
@@ -404,7 +421,7 @@ impl WgpuBackend {
         match &out {
             // Tokens before a switch were computed under another adapter.
             Ok(tokens) if !switched => conv.cache.finish(&mut conv.session, prompt, tokens),
-            _ => conv.cache.clear(),
+            _ => conv.forget_cache(),
         }
         conv.active = active;
         // The snapshots the prompt's steps took.

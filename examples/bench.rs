@@ -119,13 +119,7 @@ fn device_read_bandwidth(ctx: &GpuContext, mib: u64) -> Result<f64> {
         .map(|i| ctx.storage_buffer(&format!("stream src {i}"), per, true))
         .collect::<Result<_, _>>()?;
     let dst = ctx.storage_buffer("stream dst", u64::from(STREAM_GROUPS) * 256 * 16, true)?;
-    let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("stream arena"),
-        size: 256 * srcs.len() as u64,
-        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    });
-    let mut cache = IoBindCache::new(arena);
+    let mut cache = IoBindCache::with_arena(ctx, "stream arena", 256 * srcs.len() as u64);
     let mut times = Vec::new();
     for rep in 0..6 {
         let t = Instant::now();
@@ -757,6 +751,8 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     let (mut with, mut without) = (Series::default(), Series::default());
     let (mut first_with, mut first_without) = (Series::default(), Series::default());
     let mut last_prompt = 0;
+    // The last turn's submits and dispatches, with and without the cache (the same every repeat).
+    let mut work = [None, None];
     for repeat in 0..=args.repeats.min(2) {
         for cached in [true, false] {
             let mut session = Session::new(model.clone(), opts.clone())?;
@@ -766,7 +762,9 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
             let mut last = (0.0, 0.0);
             for k in 0..turns {
                 conversation.extend((0..user as u32).map(|i| (i * 7919 + 13 + k as u32 * 104_729) % vocab));
+                let before = model.ctx.counters();
                 let (out, first, s) = turn(&mut session, &mut cache, &conversation)?;
+                work[usize::from(cached)] = Some(model.ctx.counters() - before);
                 last_prompt = conversation.len();
                 conversation.extend(out);
                 last = (first, s);
@@ -789,6 +787,10 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
         "last_turn_first_token_s_with_cache": first_with.json(),
         "last_turn_first_token_s_without_cache": first_without.json(),
         "first_token_speedup": first_without.median() / first_with.median(),
+        "last_turn_submits_with_cache": work[1].map(|w| w.submits),
+        "last_turn_submits_without_cache": work[0].map(|w| w.submits),
+        "last_turn_dispatches_with_cache": work[1].map(|w| w.dispatches),
+        "last_turn_dispatches_without_cache": work[0].map(|w| w.dispatches),
     }))
 }
 

@@ -59,12 +59,7 @@ fn read(ctx: &GpuContext, b: &wgpu::Buffer, n: usize) -> Vec<f32> {
 
 /// A bind cache with a fresh uniform arena of `bytes`.
 fn bind_cache(ctx: &GpuContext, bytes: u64) -> IoBindCache {
-    IoBindCache::new(ctx.device.create_buffer(&wgpu::BufferDescriptor {
-        label: Some("arena"),
-        size: bytes,
-        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-        mapped_at_creation: false,
-    }))
+    IoBindCache::with_arena(ctx, "arena", bytes)
 }
 
 /// Record with `f` and submit, with a fresh uniform arena.

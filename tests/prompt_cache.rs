@@ -291,6 +291,41 @@ fn a_snapshot_restores_only_into_the_session_that_still_holds_its_tokens() {
     assert!(s.restore(&now).is_err(), "a snapshot from before an adapter change");
 }
 
+/// A step that writes a snapshot's states binds its buffers for that step only: requests whose
+/// snapshots replace each other leave the session's cached bind groups as they were (a cached
+/// group would keep a dropped snapshot's GPU memory alive), and the snapshots stay right.
+#[test]
+fn snapshots_taken_inside_steps_leave_no_bind_group_behind() {
+    let Some((model, opts, tok)) = demo_model(64) else { return };
+    let base = tok.encode_prompt("What color is the sky? The sky is blue, and the cat is on the mat.").expect("ids");
+    assert!(base.len() > 9 && base.len() % 8 != 0, "the snapshot before the last token is inside a step");
+    let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
+    let mut cache = qwen35_wgpu::runtime::PromptCache::default();
+    let mut groups = Vec::new();
+    // Prompts of one length with nothing in common: each request starts over and replaces the
+    // snapshot the one before took.
+    for first in 0..4u32 {
+        let mut prompt = base.clone();
+        prompt[0] = 100 + first;
+        let fed = cache.prepare(&mut s, &prompt, None).expect("prepare");
+        assert_eq!(fed, 0);
+        s.feed(&prompt).expect("the prompt");
+        cache.finish(&mut s, &prompt, &[]);
+        assert_eq!(cache.snapshot_count(), 1, "request {first}");
+        groups.push(s.cached_bind_groups());
+    }
+    assert!(groups.iter().all(|&g| g == groups[0]), "cached bind groups after each request: {groups:?}");
+    // The last snapshot (taken inside the last step) holds the states before the last token.
+    let mut prompt = base.clone();
+    prompt[0] = 103;
+    let fed = cache.prepare(&mut s, &prompt, None).expect("prepare");
+    assert_eq!(fed, prompt.len() - 1, "back to the snapshot before the last token");
+    let got = s.feed(&prompt[fed..]).expect("the last token");
+    let want = qwen35_wgpu::Session::new(model, opts).expect("session").feed(&prompt).expect("full prefill");
+    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
+}
+
 #[test]
 fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
     let Some((model, opts, tok)) = demo_model(64) else { return };

@@ -202,13 +202,7 @@ impl GpuContext {
     /// power of two from 4 to 128, the subgroups full and numbering the invocations in order),
     /// else `None` (no usable subgroups: the portable kernels run).
     fn measure_subgroup_size(&self) -> Result<Option<u32>, GpuError> {
-        let arena = self.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("probe arena"),
-            size: PARAMS_SLOT,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
-        let mut cache = IoBindCache::new(arena);
+        let mut cache = IoBindCache::with_arena(self, "probe arena", PARAMS_SLOT);
         let x = self.storage_buffer("probe x", 16, true)?;
         let y = self.storage_buffer("probe y", 16, true)?;
         let mut rec = Recorder::new(self, &mut cache);

@@ -47,10 +47,26 @@ pub struct IoBindCache {
     split_refused: Option<u64>,
 }
 
+/// A uniform arena of `size` bytes.
+fn arena(ctx: &GpuContext, label: &str, size: u64) -> wgpu::Buffer {
+    ctx.device.create_buffer(&wgpu::BufferDescriptor {
+        label: Some(label),
+        size,
+        usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    })
+}
+
 impl IoBindCache {
     /// A cache whose bind groups use `params` as the uniform arena.
     pub fn new(params: wgpu::Buffer) -> Self {
         Self { params, groups: HashMap::new(), split: None, split_refused: None }
+    }
+
+    /// A cache with a uniform arena of its own, `bytes` to start with (a multiple of the
+    /// 256-byte slot a dispatch takes; the recorder grows it to what a recording needs).
+    pub fn with_arena(ctx: &GpuContext, label: &str, bytes: u64) -> Self {
+        Self::new(arena(ctx, label, bytes))
     }
 
     /// The uniform arena.
@@ -61,6 +77,12 @@ impl IoBindCache {
     /// Drop the cached bind groups (a buffer they bind was replaced: they would keep it alive).
     pub fn forget_groups(&mut self) {
         self.groups.clear();
+    }
+
+    /// Drop the cached bind groups that bind any of `buffers` (buffers about to be freed, or
+    /// bound for one step only: the groups would keep them alive).
+    pub fn forget_buffers(&mut self, buffers: &[&wgpu::Buffer]) {
+        self.groups.retain(|(_, bound), _| !bound.iter().any(|b| buffers.contains(&b)));
     }
 
     /// How many bind groups are cached.
@@ -75,12 +97,7 @@ impl IoBindCache {
             return;
         }
         let size = bytes.next_power_of_two().max(self.params.size() * 2);
-        self.params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("uniform arena"),
-            size,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
+        self.params = arena(ctx, "uniform arena", size);
         self.groups.clear();
     }
 

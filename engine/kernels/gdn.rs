@@ -129,7 +129,7 @@ pub fn gated_delta(
     let t = params.t as usize;
     if io.splits.windows(2).any(|w| w[0].row >= w[1].row) || io.splits.iter().any(|s| s.row == 0 || s.row >= t) {
         return Err(GpuError::Validation {
-            during: "delta_rule".into(),
+            during: "gdn splits".into(),
             message: format!(
                 "split rows {:?} (expected increasing, each in 1..{t})",
                 io.splits.iter().map(|s| s.row).collect::<Vec<_>>()

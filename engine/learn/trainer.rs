@@ -178,13 +178,6 @@ impl Trainer {
             },
         };
         let norms = ctx.storage_buffer("learn norms", (tensors.len() * 4) as u64, true)?;
-        // The recorder grows the arena to what a learning step records.
-        let arena = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("learn uniform arena"),
-            size: 256 * 256,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
         Ok(Self {
             adapter,
             model: model.clone(),
@@ -193,7 +186,8 @@ impl Trainer {
             a_of,
             b_of,
             norms,
-            io: IoBindCache::new(arena),
+            // The recorder grows the arena to what a learning step records.
+            io: IoBindCache::with_arena(ctx, "learn uniform arena", 256 * 256),
             bufs,
             max_rows,
             max_tokens,

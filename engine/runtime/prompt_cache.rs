@@ -7,10 +7,11 @@
 //! token (`<|im_start|>`, where the next chat turn's prompt goes on differently: Qwen's template
 //! re-renders the previous assistant turn without its reasoning) and before the prompt's last
 //! token. The request's own steps take them on their way ([`Session::snapshot_at`]: the GDN
-//! dispatches split at those rows), so a new turn runs as one step, not one per snapshot point. A new prompt continues from the session's state when it extends the tokens held, else
-//! from the longest snapshot that is a prefix of it, else from scratch. Anything that changes
-//! what the tokens computed (another adapter or scale, a learning step, direct use of the
-//! session) clears the cache; the owner calls [`PromptCache::clear`].
+//! dispatches split at those rows), so a new turn runs as one step, not one per snapshot point.
+//! A new prompt continues from the session's state when it extends the tokens held, else from
+//! the longest snapshot that is a prefix of it, else from scratch. Anything that changes what
+//! the tokens computed (another adapter or scale, a learning step, direct use of the session)
+//! clears the cache; the owner calls [`PromptCache::clear`].
 
 use crate::error::RunError;
 use crate::runtime::session::{Session, StateSnapshot};

@@ -121,12 +121,6 @@ impl Batch {
             ctx.storage_buffer("batch argmax parts", rows as u64 * argmax_scratch_bytes(c.vocab_size), true)?;
         let chosen = ctx.storage_buffer("batch chosen ids", (rows * 8) as u64, true)?;
         let chosen_staging = [0, 1].map(|_| Staging::new(&ctx, "batch chosen readback", (rows * 8) as u64));
-        let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("batch uniform arena"),
-            size: 512 * 256,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
         Ok(Self {
             model,
             rows,
@@ -137,7 +131,7 @@ impl Batch {
             argmax_parts,
             chosen,
             chosen_staging,
-            io: IoBindCache::new(params),
+            io: IoBindCache::with_arena(&ctx, "batch uniform arena", 512 * 256),
             lora: None,
             lora_t: None,
             run_ahead: !ctx.is_cpu(),

@@ -246,13 +246,6 @@ impl Session {
         let row_bytes = (c.vocab_size * 4) as u64;
         let logits_rows = ((ctx.max_binding() / row_bytes) as usize).clamp(1, opts.max_batch);
         let logits = ctx.storage_buffer("logits", row_bytes * logits_rows as u64, true)?;
-        // The recorder grows the arena to what a step needs; this holds a decode step.
-        let params = ctx.device.create_buffer(&wgpu::BufferDescriptor {
-            label: Some("uniform arena"),
-            size: 512 * 256,
-            usage: wgpu::BufferUsages::UNIFORM | wgpu::BufferUsages::COPY_DST,
-            mapped_at_creation: false,
-        });
         let parts = ctx.storage_buffer("argmax candidates", argmax_scratch_bytes(c.vocab_size), true)?;
         // The chosen id and the row's non-finite flag.
         let chosen = [Staging::new(&ctx, "chosen id 0", 8), Staging::new(&ctx, "chosen id 1", 8)];
@@ -268,7 +261,8 @@ impl Session {
             rope,
             logits,
             logits_rows,
-            io: IoBindCache::new(params),
+            // The recorder grows the arena to what a step needs; this holds a decode step.
+            io: IoBindCache::with_arena(&ctx, "uniform arena", 512 * 256),
             lora: LoraState::default(),
             parity: 0,
             epoch: 0,
@@ -401,6 +395,12 @@ impl Session {
         self.profile.is_some()
     }
 
+    /// How many bind groups the session keeps (built once per kernel and buffer set; a step's
+    /// dispatches that write a snapshot's states drop theirs).
+    pub fn cached_bind_groups(&self) -> usize {
+        self.io.cached_groups()
+    }
+
     /// Stop profiling and return what was timed.
     pub fn take_profile(&mut self) -> Option<Profile> {
         self.profile.take()
@@ -443,10 +443,10 @@ impl Session {
     /// Make a submitted step of `tokens` tokens part of the sequence: its GDN states become the
     /// committed ones and the position advances.
     pub(crate) fn commit(&mut self, tokens: usize) {
+        self.commit_taps();
         self.pos += tokens;
         self.parity = 1 - self.parity;
         self.epoch += 1;
-        self.commit_taps();
     }
 
     /// Run `ids` through the model at the current position, extend the caches, and return the

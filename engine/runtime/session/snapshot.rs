@@ -39,8 +39,9 @@ impl StateSnapshot {
 pub(crate) struct Taps {
     /// Positions not reached yet, in order, each with an older snapshot's buffers to reuse.
     pending: Vec<(usize, Option<StateSnapshot>)>,
-    /// Taken by the last step, which is not committed yet.
-    fired: Vec<StateSnapshot>,
+    /// Taken by the last step, which is not committed yet: its position and the session's
+    /// epoch then (a commit of that step finds both unchanged).
+    fired: Option<(usize, u64, Vec<StateSnapshot>)>,
     /// Taken by committed steps (or at once), in position order.
     taken: Vec<StateSnapshot>,
 }
@@ -55,6 +56,12 @@ pub(crate) struct StepTaps {
 }
 
 impl StepTaps {
+    /// The buffers of the snapshots the step's GDN dispatches write and read at inner rows.
+    pub(crate) fn split_buffers(&self) -> Vec<&wgpu::Buffer> {
+        let end = self.pos + self.t;
+        self.snaps.iter().filter(|s| s.pos < end).flat_map(|s| &s.buffers).collect()
+    }
+
     /// The splits of the `g`-th GDN layer's step, in row order.
     pub(crate) fn splits(&self, g: usize) -> Vec<GdnSplit<'_>> {
         self.snaps
@@ -122,8 +129,12 @@ impl Session {
     /// Ask for a snapshot of the state before position `pos` ([`Session::snapshot`] there),
     /// taken by the step that reaches it: inside the step (a step of several tokens splits its
     /// GDN dispatches at that row, with no step of its own) or at its end. At the current
-    /// position it is taken now. [`Session::take_snapshots`] hands out those taken; a move back
-    /// (reset, restore) drops those not reached. `reuse` gives back an older snapshot's buffers.
+    /// position it is taken now; a position asked for already is asked once. Snapshots count
+    /// once their step is committed ([`Session::take_snapshots`] hands them out): a move back
+    /// (reset, restore) drops those not reached, and one whose step is discarded (a greedy
+    /// run-ahead step after the callback changed the session) or whose position the session
+    /// passes without a step of its own (a batch's decode) is not taken. `reuse` gives back an
+    /// older snapshot's buffers.
     pub fn snapshot_at(&mut self, pos: usize, reuse: Option<StateSnapshot>) -> Result<(), RunError> {
         if pos < self.pos || pos > self.opts.max_context {
             return Err(RunError::BadParam {
@@ -132,11 +143,14 @@ impl Session {
                 expected: "a position from the session's to its context's end",
             });
         }
+        if self.taps.pending.iter().any(|(p, _)| *p == pos) {
+            return Ok(());
+        }
         if pos == self.pos {
             let snap = self.snapshot(reuse)?;
             self.taps.taken.push(snap);
         } else {
-            let at = self.taps.pending.partition_point(|(p, _)| *p <= pos);
+            let at = self.taps.pending.partition_point(|(p, _)| *p < pos);
             self.taps.pending.insert(at, (pos, reuse));
         }
         Ok(())
@@ -146,14 +160,16 @@ impl Session {
     /// order; the requests not reached yet are dropped.
     pub fn take_snapshots(&mut self) -> Vec<StateSnapshot> {
         self.taps.pending.clear();
-        self.taps.fired.clear();
+        self.taps.fired = None;
         std::mem::take(&mut self.taps.taken)
     }
 
     /// The snapshots a step of `t` tokens takes, with their buffers. One asked for at the step's
     /// own position (the session moved there since) is taken now.
     pub(crate) fn step_taps(&mut self, t: usize) -> Result<StepTaps, RunError> {
-        self.taps.fired.clear();
+        self.taps.fired = None;
+        // Positions the session passed without a step (a batch's decode) are behind it.
+        self.taps.pending.retain(|(pos, _)| *pos >= self.pos);
         let mut snaps = Vec::new();
         while let Some(&(pos, _)) = self.taps.pending.first() {
             if pos > self.pos + t {
@@ -172,19 +188,31 @@ impl Session {
     }
 
     /// The step that took `taps` was submitted: they count once it is committed.
+    /// Its split dispatches' bind groups, which hold the snapshots' buffers, leave the cache.
     pub(crate) fn step_taken(&mut self, taps: StepTaps) {
-        self.taps.fired = taps.snaps;
+        let splits = taps.split_buffers();
+        if !splits.is_empty() {
+            self.io.forget_buffers(&splits);
+        }
+        if !taps.snaps.is_empty() {
+            self.taps.fired = Some((taps.pos, self.epoch, taps.snaps));
+        }
     }
 
-    /// The last step was committed: so are its snapshots.
+    /// A step at the session's position (before the commit moves it) was committed: so are its
+    /// snapshots, if it is the step that took them.
     pub(super) fn commit_taps(&mut self) {
-        self.taps.taken.append(&mut self.taps.fired);
+        if let Some((pos, epoch, mut snaps)) = self.taps.fired.take() {
+            if (pos, epoch) == (self.pos, self.epoch) {
+                self.taps.taken.append(&mut snaps);
+            }
+        }
     }
 
     /// The position went back: positions asked for are no longer ahead of this sequence.
     pub(super) fn drop_pending_taps(&mut self) {
         self.taps.pending.clear();
-        self.taps.fired.clear();
+        self.taps.fired = None;
     }
 
     /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
