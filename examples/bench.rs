@@ -726,7 +726,9 @@ fn restart<'a>(sessions: &'a mut [Session], prompt: &[u32]) -> Result<Vec<&'a mu
 
 /// The last turn of an `args.chat_turns`-turn chat (token ids; the conversation so far, plus
 /// the reply, plus the new user tokens), timed with the prompt cache (turns 1..N−1 run first, so
-/// the session holds the conversation up to the last reply) and without (a full prefill).
+/// the session holds the conversation up to the last reply) and without (a full prefill): two
+/// chats in lockstep, so each repeat's two last turns run back to back and their ratio
+/// (`speedup_paired`) does not see the machine's drift between them.
 fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     let vocab = model.config.vocab_size as u32;
     let user = (args.prompt / 4).max(1);
@@ -750,31 +752,42 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
     };
     let (mut with, mut without) = (Series::default(), Series::default());
     let (mut first_with, mut first_without) = (Series::default(), Series::default());
+    // Per repeat, the two last turns' ratio (without / with), whole and to the first token.
+    let (mut paired, mut first_paired) = (Series::default(), Series::default());
     let mut last_prompt = 0;
-    // The last turn's submits and dispatches, with and without the cache (the same every repeat).
+    // The last turn's submits and dispatches, without and with the cache (the same every repeat).
     let mut work = [None, None];
     for repeat in 0..=args.repeats.min(2) {
-        for cached in [true, false] {
-            let mut session = Session::new(model.clone(), opts.clone())?;
+        // Two chats in lockstep, without the cache (0) and with it (1), each turn of one right
+        // after the same turn of the other (in turns, which goes first), so both last turns
+        // run within seconds of each other on a machine whose speed drifts.
+        let mut chats = Vec::new();
+        for cached in [false, true] {
             let mut cache = PromptCache::default();
             cache.set_enabled(cached);
-            let mut conversation = Vec::new();
-            let mut last = (0.0, 0.0);
-            for k in 0..turns {
-                conversation.extend((0..user as u32).map(|i| (i * 7919 + 13 + k as u32 * 104_729) % vocab));
+            chats.push((Session::new(model.clone(), opts.clone())?, cache, Vec::new(), (0.0, 0.0)));
+        }
+        for k in 0..turns {
+            let order = if (repeat + k) % 2 == 0 { [1, 0] } else { [0, 1] };
+            for i in order {
+                let (session, cache, conversation, last) = &mut chats[i];
+                conversation.extend((0..user as u32).map(|j| (j * 7919 + 13 + k as u32 * 104_729) % vocab));
                 let before = model.ctx.counters();
-                let (out, first, s) = turn(&mut session, &mut cache, &conversation)?;
-                work[usize::from(cached)] = Some(model.ctx.counters() - before);
+                let (out, first, s) = turn(session, cache, conversation)?;
+                work[i] = Some(model.ctx.counters() - before);
                 last_prompt = conversation.len();
                 conversation.extend(out);
-                last = (first, s);
+                *last = (first, s);
             }
-            if repeat > 0 {
-                let (whole, first) =
-                    if cached { (&mut with, &mut first_with) } else { (&mut without, &mut first_without) };
-                first.0.push(last.0);
-                whole.0.push(last.1);
-            }
+        }
+        if repeat > 0 {
+            let (fresh, cached) = (chats[0].3, chats[1].3);
+            first_without.0.push(fresh.0);
+            without.0.push(fresh.1);
+            first_with.0.push(cached.0);
+            with.0.push(cached.1);
+            first_paired.0.push(fresh.0 / cached.0);
+            paired.0.push(fresh.1 / cached.1);
         }
     }
     Ok(serde_json::json!({
@@ -787,6 +800,8 @@ fn prompt_cache(model: &Arc<Model>, args: &Args) -> Result<serde_json::Value> {
         "last_turn_first_token_s_with_cache": first_with.json(),
         "last_turn_first_token_s_without_cache": first_without.json(),
         "first_token_speedup": first_without.median() / first_with.median(),
+        "speedup_paired": paired.json(),
+        "first_token_speedup_paired": first_paired.json(),
         "last_turn_submits_with_cache": work[1].map(|w| w.submits),
         "last_turn_submits_without_cache": work[0].map(|w| w.submits),
         "last_turn_dispatches_with_cache": work[1].map(|w| w.dispatches),
