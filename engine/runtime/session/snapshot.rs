@@ -56,17 +56,20 @@ pub(crate) struct StepTaps {
 }
 
 impl StepTaps {
+    /// The snapshots at rows inside the step (the rest are at its end).
+    fn inner(&self) -> impl Iterator<Item = &StateSnapshot> {
+        let end = self.pos + self.t;
+        self.snaps.iter().filter(move |s| s.pos < end)
+    }
+
     /// The buffers of the snapshots the step's GDN dispatches write and read at inner rows.
     pub(crate) fn split_buffers(&self) -> Vec<&wgpu::Buffer> {
-        let end = self.pos + self.t;
-        self.snaps.iter().filter(|s| s.pos < end).flat_map(|s| &s.buffers).collect()
+        self.inner().flat_map(|s| &s.buffers).collect()
     }
 
     /// The splits of the `g`-th GDN layer's step, in row order.
     pub(crate) fn splits(&self, g: usize) -> Vec<GdnSplit<'_>> {
-        self.snaps
-            .iter()
-            .filter(|s| s.pos < self.pos + self.t)
+        self.inner()
             .map(|s| GdnSplit { row: s.pos - self.pos, conv: &s.buffers[2 * g], state: &s.buffers[2 * g + 1] })
             .collect()
     }
@@ -79,28 +82,24 @@ impl StepTaps {
 }
 
 impl Session {
+    /// Every GDN layer's conv history and recurrent state at the committed parity, in layer
+    /// order: what a snapshot copies, in its order.
+    fn gdn_states(&self) -> impl Iterator<Item = &wgpu::Buffer> {
+        self.states.iter().flat_map(|st| match st {
+            LayerState::Gdn { conv, state } => vec![&conv[self.parity], &state[self.parity]],
+            LayerState::Attention { .. } => Vec::new(),
+        })
+    }
+
     /// Buffers for a snapshot: one per GDN state buffer, sized alike (`reuse`'s where they fit).
     fn snapshot_buffers(&self, reuse: Option<StateSnapshot>) -> Result<Vec<wgpu::Buffer>, RunError> {
-        let ctx = self.ctx();
-        let mut buffers = reuse.map(|s| s.buffers).unwrap_or_default();
-        let mut i = 0;
-        for st in &self.states {
-            if let LayerState::Gdn { conv, state } = st {
-                for src in [&conv[self.parity], &state[self.parity]] {
-                    if buffers.len() <= i || buffers[i].size() != src.size() {
-                        let b = ctx.storage_buffer("state snapshot", src.size(), true)?;
-                        if i < buffers.len() {
-                            buffers[i] = b;
-                        } else {
-                            buffers.push(b);
-                        }
-                    }
-                    i += 1;
-                }
-            }
-        }
-        buffers.truncate(i);
-        Ok(buffers)
+        let mut kept = reuse.map(|s| s.buffers).unwrap_or_default().into_iter();
+        self.gdn_states()
+            .map(|src| match kept.next() {
+                Some(b) if b.size() == src.size() => Ok(b),
+                _ => Ok(self.ctx().storage_buffer("state snapshot", src.size(), true)?),
+            })
+            .collect()
     }
 
     fn new_snapshot(&self, pos: usize, buffers: Vec<wgpu::Buffer>) -> StateSnapshot {
@@ -115,11 +114,7 @@ impl Session {
         let buffers = self.snapshot_buffers(reuse)?;
         let ctx = self.ctx();
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("snapshot") });
-        let sources = self.states.iter().flat_map(|st| match st {
-            LayerState::Gdn { conv, state } => vec![&conv[self.parity], &state[self.parity]],
-            LayerState::Attention { .. } => Vec::new(),
-        });
-        for (src, dst) in sources.zip(&buffers) {
+        for (src, dst) in self.gdn_states().zip(&buffers) {
             enc.copy_buffer_to_buffer(src, 0, dst, 0, src.size());
         }
         ctx.submit(enc.finish(), 0);
@@ -221,11 +216,10 @@ impl Session {
     /// that position since (a reset, or a restore of an earlier snapshot, followed by other
     /// tokens, rewrote the KV cache it relies on).
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
-        let gdn = self.states.iter().filter(|s| matches!(s, LayerState::Gdn { .. })).count();
         if snap.session != self.uid
             || snap.adapters != self.adapters_version
             || snap.pos > self.pos
-            || snap.buffers.len() != 2 * gdn
+            || snap.buffers.len() != self.gdn_states().count()
             || !self.holds_since(snap.rewinds, snap.pos)
         {
             return Err(RunError::BadParam {
@@ -236,15 +230,8 @@ impl Session {
         }
         let ctx = self.ctx();
         let mut enc = ctx.device.create_command_encoder(&wgpu::CommandEncoderDescriptor { label: Some("restore") });
-        let mut copies = snap.buffers.iter();
-        for st in &self.states {
-            if let LayerState::Gdn { conv, state } = st {
-                for dst in [&conv[self.parity], &state[self.parity]] {
-                    if let Some(src) = copies.next() {
-                        enc.copy_buffer_to_buffer(src, 0, dst, 0, dst.size().min(src.size()));
-                    }
-                }
-            }
+        for (src, dst) in snap.buffers.iter().zip(self.gdn_states()) {
+            enc.copy_buffer_to_buffer(src, 0, dst, 0, dst.size().min(src.size()));
         }
         ctx.submit(enc.finish(), 0);
         self.pos = snap.pos;
