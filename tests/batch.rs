@@ -176,6 +176,47 @@ fn greedy_batches_run_ahead_and_leave_each_session_holding_its_tokens() {
     }
 }
 
+/// Sessions far apart in their caches (3 to 140 positions: one to three splits of the pooled
+/// attention's 64 keys, the grid's splits those of the furthest row) generate together what
+/// each generates alone, and the positions the batch wrote go back into each session's cache:
+/// continuing alone gives what continuing the session that generated alone gives.
+#[test]
+fn batched_generation_over_caches_of_several_splits_equals_each_session_alone() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    let long = SessionOptions { max_context: 256, max_batch: 16 };
+    let prompts: Vec<Vec<u32>> =
+        [3, 140, 70, 66].iter().map(|&n| f.ids.iter().cycle().take(n).copied().collect()).collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
+    let more = GenerateParams { max_tokens: 3, ..params.clone() };
+    let new_session = |set: &[ActiveAdapter]| {
+        let mut s = Session::new(f.model.clone(), long.clone()).expect("session");
+        s.set_adapters(set.to_vec()).expect("set");
+        s
+    };
+    let mut want = Vec::new();
+    let mut went_on = Vec::new();
+    for (set, prompt) in sets.iter().zip(&prompts) {
+        let mut s = new_session(set);
+        let ids = s.generate(prompt, &params, |_| true).expect("alone");
+        let held: Vec<u32> = prompt.iter().chain(&ids).copied().collect();
+        let next = s.generate_from_with(&held, held.len() - 1, &more, |_, _| Ok::<_, RunError>(true));
+        went_on.push(next.expect("alone, continued"));
+        want.push(ids);
+    }
+    let mut sessions: Vec<Session> = sets.iter().map(|set| new_session(set)).collect();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+    let got = batch.generate(&mut rows, &refs, &[0; 4], &params).expect("batched");
+    assert_eq!(got, want, "batched greedy ids");
+    for (i, s) in sessions.iter_mut().enumerate() {
+        let held: Vec<u32> = prompts[i].iter().chain(&got[i]).copied().collect();
+        let next = s.generate_from_with(&held, held.len() - 1, &more, |_, _| Ok::<_, RunError>(true));
+        assert_eq!(next.expect("continued"), went_on[i], "row {i} continued after the batch");
+    }
+}
+
 /// A batch of one runs its session's own generation (single-token steps with the block norms
 /// folded into the projections: as many dispatches as the session alone, fewer than a batched
 /// step's), under the batch's run-ahead, and stops where a batch stops a row whose context is
@@ -270,13 +311,17 @@ fn a_profiled_batch_times_every_dispatch_of_its_steps() {
 }
 
 /// `Batch::generate` steps a GDN layer of all its rows in one `gdn_decode` dispatch (on the
-/// batch's pooled states), where `Batch::step` dispatches it once per session.
+/// batch's pooled states) and attends an attention layer of all its rows in one `attend_rows`
+/// dispatch (on the batch's pooled caches), where `Batch::step` dispatches each once per session.
 #[test]
-fn batched_generation_steps_each_gdn_layer_of_all_rows_in_one_dispatch() {
+fn batched_generation_steps_each_mixer_layer_of_all_rows_in_one_dispatch() {
     let Some(model) = model_on_own_context() else { return };
-    let gdn_layers =
-        model.config.layer_types.iter().filter(|t| matches!(t, qwen35_wgpu::model::LayerType::Linear)).count();
-    assert!(gdn_layers > 0, "the fixture has GDN layers");
+    let count = |linear: bool| {
+        let is = |t: &&qwen35_wgpu::model::LayerType| matches!(t, qwen35_wgpu::model::LayerType::Linear) == linear;
+        model.config.layer_types.iter().filter(is).count()
+    };
+    let (gdn_layers, attn_layers) = (count(true), count(false));
+    assert!(gdn_layers > 0 && attn_layers > 0, "the fixture has both kinds of layers");
     let ids = Reference::load("adapter_sets").ids("ids");
     let mut sessions: Vec<Session> = (0..3).map(|_| Session::new(model.clone(), opts()).expect("session")).collect();
     let mut batch = Batch::new(model.clone(), 3).expect("batch");
@@ -292,6 +337,13 @@ fn batched_generation_steps_each_gdn_layer_of_all_rows_in_one_dispatch() {
     let profile = batch.take_profile().expect("profiled");
     let per_submit: Vec<usize> = profile.submits.iter().map(gdn).collect();
     assert_eq!(per_submit, [3 * gdn_layers, gdn_layers, gdn_layers, gdn_layers], "a step, then 3 pooled steps");
+    let attend = |family: &'static str| {
+        move |submit: &Vec<qwen35_wgpu::gpu::Timed>| submit.iter().filter(|t| t.family == family).count()
+    };
+    let one: Vec<usize> = profile.submits.iter().map(attend("attend_one")).collect();
+    let rows: Vec<usize> = profile.submits.iter().map(attend("attend_rows")).collect();
+    assert_eq!(one, [3 * attn_layers, 0, 0, 0], "a step attends per session");
+    assert_eq!(rows, [0, attn_layers, attn_layers, attn_layers], "the pooled steps attend all rows at once");
 }
 
 /// A batched step of 2 to 8 rows runs each layer's input projections (q|k|v, or GDN's qkv, z, b

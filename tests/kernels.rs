@@ -11,7 +11,8 @@ use qwen35_wgpu::gpu::{
     Subgroups,
 };
 use qwen35_wgpu::kernels::attention::{
-    attention, attention_one, attention_splits, AttnIo, AttnOneIo, AttnParams, ATTN_MAX_SPLITS,
+    attention, attention_one, attention_one_rows, attention_splits, AttnIo, AttnOneIo, AttnParams, ATTN_MAX_ROWS,
+    ATTN_MAX_SPLITS,
 };
 use qwen35_wgpu::kernels::gdn::{
     gated_delta, gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnSplit, GdnStepIo, HeadShrink, DELTA_RULE_MAX_DK,
@@ -1970,6 +1971,111 @@ fn single_token_attention_matches_reference_across_positions() {
         assert!(splits_seen.contains(&want), "split {want:?} not exercised: {splits_seen:?}");
     }
     assert!(2202u32.div_ceil(2 * block) <= max && 2202 > max * block, "the long cache needs blocks of two");
+}
+
+/// A batched step's single-token attention (`attention_one_rows`): 35 rows (two dispatch pairs
+/// of at most ATTN_MAX_ROWS), each one session's token after rows of others (strided q|gate|k|v
+/// and output rows after leading elements), at its own position in its own slot of pooled
+/// caches (slots out of row order, some unused), from an empty cache to one of three splits:
+/// each row's output and the key and value it writes against the CPU reference run on that
+/// row alone; other rows' slots and positions stay as they were. Rows past the caches or slots
+/// past 255 are typed errors.
+#[test]
+fn batched_single_token_attention_matches_reference_per_row() {
+    let Some(ctx) = ctx() else { return };
+    for &(hq, hkv, hd, rot) in &[(4, 2, 64, 16), (2, 1, 8, 2)] {
+        let (rows, slots, s_max) = (35, 40, 140);
+        let (table, rope) = rope_for(&ctx, (hq, hkv, hd, rot), s_max);
+        let (q_norm, k_norm) = (rand(hd, 5, 0.3), rand(hd, 6, 0.3));
+        let qk: Vec<f32> = q_norm.iter().chain(&k_norm).copied().collect();
+        let qkn = GpuVector::upload(&ctx, "qk", &qk).expect("qk");
+        let (attn, q_out, kv) = (hq * hd, 2 * hq * hd, hkv * hd);
+        let (width, out_stride, lead_in, lead_out) = (q_out + 2 * kv, attn + 3, 11, 5);
+        // Row r: slot (7r + 3) mod 40 and a position from an empty cache to three splits of 64.
+        let slot_of = |r: usize| (7 * r + 3) % slots;
+        let pos_of = |r: usize| [0, 1, 63, 64, 65, 130, 2, 100][r % 8] + r / 8;
+        let (mut kc, mut vc) = (vec![0.5; slots * hkv * s_max * hd], vec![0.25; slots * hkv * s_max * hd]);
+        let mut qkv = vec![9.0; lead_in + rows * width];
+        let mut want = Vec::new();
+        let mut want_cache = Vec::new();
+        for r in 0..rows {
+            let (pos, seed) = (pos_of(r), 100 + 10 * r as u64);
+            let dims = |pos0| cpu::AttnDims { hq, hkv, hd, rot, pos0, eps: 1e-6 };
+            // The row's history: a prefill of `pos` tokens on the CPU, its cache copied into the slot.
+            let (mut ck, mut cv) = (vec![Vec::new(); hkv], vec![Vec::new(); hkv]);
+            let history = |n: usize, salt: u64| rand(pos * n, seed + salt, 2.0);
+            if pos > 0 {
+                let (hk, hv) = (history(kv, 1), history(kv, 2));
+                cpu::attention(&history(q_out, 0), &hk, &hv, &q_norm, &k_norm, &table, &mut ck, &mut cv, pos, dims(0));
+            }
+            let (qg, k, v) = (rand(q_out, seed + 3, 2.0), rand(kv, seed + 4, 2.0), rand(kv, seed + 5, 2.0));
+            let at = lead_in + r * width;
+            qkv[at..at + width].copy_from_slice(&[qg.clone(), k.clone(), v.clone()].concat());
+            for h in 0..hkv {
+                let base = (slot_of(r) * hkv + h) * s_max * hd;
+                kc[base..base + pos * hd].copy_from_slice(&ck[h]);
+                vc[base..base + pos * hd].copy_from_slice(&cv[h]);
+            }
+            want.push(cpu::attention(&qg, &k, &v, &q_norm, &k_norm, &table, &mut ck, &mut cv, 1, dims(pos)));
+            want_cache.push((ck, cv));
+        }
+        let (kcb, vcb, qkvb) = (upload(&ctx, &kc), upload(&ctx, &vc), upload(&ctx, &qkv));
+        let out = upload(&ctx, &vec![7.0; lead_out + rows * out_stride]);
+        let part = upload(&ctx, &vec![0.0; ATTN_MAX_ROWS * hq * ATTN_MAX_SPLITS as usize * (hd + 2)]);
+        let params = AttnParams {
+            t: 1,
+            hq: hq as u32,
+            hkv: hkv as u32,
+            hd: hd as u32,
+            rot_half: (rot / 2) as u32,
+            s_max: s_max as u32,
+            eps: 1e-6,
+            scale: (hd as f32).powf(-0.5),
+            q_offset: lead_in as u32,
+            k_offset: (lead_in + q_out) as u32,
+            v_offset: (lead_in + q_out + kv) as u32,
+            out_offset: lead_out as u32,
+            row_stride: width as u32,
+            out_stride: out_stride as u32,
+            ..Default::default()
+        };
+        let io = AttnOneIo { qkv: &qkvb, k_cache: &kcb, v_cache: &vcb, rope: &rope, out: &out, part: &part };
+        let placed: Vec<(usize, usize)> = (0..rows).map(|r| (slot_of(r), pos_of(r))).collect();
+        run(&ctx, |rec| attention_one_rows(rec, &qkn, &params, &io, &placed));
+        let got = read(&ctx, &out, lead_out + rows * out_stride);
+        assert!(got[..lead_out].iter().all(|&v| v == 7.0), "hd{hd}: wrote before the first row");
+        let (got_k, got_v) = (read(&ctx, &kcb, kc.len()), read(&ctx, &vcb, vc.len()));
+        for r in 0..rows {
+            let what = format!("hq{hq} hkv{hkv} hd{hd} row {r} at slot {}, position {}", slot_of(r), pos_of(r));
+            let row = &got[lead_out + r * out_stride..lead_out + (r + 1) * out_stride];
+            assert_close(&what, &row[..attn], &want[r], KERNEL_ATOL, KERNEL_RTOL);
+            assert!(row[attn..].iter().all(|&v| v == 7.0), "{what}: wrote past its output row");
+            let (ck, cv) = &want_cache[r];
+            let pos = pos_of(r);
+            for h in 0..hkv {
+                let base = (slot_of(r) * hkv + h) * s_max * hd;
+                let span = base..base + (pos + 1) * hd;
+                assert_close(&format!("{what} keys {h}"), &got_k[span.clone()], &ck[h], KERNEL_ATOL, KERNEL_RTOL);
+                assert_close(&format!("{what} values {h}"), &got_v[span], &cv[h], EXACT, EXACT);
+                let rest = base + (pos + 1) * hd..base + s_max * hd;
+                assert!(got_k[rest.clone()].iter().all(|&v| v == 0.5), "{what}: keys past its position");
+                assert!(got_v[rest].iter().all(|&v| v == 0.25), "{what}: values past its position");
+            }
+        }
+        let unused: Vec<usize> = (0..slots).filter(|s| (0..rows).all(|r| slot_of(r) != *s)).collect();
+        assert!(!unused.is_empty(), "some slots are unused");
+        for s in unused {
+            let span = s * hkv * s_max * hd..(s + 1) * hkv * s_max * hd;
+            assert!(got_k[span.clone()].iter().all(|&v| v == 0.5), "hd{hd}: slot {s} keys written");
+            assert!(got_v[span].iter().all(|&v| v == 0.25), "hd{hd}: slot {s} values written");
+        }
+        for bad in [vec![(0, s_max)], vec![(256, 0)]] {
+            let mut cache = bind_cache(&ctx, 256 * 1024);
+            let mut rec = Recorder::new(&ctx, &mut cache);
+            let err = attention_one_rows(&mut rec, &qkn, &params, &io, &bad).expect_err("refused");
+            assert!(matches!(err, GpuError::Validation { .. }), "{bad:?}: {err}");
+        }
+    }
 }
 
 #[test]

@@ -19,6 +19,12 @@ struct Params {
     out_offset: u32, // attend_one: first element of the output row in out
     splits: u32,     // attend_one: workgroups per head over the cached keys (and its parts)
     split_keys: u32, // attend_one: cached keys per split (a multiple of WG)
+    row_stride: u32, // attend_rows: elements from one row's q|gate|k|v to the next's in qkv
+    out_stride: u32, // attend_rows: elements from one row's output to the next's in out
+    _pad0: u32,
+    _pad1: u32,
+    slots: array<vec4<u32>, 2>,    // attend_rows: row r's cache slot, byte r % 4 of word r / 4
+    positions: array<vec4<u32>, 8>, // attend_rows: row r's position, word r
 }
 
 const WG: u32 = 64u;

@@ -20,6 +20,13 @@
 // the padding zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's
 // [rank, Hq*hd] shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink
 // dispatch).
+//
+// attend_rows / attend_rows_merge: the same for the rows of a batched step, each row one
+// session's token (grid z = row r): its q|gate|k|v at r · row_stride from the offsets and its
+// output at r · out_stride from out_offset, at its own position (positions[r]) in cache slot
+// slots[r] of pooled caches (KV heads slot · Hkv .. of [slots · Hkv, s_max, hd]). The grid's
+// splits are those of the furthest row (split_keys keys each); a row takes as many as its keys
+// need (the rest of its workgroups return at once) and its parts start at r · Hq · splits.
 
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
@@ -30,6 +37,34 @@
 
 var<workgroup> ks: array<f32, 512>;   // the token's rotated key (the query is in qs)
 var<workgroup> vs: array<f32, 512>;   // the token's value row; then the head's output
+
+// One token's attention: where its q|gate, k and v rows start in qkv and its output row in out,
+// its position, its first KV head in the cache, its splits and its first part.
+struct Row {
+    q: u32,
+    k: u32,
+    v: u32,
+    out: u32,
+    pos: u32,
+    kv0: u32,
+    splits: u32,
+    part0: u32,
+}
+
+// The token of a single-token step.
+fn one_row() -> Row {
+    return Row(p.q_offset, p.k_offset, p.v_offset, p.out_offset, p.pos0, 0u, p.splits, 0u);
+}
+
+// Row r of a batched step.
+fn batch_row(r: u32) -> Row {
+    let pos = p.positions[r / 4u][r % 4u];
+    let slot = (p.slots[r / 16u][(r / 4u) % 4u] >> (8u * (r % 4u))) & 0xffu;
+    let at = r * p.row_stride;
+    let splits = max(1u, (pos + p.split_keys - 1u) / p.split_keys);
+    return Row(p.q_offset + at, p.k_offset + at, p.v_offset + at, p.out_offset + r * p.out_stride, pos,
+               slot * p.hkv, splits, r * p.hq * p.splits);
+}
 
 // Element i of the rotated query (qs) or key (ks).
 fn put(key: bool, i: u32, v: f32) {
@@ -63,19 +98,20 @@ fn norm_rope(sb: u32, nb: u32, key: bool, pos: u32, li: u32) {
     }
 }
 
-// Split `split` of query head h: its part of the head's attention (see the top).
-fn attend_split(h: u32, split: u32, li: u32) {
+// Split `split` of query head h of `row`: its part of the head's attention (see the top).
+fn attend_split(row: Row, h: u32, split: u32, li: u32) {
     let kvh = h / (p.hq / p.hkv);
-    let pos = p.pos0;
+    let head = row.kv0 + kvh;
+    let pos = row.pos;
     let hd = p.hd;
-    let last = split + 1u == p.splits;
-    norm_rope(p.q_offset + h * 2u * hd, 0u, false, pos, li);
+    let last = split + 1u == row.splits;
+    norm_rope(row.q + h * 2u * hd, 0u, false, pos, li);
     if (last) {
-        norm_rope(p.k_offset + kvh * hd, hd, true, pos, li);
-        let cb = (kvh * p.s_max + pos) * hd;
+        norm_rope(row.k + kvh * hd, hd, true, pos, li);
+        let cb = (head * p.s_max + pos) * hd;
         let owner = h % (p.hq / p.hkv) == 0u;
         for (var d = li; d < hd; d += WG) {
-            let v = qkv[p.v_offset + kvh * hd + d];
+            let v = qkv[row.v + kvh * hd + d];
             vs[d] = v;
             if (owner) {
                 vc[cb + d] = v;
@@ -90,7 +126,7 @@ fn attend_split(h: u32, split: u32, li: u32) {
     }
     workgroupBarrier();
     let k0 = split * p.split_keys;
-    var o = attend_cached(kvh, k0, min(k0 + p.split_keys, pos), li);
+    var o = attend_cached(head, k0, min(k0 + p.split_keys, pos), li);
     if (last) {
         // The token's own key, from workgroup memory, as a last block of one.
         var dot = 0.0;
@@ -110,7 +146,7 @@ fn attend_split(h: u32, split: u32, li: u32) {
             }
         }
     }
-    let pb = (h * p.splits + split) * (hd + 2u);
+    let pb = (row.part0 + h * p.splits + split) * (hd + 2u);
     if (li == 0u) {
         part[pb] = o.m;
         part[pb + 1u] = o.l;
@@ -123,19 +159,19 @@ fn attend_split(h: u32, split: u32, li: u32) {
     }
 }
 
-// Query head h's parts combined: its gated output row, left in vs[0..hd) and written to
-// out[out_offset + h*hd ..].
-fn merge_head(h: u32, li: u32) {
+// Query head h's parts of `row` combined: its gated output row, left in vs[0..hd) and written
+// to out[row.out + h*hd ..].
+fn merge_head(row: Row, h: u32, li: u32) {
     let hd = p.hd;
     let stride = hd + 2u;
-    let base = h * p.splits * stride;
+    let base = (row.part0 + h * p.splits) * stride;
     var m = -3.4e38;
-    for (var s = 0u; s < p.splits; s++) {
+    for (var s = 0u; s < row.splits; s++) {
         m = max(m, part[base + s * stride]);
     }
     var l = 0.0;
     var acc: array<f32, MAX_DIMS>;
-    for (var s = 0u; s < p.splits; s++) {
+    for (var s = 0u; s < row.splits; s++) {
         let pb = base + s * stride;
         let c = exp(part[pb] - m);
         l = fma(part[pb + 1u], c, l);
@@ -146,12 +182,12 @@ fn merge_head(h: u32, li: u32) {
             }
         }
     }
-    let gb = p.q_offset + h * 2u * hd + hd;
+    let gb = row.q + h * 2u * hd + hd;
     for (var i = 0u; i < MAX_DIMS; i++) {
         let d = li + i * WG;
         if (d < hd) {
             let y = acc[i] / l * sigmoid(qkv[gb + d]);
-            out[p.out_offset + h * hd + d] = y;
+            out[row.out + h * hd + d] = y;
             vs[d] = y;
         }
     }
@@ -159,18 +195,32 @@ fn merge_head(h: u32, li: u32) {
 
 @compute @workgroup_size(64)
 fn attend_one(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    attend_split(wg.x, wg.y, li);
+    attend_split(one_row(), wg.x, wg.y, li);
 }
 
 @compute @workgroup_size(64)
 fn attend_one_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    merge_head(wg.x, li);
+    merge_head(one_row(), wg.x, li);
+}
+
+@compute @workgroup_size(64)
+fn attend_rows(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    let row = batch_row(wg.z);
+    if (wg.y >= row.splits) {
+        return;
+    }
+    attend_split(row, wg.x, wg.y, li);
+}
+
+@compute @workgroup_size(64)
+fn attend_rows_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    merge_head(batch_row(wg.z), wg.x, li);
 }
 
 @compute @workgroup_size(64)
 fn attend_one_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let h = wg.x;
-    merge_head(h, li);
+    merge_head(one_row(), h, li);
     workgroupBarrier();
     let hd = p.hd;
     let k4 = p.hq * hd / 4u;

@@ -250,6 +250,10 @@ pub enum Kernel {
     AttendOneMerge,
     /// `AttendOneMerge` that also writes o_proj's LoRA shrink split by head.
     AttendOneMergeLora,
+    /// `AttendOne` for each row of a batched step, on pooled caches.
+    AttendRows,
+    /// `AttendOneMerge` for each row of a batched step.
+    AttendRowsMerge,
     /// Embedding gather from a table split in up to 4 bindings, in one dispatch.
     EmbedSplit,
     /// `Matvec` reducing by subgroup shuffles (no barrier).
@@ -292,7 +296,7 @@ fn matmul_tile_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 42] = [
+pub const KERNELS: [KernelDesc; 44] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -707,6 +711,28 @@ pub const KERNELS: [KernelDesc; 42] = [
         io: &[R, R, W, W, W, W],
         weights: true,
         lora: true,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendRows,
+        shader: Shader::AttentionOne,
+        entry: "attend_rows",
+        io: &[R, R, W, W, W, W],
+        weights: true,
+        lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendRowsMerge,
+        shader: Shader::AttentionOne,
+        entry: "attend_rows_merge",
+        io: &[R, R, W, W, W, W],
+        weights: true,
+        lora: false,
         accumulate: false,
         dtype: false,
         variants: no_variants,

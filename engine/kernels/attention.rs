@@ -44,7 +44,21 @@ pub struct AttnParams {
     pub splits: u32,
     /// `attend_one`: cached keys per split, a multiple of 64 ([`attention_one`] sets it).
     pub split_keys: u32,
+    /// `attend_rows`: elements from one row's q|gate|k|v to the next's.
+    pub row_stride: u32,
+    /// `attend_rows`: elements from one row's output to the next's.
+    pub out_stride: u32,
+    /// Padding (the WGSL struct's arrays start on 16 bytes).
+    pub _pad: [u32; 2],
+    /// `attend_rows`: row r's cache slot in byte `r % 4` of word `r / 4` ([`attention_one_rows`]
+    /// sets it).
+    pub slots: [u32; 8],
+    /// `attend_rows`: row r's position ([`attention_one_rows`] sets it).
+    pub positions: [u32; ATTN_MAX_ROWS],
 }
+
+/// Most rows one `attend_rows` dispatch takes ([`AttnParams::positions`]).
+pub const ATTN_MAX_ROWS: usize = 32;
 
 /// Most workgroups per query head a single-token step spreads the cached keys over
 /// ([`attention_one`]); [`AttnOneIo::part`] holds `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats.
@@ -131,6 +145,65 @@ pub struct AttnOneIo<'a> {
     pub out: &'a wgpu::Buffer,
     /// The splits' parts: at least `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats.
     pub part: &'a wgpu::Buffer,
+}
+
+/// Record one token's attention for each of a batched step's `rows` (row r: (cache slot,
+/// position)) in two dispatches per [`ATTN_MAX_ROWS`] rows: `attend_rows` over every row's
+/// splits (those of the furthest row's keys: [`attention_splits`]), then `attend_rows_merge`.
+/// `params` holds row 0's offsets (q|gate, k, v and output), the strides to the next rows and
+/// the pooled caches' positions per KV head (`s_max`); `io.k_cache` and `io.v_cache` are
+/// `[slots · Hkv, s_max, hd]`, `io.part` holds `min(rows, ATTN_MAX_ROWS) · Hq ·
+/// ATTN_MAX_SPLITS · (hd + 2)` floats. A slot past 255 or a position past the caches is a
+/// `Validation` error.
+pub fn attention_one_rows(
+    rec: &mut Recorder,
+    qk_norm: &GpuVector,
+    params: &AttnParams,
+    io: &AttnOneIo,
+    rows: &[(usize, usize)],
+) -> Result<(), GpuError> {
+    let bad = |message: String| GpuError::Validation { during: "recording AttendRows".into(), message };
+    if let Some(&(slot, pos)) = rows.iter().find(|&&(slot, pos)| slot > 255 || pos >= params.s_max as usize) {
+        return Err(bad(format!(
+            "row at slot {slot}, position {pos} (expected slots below 256, positions below {})",
+            params.s_max
+        )));
+    }
+    let (hq, hd) = (u64::from(params.hq), u64::from(params.hd));
+    for (chunk, part) in rows.chunks(ATTN_MAX_ROWS).enumerate() {
+        let furthest = part.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
+        let (splits, split_keys) = attention_splits(furthest as u32);
+        let need = part.len() as u64 * hq * u64::from(splits) * (hd + 2) * 4;
+        if io.part.size() < need {
+            return Err(bad(format!(
+                "the parts buffer holds {} bytes, {} rows of {splits} splits need {need}",
+                io.part.size(),
+                part.len()
+            )));
+        }
+        let first = (chunk * ATTN_MAX_ROWS) as u32;
+        let mut p = AttnParams {
+            splits,
+            split_keys,
+            q_offset: params.q_offset + first * params.row_stride,
+            k_offset: params.k_offset + first * params.row_stride,
+            v_offset: params.v_offset + first * params.row_stride,
+            out_offset: params.out_offset + first * params.out_stride,
+            slots: [0; 8],
+            positions: [0; ATTN_MAX_ROWS],
+            ..*params
+        };
+        for (r, &(slot, pos)) in part.iter().enumerate() {
+            p.slots[r / 4] |= (slot as u32) << (8 * (r % 4));
+            p.positions[r] = pos as u32;
+        }
+        let storage = [io.qkv, io.rope, io.k_cache, io.v_cache, io.out, io.part];
+        let norm = [&qk_norm.bind_group];
+        let n = part.len() as u32;
+        rec.dispatch(PipelineKey::plain(Kernel::AttendRows), &p, &storage, &norm, [params.hq, splits, n])?;
+        rec.dispatch(PipelineKey::plain(Kernel::AttendRowsMerge), &p, &storage, &norm, [params.hq, 1, n])?;
+    }
+    Ok(())
 }
 
 /// Record one token's attention (`attention_one.wgsl`) in two dispatches: q/k norm + RoPE, the

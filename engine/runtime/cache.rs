@@ -3,7 +3,7 @@
 
 use crate::error::{GpuError, RunError};
 use crate::gpu::GpuContext;
-use crate::kernels::attention::ATTN_MAX_SPLITS;
+use crate::kernels::attention::{ATTN_MAX_ROWS, ATTN_MAX_SPLITS};
 use crate::kernels::matmul::{shrink_out_parts, SPLIT_SHRINK_MAX_RANK};
 use crate::model::{LayerType, TextConfig};
 use crate::runtime::forward::{norm_out_layout, parts_end};
@@ -59,7 +59,8 @@ pub struct Scratch {
     /// `[mixer_rows, max(C + Vd + 2·Hv, 2·Hq·hd + 2·Hkv·hd)]`: a single token's concatenated
     /// mixer input projections (GDN qkv|z|b|a, or attention q|k|v), a row per session of a batch.
     pub mixer_in: wgpu::Buffer,
-    /// `[Hq, ATTN_MAX_SPLITS, hd + 2]`: a single-token attention step's split parts.
+    /// `[min(mixer_rows, ATTN_MAX_ROWS), Hq, ATTN_MAX_SPLITS, hd + 2]`: the split parts of a
+    /// single-token attention step, for each row of a batched one.
     pub attn_part: wgpu::Buffer,
 }
 
@@ -112,7 +113,11 @@ impl Scratch {
             mlp_g: at_least("mlp_g", i, swiglu)?,
             mlp_u: f("mlp_u", c.intermediate_size)?,
             mixer_in: ctx.storage_buffer("mixer_in", mixer_rows as u64 * mixer_width(c) as u64 * 4, true)?,
-            attn_part: ctx.storage_buffer("attn_part", attn_part_floats(c) * 4, true)?,
+            attn_part: ctx.storage_buffer(
+                "attn_part",
+                mixer_rows.min(ATTN_MAX_ROWS) as u64 * attn_part_floats(c) * 4,
+                true,
+            )?,
         })
     }
 }

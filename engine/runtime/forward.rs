@@ -465,10 +465,7 @@ pub(crate) fn attn_params(
         k_offset: k_offset as u32,
         v_offset: v_offset as u32,
         lora_rank: 0,
-        q_offset: 0,
-        out_offset: 0,
-        splits: 0,
-        split_keys: 0,
+        ..AttnParams::default()
     }
 }
 

@@ -12,7 +12,7 @@ use crate::runtime::sampler::Sampler;
 use crate::runtime::session::Session;
 use crate::runtime::GenerateParams;
 
-use super::pool::GdnPool;
+use super::pool::{GdnPool, KvPool, Pooled};
 use super::{commit_rows, pick, Batch, Head, StepIds, StepOut};
 
 impl Batch {
@@ -29,10 +29,13 @@ impl Batch {
     /// `fed[i]` tokens of `prompts[i]` are already in session `i` (a prompt cache's reuse; 0
     /// without one). One session runs its own generation, which is faster than a batched step
     /// of one row (the same tokens; see `generate_alone`). Several sessions step their GDN
-    /// layers together on the batch's pool of their states (`GdnPool`), which the first such
-    /// call allocates for its sessions (rounded up to a power of two) and the batch keeps: two
-    /// copies of each slot's GDN states (38 MiB a slot at the 0.8B dims); where it cannot be
-    /// allocated, each session steps on its own states.
+    /// layers together on the batch's pool of their states (`GdnPool`) and attend their KV
+    /// caches together in the batch's pool of those (`KvPool`), which the first such call
+    /// allocates for its sessions (rounded up to a power of two) and the positions its steps
+    /// reach (also a power of two, within the sessions' context), and the batch keeps: two
+    /// copies of each slot's GDN states (38 MiB a slot at the 0.8B dims) and the slots' caches
+    /// (24 KiB per position and slot at the 0.8B dims); where a pool cannot be allocated, each
+    /// session steps those layers on its own states.
     pub fn generate(
         &mut self,
         sessions: &mut [&mut Session],
@@ -76,9 +79,9 @@ impl Batch {
             }
             next.push(rest[rest.len() - 1]);
         }
-        // The rows' GDN states go into the pool for the steps and back after them, also when a
-        // step fails (the sessions keep the tokens committed so far).
-        let pooled = self.pool_in(sessions);
+        // The rows' GDN states and KV caches go into the pools for the steps and back after
+        // them, also when a step fails (the sessions keep the tokens committed so far).
+        let pooled = self.pool_in(sessions, params.max_tokens);
         // Plain greedy rows (the same params for every row) are chosen on the GPU; sampled rows
         // draw from candidates found on the GPU where the settings allow (`generate`'s rule).
         let out = if samplers.first().is_some_and(Sampler::is_plain_greedy) {
@@ -86,41 +89,57 @@ impl Batch {
         } else {
             self.generate_sampled(sessions, prompts, next, samplers, params, pooled)
         };
-        if pooled {
-            self.pool_out(sessions);
-        }
+        self.pool_out(sessions, pooled);
         out
     }
 
-    /// Copy the sessions' GDN states into the pool (allocated or grown for them), where their
-    /// layers' steps fit one `gdn_decode` dispatch and the pool fits the device; whether it did.
-    fn pool_in(&mut self, sessions: &[&mut Session]) -> bool {
+    /// Copy the sessions' GDN states and KV caches into the pools (allocated or grown for them:
+    /// the GDN pool where their layers' steps fit one `gdn_decode` dispatch, the KV pool for the
+    /// positions `max_tokens` more steps reach), each where it fits the device; which did.
+    fn pool_in(&mut self, sessions: &[&mut Session], max_tokens: usize) -> Pooled {
         let (ctx, c) = (&self.model.ctx, &self.model.config);
-        if !gdn_step_fits(c) || sessions.len() > GDN_MAX_ROWS {
-            return false;
-        }
-        if self.pool.as_ref().is_none_or(|p| p.slots < sessions.len()) {
-            // The old pool goes first (with the cached bind groups, which hold its buffers), so
-            // only the larger one is held; sized to a power of two, within the batch's rows, so
-            // that batches growing one session at a time reallocate it a few times only.
-            self.io.forget_groups();
-            self.pool = None;
-            let slots = sessions.len().next_power_of_two().min(self.rows);
-            self.pool = GdnPool::new(ctx, c, slots).ok();
-        }
-        match &mut self.pool {
-            Some(pool) => {
-                pool.copy(ctx, c, sessions, true);
-                true
+        let n = sessions.len();
+        // Sized to a power of two, within the batch's rows, so that batches growing one session
+        // at a time reallocate a pool a few times only.
+        let slots = n.next_power_of_two().min(self.rows);
+        let mut pooled = Pooled::default();
+        if gdn_step_fits(c) && n <= GDN_MAX_ROWS {
+            if self.pool.as_ref().is_none_or(|p| p.slots < n) {
+                // The old pool goes first (with the cached bind groups, which hold its buffers),
+                // so only the larger one is held.
+                self.io.forget_groups();
+                self.pool = None;
+                self.pool = GdnPool::new(ctx, c, slots).ok();
             }
-            None => false,
+            if let Some(pool) = &mut self.pool {
+                pool.copy(ctx, c, sessions, true);
+                pooled.gdn = true;
+            }
         }
+        let reach = |s: &&mut Session| (s.pos + max_tokens).min(s.opts.max_context);
+        let needed = sessions.iter().map(reach).max().unwrap_or(0);
+        let widest = sessions.iter().map(|s| s.opts.max_context).max().unwrap_or(0);
+        if self.kv_pool.as_ref().is_none_or(|p| p.slots < n || p.positions < needed) {
+            self.io.forget_groups();
+            self.kv_pool = None;
+            let positions = needed.next_power_of_two().min(widest).max(needed);
+            self.kv_pool = KvPool::new(ctx, c, slots, positions).ok();
+        }
+        if let Some(pool) = &mut self.kv_pool {
+            pool.copy(ctx, c, sessions, true);
+            pooled.kv = true;
+        }
+        pooled
     }
 
-    /// Copy the pooled GDN states back into the sessions.
-    fn pool_out(&mut self, sessions: &[&mut Session]) {
-        if let Some(pool) = &mut self.pool {
-            pool.copy(&self.model.ctx, &self.model.config, sessions, false);
+    /// Copy the pooled GDN states and the positions the steps wrote back into the sessions.
+    fn pool_out(&mut self, sessions: &[&mut Session], pooled: Pooled) {
+        let (ctx, c) = (&self.model.ctx, &self.model.config);
+        if let Some(pool) = self.pool.as_mut().filter(|_| pooled.gdn) {
+            pool.copy(ctx, c, sessions, false);
+        }
+        if let Some(pool) = self.kv_pool.as_mut().filter(|_| pooled.kv) {
+            pool.copy(ctx, c, sessions, false);
         }
     }
 
@@ -132,7 +151,7 @@ impl Batch {
         mut next: Vec<u32>,
         mut samplers: Vec<Sampler>,
         params: &GenerateParams,
-        pooled: bool,
+        pooled: Pooled,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let n = sessions.len();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -150,7 +169,7 @@ impl Batch {
         let mut live: Vec<usize> = (0..n).collect();
         while !live.is_empty() {
             let step = {
-                let slots = pooled.then_some(live.as_slice());
+                let slots = pooled.rows(&live);
                 let mut rows = pick(sessions, &live);
                 let ids: Vec<u32> = live.iter().map(|&i| next[i]).collect();
                 if let Some(k) = candidates {
@@ -232,7 +251,7 @@ impl Batch {
         sessions: &mut [&mut Session],
         first: &[u32],
         params: &GenerateParams,
-        pooled: bool,
+        pooled: Pooled,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let eos = self.model.eos_token_ids.clone();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); sessions.len()];
@@ -242,8 +261,7 @@ impl Batch {
         let mut slot = 0;
         let mut staged = live.clone();
         let ids = StepIds::Host(first);
-        let mut index =
-            self.submit(&mut pick(sessions, &live), ids, Head::Choose { slot }, pooled.then_some(live.as_slice()))?;
+        let mut index = self.submit(&mut pick(sessions, &live), ids, Head::Choose { slot }, pooled.rows(&live))?;
         commit_rows(sessions, &live);
         loop {
             // Rows whose token of this step is not their last run ahead on it.
@@ -259,7 +277,7 @@ impl Batch {
             let ahead = if self.run_ahead && !ahead_rows.is_empty() {
                 let mut rows = pick(sessions, &ahead_rows);
                 let head = Head::Choose { slot: 1 - slot };
-                Some(self.submit(&mut rows, StepIds::Chosen(&from), head, pooled.then_some(ahead_rows.as_slice()))?)
+                Some(self.submit(&mut rows, StepIds::Chosen(&from), head, pooled.rows(&ahead_rows))?)
             } else {
                 None
             };
@@ -290,12 +308,8 @@ impl Batch {
                 }
                 _ => {
                     let ids = StepIds::Host(&next);
-                    index = self.submit(
-                        &mut pick(sessions, &still),
-                        ids,
-                        Head::Choose { slot },
-                        pooled.then_some(still.as_slice()),
-                    )?;
+                    index =
+                        self.submit(&mut pick(sessions, &still), ids, Head::Choose { slot }, pooled.rows(&still))?;
                     staged = still.clone();
                 }
             }

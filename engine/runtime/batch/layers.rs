@@ -1,9 +1,9 @@
 //! A batched step's layers for every row: the projections once for all rows, the mixers' cores
-//! per session (or pooled, for GDN).
+//! on the pooled states and caches of all rows (or per session).
 
 use crate::error::GpuError;
 use crate::gpu::Recorder;
-use crate::kernels::attention::{attention_one, AttnOneIo, AttnParams};
+use crate::kernels::attention::{attention_one, attention_one_rows, AttnOneIo, AttnParams};
 use crate::kernels::gdn::{gdn_step, gdn_step_rows, GdnIo, GdnParams, GdnStepIo, GDN_MAX_ROWS};
 use crate::kernels::matmul::{batched_matvec_takes, LinearIo};
 use crate::lora::Proj;
@@ -38,7 +38,7 @@ pub(super) fn gdn_rows(
     let width = cd + vd + 2 * hv;
     project_rows(rec, c, Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..GDN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
     let params = gdn_params(c, 1);
-    if let Some(PoolRows { pool, slots, parity }) = pooled {
+    if let Some((pool, parity, slots)) = pooled.and_then(|p| p.gdn.map(|(pool, parity)| (pool, parity, p.slots))) {
         let Some((conv, state)) = &pool.layers[layer] else {
             return Err(mismatch(layer));
         };
@@ -102,15 +102,16 @@ pub(super) fn gdn_rows(
 }
 
 /// An attention layer for every row: q|gate, k and v for all rows (row k of `mixer_in` is
-/// session k's q|gate|k|v), then per session its row through q/k norm, RoPE at its position, its
-/// KV cache and attention into its output row of `mid_b`, then o_proj for all rows.
+/// session k's q|gate|k|v), then every row through q/k norm, RoPE at its position, its KV cache
+/// and attention into its output row of `mid_b`, in two dispatches on the pooled caches
+/// (`pooled`), else per session on its own cache; then o_proj for all rows.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_rows(
     rec: &mut Recorder,
     c: &TextConfig,
     sc: &Scratch,
     w: &AttnWeights,
-    sessions: &[&mut Session],
+    (sessions, pooled): (&[&mut Session], Option<PoolRows>),
     layer: usize,
     (src, s): (Src, Option<Shrunk>),
     lora: Option<LayerLora>,
@@ -119,6 +120,24 @@ pub(super) fn attention_rows(
     let (q_out, kv, attn) = (2 * c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.num_heads * c.head_dim);
     let width = q_out + 2 * kv;
     project_rows(rec, c, Parts { w: &w.qkv, order: &ATTN_IN, parts: 0..ATTN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
+    if let Some((pool, slots)) = pooled.and_then(|p| p.kv.map(|kv| (kv, p.slots))) {
+        let (Some((k_cache, v_cache)), Some(widest)) =
+            (pool.layer(layer), sessions.iter().max_by_key(|s| s.opts.max_context))
+        else {
+            return Err(mismatch(layer));
+        };
+        let params = AttnParams {
+            row_stride: width as u32,
+            out_stride: attn as u32,
+            ..attn_params(c, (1, 0, pool.positions), (q_out, q_out + kv))
+        };
+        let rows: Vec<(usize, usize)> = slots.iter().zip(sessions.iter()).map(|(&slot, s)| (slot, s.pos)).collect();
+        // The widest session's RoPE table holds every row's position.
+        let io =
+            AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &widest.rope, out: &sc.mid_b, part: &sc.attn_part };
+        attention_one_rows(rec, &w.qk_norm, &params, &io, &rows)?;
+        return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, NextWrites::default()));
+    }
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Attention { k: k_cache, v: v_cache } = &sess.states[layer] else {
             return Err(mismatch(layer));

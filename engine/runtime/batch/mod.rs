@@ -1,13 +1,15 @@
 //! Batched decode: one token of each of several sessions in one step, every session with its
 //! own adapter set. The projections run once for all rows (M = N: every weight is read once for
 //! the N tokens); the mixers' cores (GDN conv, delta rule and gated norm; attention over the KV
-//! cache) run per session on its own states, at its own position. Each row's LoRA comes from one
+//! cache) run for every row at its own position, in one dispatch on the states and caches a
+//! generation pools, else per session on its own. Each row's LoRA comes from one
 //! stack of every adapter any row applies, with a scale table of one row per session: a row's
 //! factors are 0 on the ranks of adapters its set does not hold (the BGMV idea: one shrink and
 //! one fused expand for all rows, each row its own adapters).
 //!
 //! This file holds the batch and its step; `generate.rs` the batched generation, `layers.rs` a
-//! step's layers for every row, `pool.rs` the GDN states pooled across a generation's sessions.
+//! step's layers for every row, `pool.rs` the GDN states and KV caches pooled across a
+//! generation's sessions.
 
 mod generate;
 mod layers;
@@ -28,7 +30,7 @@ use crate::runtime::forward::{
 use crate::runtime::session::{Logits, SampleRead, Session};
 
 use layers::{attention_rows, gdn_rows};
-use pool::{GdnPool, PoolRows};
+use pool::{GdnPool, KvPool, PoolRows, Pooled};
 
 /// Most sessions one batched step takes.
 pub const MAX_BATCH_SESSIONS: usize = 64;
@@ -69,6 +71,8 @@ pub struct Batch {
     /// The GDN states of `generate`'s sessions side by side, allocated by the first generation
     /// of several sessions and grown for more (`GdnPool`, `Batch::pool_in`).
     pool: Option<GdnPool>,
+    /// Their KV caches side by side, the same way (`KvPool`).
+    kv_pool: Option<KvPool>,
 }
 
 /// Where a batched step's token ids come from.
@@ -137,6 +141,7 @@ impl Batch {
             run_ahead: !ctx.is_cpu(),
             profile: None,
             pool: None,
+            kv_pool: None,
         })
     }
 
@@ -225,14 +230,14 @@ impl Batch {
         self.step_rows(sessions, ids, None)
     }
 
-    /// [`Batch::step`], on the pooled states of slots `slots` where given.
+    /// [`Batch::step`], on the pooled states of slots `pool` where given.
     fn step_rows(
         &mut self,
         sessions: &mut [&mut Session],
         ids: &[u32],
-        slots: Option<&[usize]>,
+        pool: Option<(&[usize], Pooled)>,
     ) -> Result<Logits, RunError> {
-        self.submit(sessions, StepIds::Host(ids), Head::Logits, slots)?;
+        self.submit(sessions, StepIds::Host(ids), Head::Logits, pool)?;
         let (ctx, n, vocab) = (&self.model.ctx, sessions.len(), self.model.config.vocab_size);
         let data = read_f32_via(ctx, &self.logits, 0, n * vocab, &self.staging)?;
         commit(sessions);
@@ -260,9 +265,9 @@ impl Batch {
         sessions: &mut [&mut Session],
         ids: &[u32],
         (k, hists, mass): (usize, &[Vec<u32>], Option<f32>),
-        slots: Option<&[usize]>,
+        pool: Option<(&[usize], Pooled)>,
     ) -> Result<Vec<SampleRead>, RunError> {
-        let index = self.submit(sessions, StepIds::Host(ids), Head::Sample { k, hists, mass }, slots)?;
+        let index = self.submit(sessions, StepIds::Host(ids), Head::Sample { k, hists, mass }, pool)?;
         commit(sessions);
         let shape = |r: usize| (k, hists[r].len(), mass.is_some());
         sessions.iter().enumerate().map(|(r, s)| s.read_sample(index.clone(), shape(r), s.pos - 1)).collect()
@@ -275,14 +280,14 @@ impl Batch {
     }
 
     /// Record and submit one step of every row, ending with `head`; nothing is committed. With
-    /// `slots` (during `generate` with the pool: row r's slot), the GDN layers step the pooled
-    /// states.
+    /// `pool` (during `generate` with the pools: row r's slot, which pools hold the rows), the
+    /// GDN layers step the pooled states and the attention layers attend the pooled caches.
     fn submit(
         &mut self,
         sessions: &mut [&mut Session],
         ids: StepIds,
         head: Head,
-        slots: Option<&[usize]>,
+        pool: Option<(&[usize], Pooled)>,
     ) -> Result<wgpu::SubmissionIndex, RunError> {
         let n = sessions.len();
         let given = match ids {
@@ -330,16 +335,16 @@ impl Batch {
             }
         }
         self.bind_lora(sessions)?;
-        let pooled = match (slots, &self.pool) {
-            (Some(slots), Some(pool)) => {
+        let pooled = pool.map(|(slots, held)| {
+            let gdn = self.pool.as_ref().filter(|_| held.gdn).map(|pool| {
                 let parity = match (sessions.first(), slots.first()) {
                     (Some(s), Some(&i)) => (s.pos - pool.start[i]) % 2,
                     _ => 0,
                 };
-                Some(PoolRows { pool, slots, parity })
-            }
-            _ => None,
-        };
+                (pool, parity)
+            });
+            PoolRows { gdn, kv: self.kv_pool.as_ref().filter(|_| held.kv), slots }
+        });
         let model = self.model.clone();
         let ctx = &model.ctx;
         let c = &model.config;
@@ -369,7 +374,7 @@ impl Batch {
             )?;
             match &layer.mixer {
                 Mixer::Gdn(w) => gdn_rows(&mut rec, c, sc, w, (sessions, pooled), i, mixer_in, lora)?,
-                Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, sessions, i, mixer_in, lora)?,
+                Mixer::Attention(w) => attention_rows(&mut rec, c, sc, w, (sessions, pooled), i, mixer_in, lora)?,
             }
             let mlp_in = block_input(
                 &mut rec,
