@@ -179,12 +179,15 @@ fn greedy_batches_run_ahead_and_leave_each_session_holding_its_tokens() {
 /// Sessions far apart in their caches (3 to 140 positions: one to three splits of the pooled
 /// attention's 64 keys, the grid's splits those of the furthest row) generate together what
 /// each generates alone, and the positions the batch wrote go back into each session's cache:
-/// continuing alone gives what continuing the session that generated alone gives.
+/// continuing alone gives what continuing the session that generated alone gives. The pool
+/// holds 256 positions per slot, the sessions' caches 512 (the strides differ). Released pools
+/// come back for the next generation, and a generation without a token limit runs each row to
+/// its full context.
 #[test]
 fn batched_generation_over_caches_of_several_splits_equals_each_session_alone() {
     let Some(f) = fixture() else { return };
     let sets = sets(&f);
-    let long = SessionOptions { max_context: 256, max_batch: 16 };
+    let long = SessionOptions { max_context: 512, max_batch: 16 };
     let prompts: Vec<Vec<u32>> =
         [3, 140, 70, 66].iter().map(|&n| f.ids.iter().cycle().take(n).copied().collect()).collect();
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
@@ -215,6 +218,29 @@ fn batched_generation_over_caches_of_several_splits_equals_each_session_alone() 
         let next = s.generate_from_with(&held, held.len() - 1, &more, |_, _| Ok::<_, RunError>(true));
         assert_eq!(next.expect("continued"), went_on[i], "row {i} continued after the batch");
     }
+    batch.release_pools();
+    assert_eq!(batch.cached_bind_groups(), 0, "the released pools' bind groups went with them");
+    // Contexts ending 2 to 5 tokens past the prompts: without a token limit each row stops at
+    // its full context with 3 to 6 tokens, what a limit past every row's room gives.
+    let run = |max_tokens: usize, batch: &mut Batch| {
+        let mut sessions: Vec<Session> = sets
+            .iter()
+            .zip(&prompts)
+            .enumerate()
+            .map(|(i, (set, p))| {
+                let mut s =
+                    Session::new(f.model.clone(), SessionOptions { max_context: p.len() + 2 + i, max_batch: 16 })
+                        .expect("session");
+                s.set_adapters(set.to_vec()).expect("set");
+                s
+            })
+            .collect();
+        let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+        batch.generate(&mut rows, &refs, &[0; 4], &GenerateParams { max_tokens, ..params.clone() }).expect("batched")
+    };
+    let unlimited = run(usize::MAX, &mut batch);
+    assert_eq!(unlimited.iter().map(Vec::len).collect::<Vec<_>>(), [3, 4, 5, 6], "each row to its full context");
+    assert_eq!(unlimited, run(10, &mut batch), "no limit is a limit past every row's room");
 }
 
 /// A batch of one runs its session's own generation (single-token steps with the block norms
@@ -312,9 +338,10 @@ fn a_profiled_batch_times_every_dispatch_of_its_steps() {
 
 /// `Batch::generate` steps a GDN layer of all its rows in one `gdn_decode` dispatch (on the
 /// batch's pooled states) and attends an attention layer of all its rows in one `attend_rows`
-/// dispatch (on the batch's pooled caches), where `Batch::step` dispatches each once per session.
+/// dispatch and its merge (on the batch's pooled caches), where `Batch::step` dispatches each
+/// once per session.
 #[test]
-fn batched_generation_steps_each_mixer_layer_of_all_rows_in_one_dispatch() {
+fn batched_generation_steps_each_mixer_layer_of_all_rows_together() {
     let Some(model) = model_on_own_context() else { return };
     let count = |linear: bool| {
         let is = |t: &&qwen35_wgpu::model::LayerType| matches!(t, qwen35_wgpu::model::LayerType::Linear) == linear;

@@ -2,8 +2,10 @@
 // attention_one.wgsl, after attention_common.wgsl): the KV cache bindings, the query row in
 // workgroup memory and the online softmax over blocks of WG keys.
 //
-// kc/vc: [Hkv, S_max, hd] cache (keys normed + rotated); attention_one.wgsl writes the token's
-// key and value into them, attention.wgsl only reads them.
+// kc/vc: [Hkv, S_max, hd] cache (keys normed + rotated), or pooled caches of several sessions
+// [slots · Hkv, S_max, hd] (attend_rows: a row's KV heads from slot · Hkv, the kvh that
+// attend_cached takes); attention_one.wgsl writes the token's key and value into them,
+// attention.wgsl only reads them.
 
 @group(0) @binding(3) var<storage, read_write> kc: array<f32>;
 @group(0) @binding(4) var<storage, read_write> vc: array<f32>;

@@ -31,7 +31,7 @@
 @group(0) @binding(1) var<storage, read> qkv: array<f32>;
 @group(0) @binding(2) var<storage, read> rope: array<vec2<f32>>;
 @group(0) @binding(5) var<storage, read_write> out: array<f32>;
-@group(0) @binding(6) var<storage, read_write> part: array<f32>;  // [Hq, splits, 2 + hd]
+@group(0) @binding(6) var<storage, read_write> part: array<f32>;  // [rows, Hq, splits, 2 + hd]
 @group(1) @binding(0) var<storage, read> qk_norm: array<f32>;   // [q_norm (hd) | k_norm (hd)]
 @group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // attend_one_merge_lora: A
 

@@ -239,7 +239,7 @@ impl<'a> Recorder<'a> {
         groups: [u32; 3],
     ) -> Result<(), GpuError> {
         debug_assert_eq!(buffers.len(), key.kernel.io().len());
-        debug_assert!(std::mem::size_of::<P>() as u64 <= PARAMS_SLOT);
+        const { assert!(std::mem::size_of::<P>() as u64 <= PARAMS_SLOT, "a kernel's parameters exceed the arena's slot") };
         if groups.contains(&0) {
             return Ok(());
         }

@@ -6,7 +6,8 @@ use crate::gpu::{GpuVector, Recorder};
 use crate::kernels::gdn::HeadShrink;
 use crate::kernels::{Kernel, PipelineKey};
 
-/// Mirrors `Params` in `attention.wgsl`, `attention_prep.wgsl` and `attention_one.wgsl`.
+/// Mirrors `Params` in `attention_common.wgsl` (what `attention.wgsl`, `attention_prep.wgsl`
+/// and `attention_one.wgsl` read).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, bytemuck::Pod, bytemuck::Zeroable)]
 pub struct AttnParams {
@@ -36,9 +37,9 @@ pub struct AttnParams {
     /// `attend_one_merge_lora`: the total rank of o_proj's shrink (0 otherwise).
     pub lora_rank: u32,
     /// `attend_one`: first element of the q|gate rows in `qkv` (a batch's row of one session; 0
-    /// otherwise).
+    /// otherwise); `attend_rows`: row 0's.
     pub q_offset: u32,
-    /// `attend_one`: first element of the output row in `out`.
+    /// `attend_one`: first element of the output row in `out`; `attend_rows`: row 0's.
     pub out_offset: u32,
     /// `attend_one`: workgroups per query head over the cached keys ([`attention_one`] sets it).
     pub splits: u32,
@@ -133,17 +134,20 @@ pub fn attention(
 
 /// The buffers of one attention layer's single-token step.
 pub struct AttnOneIo<'a> {
-    /// The concatenated q|gate, k, v projection output (k and v from the params' offsets).
+    /// The concatenated q|gate, k, v projection output (k and v from the params' offsets), a
+    /// row per token of a batched step.
     pub qkv: &'a wgpu::Buffer,
-    /// Key cache `[Hkv, S, hd]`.
+    /// Key cache `[Hkv, S, hd]` (pooled: `[slots · Hkv, S, hd]`).
     pub k_cache: &'a wgpu::Buffer,
-    /// Value cache `[Hkv, S, hd]`.
+    /// Value cache, the keys' layout.
     pub v_cache: &'a wgpu::Buffer,
     /// RoPE table `[S, R/2]` of (cos, sin).
     pub rope: &'a wgpu::Buffer,
-    /// Gated output `[Hq·hd]` (then the shrink's parts, with `shrink`).
+    /// Gated output `[Hq·hd]` (then the shrink's parts, with `shrink`), a row per token of a
+    /// batched step.
     pub out: &'a wgpu::Buffer,
-    /// The splits' parts: at least `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats.
+    /// The splits' parts: at least `Hq × ATTN_MAX_SPLITS × (hd + 2)` floats (per row of a
+    /// batched step, up to [`ATTN_MAX_ROWS`]).
     pub part: &'a wgpu::Buffer,
 }
 
@@ -153,8 +157,8 @@ pub struct AttnOneIo<'a> {
 /// `params` holds row 0's offsets (q|gate, k, v and output), the strides to the next rows and
 /// the pooled caches' positions per KV head (`s_max`); `io.k_cache` and `io.v_cache` are
 /// `[slots · Hkv, s_max, hd]`, `io.part` holds `min(rows, ATTN_MAX_ROWS) · Hq ·
-/// ATTN_MAX_SPLITS · (hd + 2)` floats. A slot past 255 or a position past the caches is a
-/// `Validation` error.
+/// ATTN_MAX_SPLITS · (hd + 2)` floats. A slot past the caches or 255, a position past the
+/// caches or a parts buffer too small is a `Validation` error.
 pub fn attention_one_rows(
     rec: &mut Recorder,
     qk_norm: &GpuVector,
@@ -163,24 +167,26 @@ pub fn attention_one_rows(
     rows: &[(usize, usize)],
 ) -> Result<(), GpuError> {
     let bad = |message: String| GpuError::Validation { during: "recording AttendRows".into(), message };
-    if let Some(&(slot, pos)) = rows.iter().find(|&&(slot, pos)| slot > 255 || pos >= params.s_max as usize) {
+    let (hq, hd, s_max) = (u64::from(params.hq), u64::from(params.hd), u64::from(params.s_max));
+    // Slots whose caches the buffers hold: [slots · Hkv, s_max, hd] floats.
+    let slot_bytes = u64::from(params.hkv) * s_max * hd * 4;
+    let slots = io.k_cache.size().min(io.v_cache.size()) / slot_bytes.max(1);
+    let fits = |&(slot, pos): &(usize, usize)| slot <= 255 && (slot as u64) < slots && (pos as u64) < s_max;
+    if let Some(&(slot, pos)) = rows.iter().find(|r| !fits(r)) {
         return Err(bad(format!(
-            "row at slot {slot}, position {pos} (expected slots below 256, positions below {})",
-            params.s_max
+            "row at slot {slot}, position {pos} (expected slots below {}, positions below {s_max})",
+            slots.min(256)
         )));
     }
-    let (hq, hd) = (u64::from(params.hq), u64::from(params.hd));
+    // The parts of the largest chunk of the furthest row's splits, checked before recording.
+    let furthest = rows.iter().map(|&(_, pos)| pos as u32).max().unwrap_or(0);
+    let need = rows.len().min(ATTN_MAX_ROWS) as u64 * hq * u64::from(attention_splits(furthest).0) * (hd + 2) * 4;
+    if io.part.size() < need {
+        return Err(bad(format!("the parts buffer holds {} bytes, {} rows need {need}", io.part.size(), rows.len())));
+    }
     for (chunk, part) in rows.chunks(ATTN_MAX_ROWS).enumerate() {
         let furthest = part.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
         let (splits, split_keys) = attention_splits(furthest as u32);
-        let need = part.len() as u64 * hq * u64::from(splits) * (hd + 2) * 4;
-        if io.part.size() < need {
-            return Err(bad(format!(
-                "the parts buffer holds {} bytes, {} rows of {splits} splits need {need}",
-                io.part.size(),
-                part.len()
-            )));
-        }
         let first = (chunk * ATTN_MAX_ROWS) as u32;
         let mut p = AttnParams {
             splits,

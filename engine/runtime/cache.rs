@@ -129,6 +129,12 @@ pub fn gdn_state_bytes(c: &TextConfig) -> (u64, u64) {
     (conv, state)
 }
 
+/// Bytes of one attention layer's keys (or values) for `positions` tokens: `[Hkv, positions,
+/// hd]` f32.
+pub fn kv_cache_bytes(c: &TextConfig, positions: usize) -> u64 {
+    c.num_kv_heads as u64 * positions as u64 * c.head_dim as u64 * 4
+}
+
 /// Allocate every layer's state for a context of `positions` tokens.
 pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Result<Vec<LayerState>, GpuError> {
     c.layer_types
@@ -137,7 +143,7 @@ pub fn layer_states(ctx: &GpuContext, c: &TextConfig, positions: usize) -> Resul
         .map(|(i, ty)| {
             Ok(match ty {
                 LayerType::Full => {
-                    let bytes = c.num_kv_heads as u64 * positions as u64 * c.head_dim as u64 * 4;
+                    let bytes = kv_cache_bytes(c, positions);
                     LayerState::Attention {
                         k: ctx.storage_buffer(&format!("layers.{i}.k_cache"), bytes, true)?,
                         v: ctx.storage_buffer(&format!("layers.{i}.v_cache"), bytes, true)?,

@@ -4,7 +4,8 @@
 
 use std::collections::BTreeSet;
 
-use crate::error::RunError;
+use crate::error::{GpuError, RunError};
+use crate::gpu::IoBindCache;
 use crate::kernels::gdn::GDN_MAX_ROWS;
 use crate::kernels::misc::topk_max;
 use crate::runtime::forward::gdn_step_fits;
@@ -104,32 +105,32 @@ impl Batch {
         let slots = n.next_power_of_two().min(self.rows);
         let mut pooled = Pooled::default();
         if gdn_step_fits(c) && n <= GDN_MAX_ROWS {
-            if self.pool.as_ref().is_none_or(|p| p.slots < n) {
-                // The old pool goes first (with the cached bind groups, which hold its buffers),
-                // so only the larger one is held.
-                self.io.forget_groups();
-                self.pool = None;
-                self.pool = GdnPool::new(ctx, c, slots).ok();
-            }
+            regrow(&mut self.io, &mut self.pool, |p| p.slots < n, || GdnPool::new(ctx, c, slots));
             if let Some(pool) = &mut self.pool {
                 pool.copy(ctx, c, sessions, true);
                 pooled.gdn = true;
             }
         }
-        let reach = |s: &&mut Session| (s.pos + max_tokens).min(s.opts.max_context);
+        let reach = |s: &&mut Session| s.pos.saturating_add(max_tokens).min(s.opts.max_context);
         let needed = sessions.iter().map(reach).max().unwrap_or(0);
         let widest = sessions.iter().map(|s| s.opts.max_context).max().unwrap_or(0);
-        if self.kv_pool.as_ref().is_none_or(|p| p.slots < n || p.positions < needed) {
-            self.io.forget_groups();
-            self.kv_pool = None;
-            let positions = needed.next_power_of_two().min(widest).max(needed);
-            self.kv_pool = KvPool::new(ctx, c, slots, positions).ok();
-        }
+        let positions = needed.next_power_of_two().min(widest).max(needed);
+        let short = |p: &KvPool| p.pool.slots < n || p.positions < needed;
+        regrow(&mut self.io, &mut self.kv_pool, short, || KvPool::new(ctx, c, slots, positions));
         if let Some(pool) = &mut self.kv_pool {
             pool.copy(ctx, c, sessions, true);
             pooled.kv = true;
         }
         pooled
+    }
+
+    /// Drop the pools of GDN states and KV caches (and the bind groups holding them): the next
+    /// generation of several sessions allocates them again. They are kept between generations
+    /// otherwise, sized for the most sessions and the furthest position seen.
+    pub fn release_pools(&mut self) {
+        self.io.forget_groups();
+        self.pool = None;
+        self.kv_pool = None;
     }
 
     /// Copy the pooled GDN states and the positions the steps wrote back into the sessions.
@@ -316,5 +317,21 @@ impl Batch {
             commit_rows(sessions, &still);
             live = still;
         }
+    }
+}
+
+/// `held`, replaced by `make`'s where it is missing or `short`: the old one goes first, with the
+/// cached bind groups holding its buffers, so only the new one is held (`None` where it cannot
+/// be allocated).
+fn regrow<T>(
+    io: &mut IoBindCache,
+    held: &mut Option<T>,
+    short: impl Fn(&T) -> bool,
+    make: impl FnOnce() -> Result<T, GpuError>,
+) {
+    if held.as_ref().is_none_or(short) {
+        io.forget_groups();
+        *held = None;
+        *held = make().ok();
     }
 }

@@ -39,7 +39,7 @@ pub(super) fn gdn_rows(
     project_rows(rec, c, Parts { w: &w.in_proj, order: &GDN_IN, parts: 0..GDN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
     let params = gdn_params(c, 1);
     if let Some((pool, parity, slots)) = pooled.and_then(|p| p.gdn.map(|(pool, parity)| (pool, parity, p.slots))) {
-        let Some((conv, state)) = &pool.layers[layer] else {
+        let Some((conv, state)) = pool.layer(layer) else {
             return Err(mismatch(layer));
         };
         let params = params.with_slots(slots).ok_or_else(|| GpuError::Validation {
@@ -122,7 +122,7 @@ pub(super) fn attention_rows(
     project_rows(rec, c, Parts { w: &w.qkv, order: &ATTN_IN, parts: 0..ATTN_IN.len() }, &sc.mixer_in, n, (src, &s))?;
     if let Some((pool, slots)) = pooled.and_then(|p| p.kv.map(|kv| (kv, p.slots))) {
         let (Some((k_cache, v_cache)), Some(widest)) =
-            (pool.layer(layer), sessions.iter().max_by_key(|s| s.opts.max_context))
+            (pool.pool.layer(layer), sessions.iter().max_by_key(|s| s.opts.max_context))
         else {
             return Err(mismatch(layer));
         };

@@ -1,8 +1,9 @@
 //! Batched decode: one token of each of several sessions in one step, every session with its
 //! own adapter set. The projections run once for all rows (M = N: every weight is read once for
 //! the N tokens); the mixers' cores (GDN conv, delta rule and gated norm; attention over the KV
-//! cache) run for every row at its own position, in one dispatch on the states and caches a
-//! generation pools, else per session on its own. Each row's LoRA comes from one
+//! cache) run for every row at its own position, on the states and caches a generation pools
+//! (one dispatch per GDN layer, two per attention layer and 32 rows), else per session on its
+//! own. Each row's LoRA comes from one
 //! stack of every adapter any row applies, with a scale table of one row per session: a row's
 //! factors are 0 on the ranks of adapters its set does not hold (the BGMV idea: one shrink and
 //! one fused expand for all rows, each row its own adapters).
@@ -71,7 +72,7 @@ pub struct Batch {
     /// The GDN states of `generate`'s sessions side by side, allocated by the first generation
     /// of several sessions and grown for more (`GdnPool`, `Batch::pool_in`).
     pool: Option<GdnPool>,
-    /// Their KV caches side by side, the same way (`KvPool`).
+    /// Their KV caches side by side, the same way, also grown for further positions (`KvPool`).
     kv_pool: Option<KvPool>,
 }
 
