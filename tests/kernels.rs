@@ -1978,8 +1978,8 @@ fn single_token_attention_matches_reference_across_positions() {
 /// and output rows after leading elements), at its own position in its own slot of pooled
 /// caches (slots out of row order, some unused), from an empty cache to one of three splits:
 /// each row's output and the key and value it writes against the CPU reference run on that
-/// row alone; other rows' slots and positions stay as they were. Rows past the caches or slots
-/// past 255 are typed errors.
+/// row alone; other rows' slots and positions stay as they were. Rows past the caches (positions or
+/// slots) or slots past 255 are typed errors.
 #[test]
 fn batched_single_token_attention_matches_reference_per_row() {
     let Some(ctx) = ctx() else { return };
@@ -2069,7 +2069,7 @@ fn batched_single_token_attention_matches_reference_per_row() {
             assert!(got_k[span.clone()].iter().all(|&v| v == 0.5), "hd{hd}: slot {s} keys written");
             assert!(got_v[span].iter().all(|&v| v == 0.25), "hd{hd}: slot {s} values written");
         }
-        for bad in [vec![(0, s_max)], vec![(256, 0)]] {
+        for bad in [vec![(0, s_max)], vec![(256, 0)], vec![(slots, 0)]] {
             let mut cache = bind_cache(&ctx, 256 * 1024);
             let mut rec = Recorder::new(&ctx, &mut cache);
             let err = attention_one_rows(&mut rec, &qkn, &params, &io, &bad).expect_err("refused");
