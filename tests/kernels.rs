@@ -1791,6 +1791,21 @@ fn rope_for(
     (table, rope)
 }
 
+/// Attention parameters for heads (hq, hkv, hd, rot) over a cache of `s_max` positions (eps
+/// 1e-6, the hd^-0.5 score scale), the rest zero.
+fn attn_shape((hq, hkv, hd, rot): (usize, usize, usize, usize), s_max: usize) -> AttnParams {
+    AttnParams {
+        hq: hq as u32,
+        hkv: hkv as u32,
+        hd: hd as u32,
+        rot_half: (rot / 2) as u32,
+        s_max: s_max as u32,
+        eps: 1e-6,
+        scale: (hd as f32).powf(-0.5),
+        ..Default::default()
+    }
+}
+
 #[test]
 fn attention_matches_reference_across_steps() {
     let Some(ctx) = ctx() else { return };
@@ -1824,16 +1839,9 @@ fn attention_matches_reference_across_steps() {
             let params = AttnParams {
                 t: t as u32,
                 pos0: pos0 as u32,
-                hq: hq as u32,
-                hkv: hkv as u32,
-                hd: hd as u32,
-                rot_half: (rot / 2) as u32,
-                s_max: s_max as u32,
-                eps: 1e-6,
-                scale: (hd as f32).powf(-0.5),
                 k_offset: k_offset as u32,
                 v_offset: v_offset as u32,
-                ..Default::default()
+                ..attn_shape((hq, hkv, hd, rot), s_max)
             };
             let io =
                 AttnIo { qg: &qgb, kraw: &kb, vraw: &vb, q: &qb, k_cache: &kc, v_cache: &vc, rope: &rope, out: &out };
@@ -1900,18 +1908,7 @@ fn single_token_attention_matches_reference_across_positions() {
             let a = rand(rank * attn, seed + 3, 1.0);
             let ab = upload(&ctx, if rank == 0 { &[0.0; 4] } else { &a });
             let abg = ctx.weights_bind_group(&ab, "a");
-            let mut params = AttnParams {
-                t: t as u32,
-                pos0: pos0 as u32,
-                hq: hq as u32,
-                hkv: hkv as u32,
-                hd: hd as u32,
-                rot_half: (rot / 2) as u32,
-                s_max: s_max as u32,
-                eps: 1e-6,
-                scale: (hd as f32).powf(-0.5),
-                ..Default::default()
-            };
+            let mut params = AttnParams { t: t as u32, pos0: pos0 as u32, ..attn_shape((hq, hkv, hd, rot), s_max) };
             // A single token's rows after others on some steps (a batch's session row: q_offset,
             // out_offset; the multi-token kernels take none).
             let (lead_in, lead_out) = if t == 1 { [(0, 0), (11, 5), (qg.len() * 3, attn)][step % 3] } else { (0, 0) };
@@ -2024,20 +2021,13 @@ fn batched_single_token_attention_matches_reference_per_row() {
         let part = upload(&ctx, &vec![0.0; ATTN_MAX_ROWS * hq * ATTN_MAX_SPLITS as usize * (hd + 2)]);
         let params = AttnParams {
             t: 1,
-            hq: hq as u32,
-            hkv: hkv as u32,
-            hd: hd as u32,
-            rot_half: (rot / 2) as u32,
-            s_max: s_max as u32,
-            eps: 1e-6,
-            scale: (hd as f32).powf(-0.5),
             q_offset: lead_in as u32,
             k_offset: (lead_in + q_out) as u32,
             v_offset: (lead_in + q_out + kv) as u32,
             out_offset: lead_out as u32,
             row_stride: width as u32,
             out_stride: out_stride as u32,
-            ..Default::default()
+            ..attn_shape((hq, hkv, hd, rot), s_max)
         };
         let io = AttnOneIo { qkv: &qkvb, k_cache: &kcb, v_cache: &vcb, rope: &rope, out: &out, part: &part };
         let placed: Vec<(usize, usize)> = (0..rows).map(|r| (slot_of(r), pos_of(r))).collect();
