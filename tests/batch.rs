@@ -481,6 +481,29 @@ fn batches_with_and_without_adapters_in_turn_build_nothing_new() {
     assert!(kept[2..].iter().all(|&k| k == kept[1]), "bind groups kept after each round: {kept:?}");
 }
 
+/// 33 sessions generate together (the pools' 64 slots; two `attend_rows` pairs per attention
+/// layer, the second for row 32) what each generates alone, whatever its adapter set and
+/// position.
+#[test]
+fn a_generation_of_more_rows_than_one_attention_dispatch_takes_equals_each_alone() {
+    let Some(f) = fixture() else { return };
+    let sets = sets(&f);
+    let n = qwen35_wgpu::kernels::attention::ATTN_MAX_ROWS + 1;
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    let row_sets: Vec<Vec<ActiveAdapter>> = sets.iter().cycle().take(n).cloned().collect();
+    let prompts: Vec<Vec<u32>> =
+        (0..n).map(|i| f.ids.iter().cycle().skip(i).take(2 + i % 7).copied().collect()).collect();
+    let want = alone(&f, &row_sets, &prompts, &params);
+    let mut sessions: Vec<Session> = row_sets.iter().map(|set| session(&f, set)).collect();
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
+    let mut batch = Batch::new(f.model.clone(), n).expect("batch");
+    let got = batch.generate(&mut rows, &refs, &vec![0; n], &params).expect("batched");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "row {i}");
+    }
+}
+
 #[test]
 fn bad_batches_are_typed_errors_and_change_nothing() {
     let Some(f) = fixture() else { return };
