@@ -3,10 +3,10 @@
 //! the N tokens); the mixers' cores (GDN conv, delta rule and gated norm; attention over the KV
 //! cache) run for every row at its own position, on the states and caches a generation pools
 //! (one dispatch per GDN layer, two per attention layer and 32 rows), else per session on its
-//! own. Each row's LoRA comes from one
-//! stack of every adapter any row applies, with a scale table of one row per session: a row's
-//! factors are 0 on the ranks of adapters its set does not hold (the BGMV idea: one shrink and
-//! one fused expand for all rows, each row its own adapters).
+//! own. Each row's LoRA comes from one stack of every adapter any row applies, with a scale
+//! table of one row per session: a row's factors are 0 on the ranks of adapters its set does
+//! not hold (the BGMV idea: one shrink and one fused expand for all rows, each row its own
+//! adapters).
 //!
 //! This file holds the batch and its step; `generate.rs` the batched generation, `layers.rs` a
 //! step's layers for every row, `pool.rs` the GDN states and KV caches pooled across a
