@@ -662,8 +662,9 @@ fn main() -> Result<()> {
 /// prefilled untimed but its last token, then `args.decode` batched greedy steps, at most 16,
 /// through `Batch::generate`: choices on the GPU, `--run-ahead` as for one session; at most 3
 /// timed repeats), every session with its own set: session k applies `adapters[0]`,
-/// `adapters[1]` or none, by k mod 3. With `--profile`, one more generation per session count
-/// timed per kernel family (per step: a step is one token of every session).
+/// `adapters[1]` or none, by k mod 3; the last repeat's dispatches and submits per step as the
+/// engine counted them (its pool copies included). With `--profile`, one more generation per
+/// session count timed per kernel family (per step: a step is one token of every session).
 fn batched(
     model: &Arc<Model>,
     adapters: [&Arc<LoraAdapter>; 2],
@@ -689,19 +690,29 @@ fn batched(
         let fed = vec![prompt.len() - 1; n];
         let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
         let mut tps = Series::default();
+        let mut work = Default::default();
         for rep in 0..=args.repeats.min(3) {
             let mut refs = restart(&mut sessions, prompt)?;
-            let t = Instant::now();
+            let (t, before) = (Instant::now(), model.ctx.counters());
             let out = batch.generate(&mut refs, &prompts, &fed, &params)?;
             let rate = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
+            work = model.ctx.counters() - before;
             eprintln!("batched {n} rep {rep}: {rate:.2} tok/s in all");
             if rep > 0 {
                 tps.0.push(rate);
             }
         }
         let run_ahead = batch.run_ahead();
-        let mut row =
-            serde_json::json!({ "sessions": n, "steps": steps, "run_ahead": run_ahead, "decode_tok_s": tps.json() });
+        // Counted by the engine over the last generation (its pool copies included).
+        let per_step = |count: u64| count as f64 / steps.max(1) as f64;
+        let mut row = serde_json::json!({
+            "sessions": n,
+            "steps": steps,
+            "run_ahead": run_ahead,
+            "decode_tok_s": tps.json(),
+            "dispatches_per_step": per_step(work.dispatches),
+            "submits_per_step": per_step(work.submits),
+        });
         if args.profile && batch.start_profile() {
             let mut refs = restart(&mut sessions, prompt)?;
             batch.generate(&mut refs, &prompts, &fed, &params)?;
