@@ -407,6 +407,42 @@ fn a_batched_step_projects_each_layers_inputs_in_one_dispatch() {
     assert_eq!(count("rms_norm") + count("rms_norm_shrink"), 0, "norm dispatches per step: {families:?}");
 }
 
+/// A batched generation's pooled steps shrink each mixer layer's output (o_proj's / out_proj's
+/// LoRA input) in the mixer's own dispatch, every row's parts split by head and summed by the
+/// projection: the shrinks left are each layer's mixer input, MLP input and down_proj input.
+#[test]
+fn a_batched_generation_shrinks_each_mixer_output_in_the_mixer_dispatch() {
+    let Some(_) = gpu() else { return };
+    // A context of its own: the profile counts only this test's work.
+    let f = fixture_with_eos(Arc::new(qwen35_wgpu::GpuContext::new().expect("context")), None);
+    let c = &f.model.config;
+    let gdn_layers = c.layer_types.iter().filter(|t| matches!(t, qwen35_wgpu::model::LayerType::Linear)).count();
+    let attn_layers = c.layer_types.len() - gdn_layers;
+    let mut sessions: Vec<Session> = sets(&f).iter().map(|set| session(&f, set)).collect();
+    let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+    if !batch.start_profile() {
+        return;
+    }
+    let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
+    let prompts: Vec<&[u32]> = (0..4).map(|i| &f.ids[i..i + 1]).collect();
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    batch.generate(&mut rows, &prompts, &[0; 4], &params).expect("generate");
+    let profile = batch.take_profile().expect("profiled");
+    let mut pooled = 0;
+    for submit in &profile.submits {
+        let count = |family: &str| submit.iter().filter(|t| t.family == family).count();
+        if count("gdn_decode_lora") == 0 {
+            continue;
+        }
+        pooled += 1;
+        let got = (count("gdn_decode_lora"), count("gdn_decode"), count("attend_rows_merge_lora"));
+        assert_eq!(got, (gdn_layers, 0, attn_layers), "the mixers write the shrink parts");
+        assert_eq!(count("attend_rows_merge"), 0, "every attention layer's merge writes them");
+        assert_eq!(count("lora_shrink"), 3 * c.layer_types.len(), "shrinks per pooled step");
+    }
+    assert_eq!(pooled, 3, "each pooled step of the generation");
+}
+
 #[test]
 fn sampled_batched_generation_draws_what_each_session_draws_alone() {
     let Some(f) = fixture() else { return };

@@ -22,7 +22,8 @@ use qwen35_wgpu::kernels::learn::{matmul_dx, matmul_dx_scratch, DxIo, DxWeight};
 use qwen35_wgpu::kernels::matmul::{
     batch_tokens, linear, linear_rows, matmul_overrides, matmul_split, matmul_split_floats, matmul_tile, matvec_lanes,
     shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand, LoraSegment, NormOut, ScaleTableAt, ShrinkOut,
-    SplitShrink, WeightRows, MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES, SPLIT_MIN_SPAN,
+    SplitShrink, WeightRows, BATCH_SPLIT_SHRINK_FLOATS, MATMUL_TILES, MATVEC_BATCH_TOKENS, MATVEC_LANES,
+    SPLIT_MIN_SPAN,
 };
 use qwen35_wgpu::kernels::misc::{
     argmax, argmax_rows, argmax_scratch_bytes, embed, swiglu, topk, topk_blocks, topk_mass_offset, topk_max,
@@ -802,9 +803,9 @@ fn a_split_shrink_outside_what_the_matvec_takes_is_a_typed_error() {
     let (xb, yb, tb, bb) =
         (upload(&ctx, &[0.5; 64]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 8]), upload(&ctx, &[0.0; 32]));
     let bg = ctx.weights_bind_group(&bb, "b");
-    // (tokens, rank, parts, first element): two tokens, a rank above the matvec's, unaligned
-    // parts, no parts, parts past the end of x (64 floats).
-    for (m, rank, count, at) in [(2, 4, 2, 8), (1, 260, 2, 8), (1, 4, 2, 9), (1, 4, 0, 8), (1, 4, 20, 8)] {
+    // (tokens, rank, parts, first element): 9 tokens (the tiled matmul), a rank above the
+    // matvec's, unaligned parts, no parts, parts past the end of x (64 floats).
+    for (m, rank, count, at) in [(9, 4, 2, 8), (1, 260, 2, 8), (1, 4, 2, 9), (1, 4, 0, 8), (1, 4, 20, 8)] {
         let parts = Some(SplitShrink { count, at });
         let lora = LoraExpand { parts, ..LoraExpand::single(&tb, (0, rank), (4, 0), 1.0, &bg) };
         let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
@@ -1077,8 +1078,26 @@ fn batched_matvec_takes_several_lora_segments() {
             let (b, b_offs) = segment_b(&segs, seed + 3);
             let x = rand(4 + m * k, seed + 4, 1.0);
             let norm_w = rand(k, seed + 5, 0.5);
+            // Without the norm, t as a split shrink: each token's columns as three parts after x
+            // in x's buffer (token i's after token i - 1's), summing to its row of t, instead of
+            // in t's buffer (which keeps the table).
+            let mut xs = x.clone();
+            let parts = (!norm).then(|| {
+                let (at, pad) = ((4 + m * k).next_multiple_of(4), stride.next_multiple_of(4));
+                xs.resize(at + 3 * m * pad, 0.0);
+                for i in 0..m {
+                    let (p0, p1) = (rand(stride, seed + 6 + i as u64, 1.0), rand(stride, seed + 16 + i as u64, 1.0));
+                    let first = at + 3 * i * pad;
+                    for c in 0..stride {
+                        xs[first + c] = p0[c];
+                        xs[first + pad + c] = p1[c];
+                        xs[first + 2 * pad + c] = t[i * stride + c] - p0[c] - p1[c];
+                    }
+                }
+                SplitShrink { count: 3, at }
+            });
             let (xb, yb, tb, bb) =
-                (upload(&ctx, &x), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t), upload(&ctx, &b));
+                (upload(&ctx, &xs), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t), upload(&ctx, &b));
             let (bg, nb) = (ctx.weights_bind_group(&bb, "b"), upload(&ctx, &norm_w));
             let fuse =
                 Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None }), ..Fuse::NONE };
@@ -1098,13 +1117,15 @@ fn batched_matvec_takes_several_lora_segments() {
             let lora = LoraExpand {
                 segments,
                 table: table.then_some(at),
+                parts,
                 ..LoraExpand::single(&tb, (0, stride), (0, 0), 1.0, &bg)
             };
             let io = LinearIo { x: &xb, x_offset: 4, m, y: &yb, y_offset: 1, y_stride: n, accumulate: false };
             let view = || WeightRows { w: &gw, rows: view0..view0 + n };
             let what = format!(
-                "batched matvec m{m} n{n} k{k} {dtype:?} segments {segs:?} chunks {} table {table} norm {norm}",
-                gw.chunks.len()
+                "batched matvec m{m} n{n} k{k} {dtype:?} segments {segs:?} chunks {} table {table} norm {norm} split {}",
+                gw.chunks.len(),
+                parts.is_some()
             );
             if norm {
                 run(&ctx, |rec| linear_rows(rec, view(), &io, None, fuse));
@@ -1140,6 +1161,23 @@ fn batched_matvec_takes_several_lora_segments() {
                 assert!(err.to_string().contains("one LoRA segment"), "{err}");
                 let err = linear_rows(&mut rec, view(), &io, None, fuse).expect_err("9 tokens, a fused norm");
                 assert!(err.to_string().contains("a fused norm needs one token or the batched matvec"), "{err}");
+            }
+            if let Some(p) = parts {
+                // A split shrink the batched matvec does not take: with a fused norm, or more
+                // tokens times rank than it stages; parts past x (9 tokens: the matvec's test).
+                let mut cache = bind_cache(&ctx, 1 << 16);
+                let mut rec = Recorder::new(&ctx, &mut cache);
+                let normed = Fuse { norm: Some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None }), ..Fuse::NONE };
+                let wide = LoraExpand { t_stride: BATCH_SPLIT_SHRINK_FLOATS / m + 1, ..lora.clone() };
+                let past = LoraExpand { parts: Some(SplitShrink { count: 4, ..p }), ..lora.clone() };
+                for (case, l, io, fuse) in [
+                    ("a fused norm", &lora, &io, normed),
+                    ("rank past TSUM", &wide, &io, Fuse::NONE),
+                    ("parts past x", &past, &io, Fuse::NONE),
+                ] {
+                    let err = linear_rows(&mut rec, view(), io, Some(l), fuse).expect_err(case);
+                    assert!(err.to_string().contains("split shrink"), "{what}: {case}: {err}");
+                }
             }
         }
     }
@@ -1689,7 +1727,7 @@ fn fused_gdn_token_step_matches_reference_across_steps() {
                 let got = &all[lead_out..];
                 assert_close(&what, &got[..vd], &want, KERNEL_ATOL, KERNEL_RTOL);
                 if rank > 0 {
-                    check_head_parts(&what, got, &a, &want, rank, d.hv);
+                    check_head_parts(&what, &got[vd..], &a, &want, rank, d.hv);
                 }
                 let st = read(&ctx, &state[to], cpu_state.len());
                 assert_close(&format!("{what} state"), &st, &cpu_state, KERNEL_ATOL, KERNEL_RTOL);
@@ -1729,11 +1767,19 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
         let state = [upload(&ctx, &cpu_state.concat()), upload(&ctx, &vec![9.0; pool_slots * state_len])];
         for step in 0..2 {
             let rows: Vec<Vec<f32>> = (0..slots.len()).map(|r| rand(width, 90 + 10 * step + r as u64, 2.0)).collect();
-            let (mb, core) = (upload(&ctx, &rows.concat()), upload(&ctx, &vec![7.0; slots.len() * vd]));
+            // out_proj's shrink split by head on the second step (aligned value head dims): each
+            // row's parts after all the rows' outputs.
+            let rank = [0, 5][step as usize] * usize::from(d.dv % 4 == 0);
+            let a = rand(rank * vd, 95 + step, 1.0);
+            let ab = upload(&ctx, if rank == 0 { &[0.0; 4] } else { &a });
+            let abg = ctx.weights_bind_group(&ab, "a");
+            let parts_len = slots.len() * d.hv * rank.next_multiple_of(4);
+            let (mb, core) = (upload(&ctx, &rows.concat()), upload(&ctx, &vec![7.0; slots.len() * vd + parts_len]));
             let params = gdn_test_params(1, c, k, d, 1e-6).with_slots(&slots).expect("slots");
             let (io, to) = (step_io(&mb, &conv, &state, &core, step as usize), 1 - step as usize % 2);
-            run(&ctx, |rec| gdn_step_rows(rec, &pv, &params, &io, slots.len()));
-            let got_core = read(&ctx, &core, slots.len() * vd);
+            let shrink = (rank > 0).then_some(HeadShrink { a: &abg, rank });
+            run(&ctx, |rec| gdn_step_rows(rec, &pv, &params, &io, (slots.len(), shrink)));
+            let got_core = read(&ctx, &core, slots.len() * vd + parts_len);
             let got_state = read(&ctx, &state[to], pool_slots * state_len);
             let got_conv = read(&ctx, &conv[to], pool_slots * conv_len);
             for (r, &slot) in slots.iter().enumerate() {
@@ -1745,6 +1791,10 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
                 let want = cpu::rms_norm_gated(&o, &zba[..vd], &norm_w, d.dv, 1e-6);
                 let what = format!("pooled gdn {d:?} step {step} row {r} slot {slot}");
                 assert_close(&what, &got_core[r * vd..(r + 1) * vd], &want, KERNEL_ATOL, KERNEL_RTOL);
+                if rank > 0 {
+                    let parts = &got_core[slots.len() * vd + r * d.hv * rank.next_multiple_of(4)..];
+                    check_head_parts(&format!("{what} shrink"), parts, &a, &want, rank, d.hv);
+                }
                 let st = &got_state[slot * state_len..(slot + 1) * state_len];
                 assert_close(&format!("{what} state"), st, &cpu_state[slot], KERNEL_ATOL, KERNEL_RTOL);
                 let cs = &got_conv[slot * conv_len..(slot + 1) * conv_len];
@@ -1764,7 +1814,11 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
     let mut cache = IoBindCache::new(upload(&ctx, &[0.0; 64]));
     let mut rec = Recorder::new(&ctx, &mut cache);
     let params = GdnParams { t: 1, c: 8, k: 2, hk: 1, hv: 1, dk: 4, dv: 4, ..Default::default() };
-    let err = gdn_step_rows(&mut rec, &pv, &params, &io, GDN_MAX_ROWS + 1);
+    let err = gdn_step_rows(&mut rec, &pv, &params, &io, (GDN_MAX_ROWS + 1, None));
+    assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    // Three rows of 4 outputs and one head each fill the 64 floats; their shrink parts do not fit.
+    let abg = ctx.weights_bind_group(&buf, "a");
+    let err = gdn_step_rows(&mut rec, &pv, &params, &io, (3, Some(HeadShrink { a: &abg, rank: 20 })));
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
     assert!(params.with_slots(&[0; GDN_MAX_ROWS + 1]).is_none(), "65 rows do not fit the slot table");
     assert!(params.with_slots(&[256]).is_none(), "a slot is one byte");
@@ -1855,14 +1909,15 @@ fn attention_matches_reference_across_steps() {
     }
 }
 
-/// The split shrink a decode kernel wrote after its output row: `heads` parts of the rank rounded
-/// up to 4 (padding zero), summing to `A · out` (A `[rank, heads·dh]`).
-fn check_head_parts(what: &str, got: &[f32], a: &[f32], out: &[f32], rank: usize, heads: usize) {
+/// The split shrink a decode kernel wrote for an output row `out`, its parts from `parts[0]`:
+/// `heads` parts of the rank rounded up to 4 (padding zero), summing to `A · out` (A `[rank,
+/// heads·dh]`).
+fn check_head_parts(what: &str, parts: &[f32], a: &[f32], out: &[f32], rank: usize, heads: usize) {
     let (k, pad) = (out.len(), rank.next_multiple_of(4));
     let dh = k / heads;
     let mut sum = vec![0.0; rank];
     for h in 0..heads {
-        let part = &got[k + h * pad..k + (h + 1) * pad];
+        let part = &parts[h * pad..(h + 1) * pad];
         assert!(part[rank..].iter().all(|&v| v == 0.0), "{what}: padding of part {h}");
         // Each part on its own: the head's columns of A times the head's output.
         let want: Vec<f32> =
@@ -1949,7 +2004,7 @@ fn single_token_attention_matches_reference_across_positions() {
             let got = &all[lead_out..];
             assert_close(&what, &got[..t * attn], &want, KERNEL_ATOL, KERNEL_RTOL);
             if rank > 0 {
-                check_head_parts(&what, got, &a, &want, rank, hq);
+                check_head_parts(&what, &got[attn..], &a, &want, rank, hq);
             }
             pos0 += t;
         }
@@ -2017,7 +2072,6 @@ fn batched_single_token_attention_matches_reference_per_row() {
             want_cache.push((ck, cv));
         }
         let (kcb, vcb, qkvb) = (upload(&ctx, &kc), upload(&ctx, &vc), upload(&ctx, &qkv));
-        let out = upload(&ctx, &vec![7.0; lead_out + rows * out_stride]);
         let part = upload(&ctx, &vec![0.0; ATTN_MAX_ROWS * hq * ATTN_MAX_SPLITS as usize * (hd + 2)]);
         let params = AttnParams {
             t: 1,
@@ -2029,18 +2083,36 @@ fn batched_single_token_attention_matches_reference_per_row() {
             out_stride: out_stride as u32,
             ..attn_shape((hq, hkv, hd, rot), s_max)
         };
-        let io = AttnOneIo { qkv: &qkvb, k_cache: &kcb, v_cache: &vcb, rope: &rope, out: &out, part: &part };
         let placed: Vec<(usize, usize)> = (0..rows).map(|r| (slot_of(r), pos_of(r))).collect();
-        run(&ctx, |rec| attention_one_rows(rec, &qkn, &params, &io, &placed));
-        let got = read(&ctx, &out, lead_out + rows * out_stride);
-        assert!(got[..lead_out].iter().all(|&v| v == 7.0), "hd{hd}: wrote before the first row");
+        // Without and with o_proj's shrink split by head (rank 5): each row's parts after all the
+        // rows' outputs, from the element after the last rounded up to 4. The second run writes
+        // the same keys and values as the first.
+        let rows_end = lead_out + rows * out_stride;
+        let (a, rank) = (rand(5 * attn, 7, 1.0), 5usize);
+        let (ab, pad) = (upload(&ctx, &a), rank.next_multiple_of(4));
+        let abg = ctx.weights_bind_group(&ab, "a");
+        let parts_at = rows_end.next_multiple_of(4);
+        let out = upload(&ctx, &vec![7.0; parts_at + rows * hq * pad]);
+        let io = AttnOneIo { qkv: &qkvb, k_cache: &kcb, v_cache: &vcb, rope: &rope, out: &out, part: &part };
+        for shrink in [None, Some(HeadShrink { a: &abg, rank })] {
+            run(&ctx, |rec| attention_one_rows(rec, &qkn, &params, &io, (&placed, shrink)));
+            let got = read(&ctx, &out, parts_at + rows * hq * pad);
+            assert!(got[..lead_out].iter().all(|&v| v == 7.0), "hd{hd}: wrote before the first row");
+            for r in 0..rows {
+                let what = format!("hq{hq} hd{hd} row {r} with shrink {}", shrink.is_some());
+                let row = &got[lead_out + r * out_stride..lead_out + (r + 1) * out_stride];
+                assert_close(&what, &row[..attn], &want[r], KERNEL_ATOL, KERNEL_RTOL);
+                assert!(row[attn..].iter().all(|&v| v == 7.0), "{what}: wrote past its output row");
+                let parts = &got[parts_at + r * hq * pad..];
+                match shrink {
+                    Some(_) => check_head_parts(&format!("{what} shrink"), parts, &a, &want[r], rank, hq),
+                    None => assert!(parts[..hq * pad].iter().all(|&v| v == 7.0), "{what}: wrote shrink parts"),
+                }
+            }
+        }
         let (got_k, got_v) = (read(&ctx, &kcb, kc.len()), read(&ctx, &vcb, vc.len()));
-        for r in 0..rows {
+        for (r, (ck, cv)) in want_cache.iter().enumerate() {
             let what = format!("hq{hq} hkv{hkv} hd{hd} row {r} at slot {}, position {}", slot_of(r), pos_of(r));
-            let row = &got[lead_out + r * out_stride..lead_out + (r + 1) * out_stride];
-            assert_close(&what, &row[..attn], &want[r], KERNEL_ATOL, KERNEL_RTOL);
-            assert!(row[attn..].iter().all(|&v| v == 7.0), "{what}: wrote past its output row");
-            let (ck, cv) = &want_cache[r];
             let pos = pos_of(r);
             for h in 0..hkv {
                 let base = (slot_of(r) * hkv + h) * s_max * hd;
@@ -2062,9 +2134,15 @@ fn batched_single_token_attention_matches_reference_per_row() {
         for bad in [vec![(0, s_max)], vec![(256, 0)], vec![(slots, 0)]] {
             let mut cache = bind_cache(&ctx, 256 * 1024);
             let mut rec = Recorder::new(&ctx, &mut cache);
-            let err = attention_one_rows(&mut rec, &qkn, &params, &io, &bad).expect_err("refused");
+            let err = attention_one_rows(&mut rec, &qkn, &params, &io, (&bad, None)).expect_err("refused");
             assert!(matches!(err, GpuError::Validation { .. }), "{bad:?}: {err}");
         }
+        // A shrink whose parts run past the output.
+        let mut cache = bind_cache(&ctx, 256 * 1024);
+        let mut rec = Recorder::new(&ctx, &mut cache);
+        let wide = Some(HeadShrink { a: &abg, rank: rank + 4 });
+        let err = attention_one_rows(&mut rec, &qkn, &params, &io, (&placed, wide)).expect_err("refused");
+        assert!(matches!(err, GpuError::Validation { .. }), "shrink past the output: {err}");
     }
 }
 

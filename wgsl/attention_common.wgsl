@@ -21,7 +21,7 @@ struct Params {
     split_keys: u32, // attend_one: cached keys per split (a multiple of WG)
     row_stride: u32, // attend_rows: elements from one row's q|gate|k|v to the next's in qkv
     out_stride: u32, // attend_rows: elements from one row's output to the next's in out
-    _pad0: u32,
+    lora_at: u32,    // attend_rows_merge_lora: the first element of row 0's shrink parts in out
     _pad1: u32,
     slots: array<vec4<u32>, 2>,    // attend_rows: row r's cache slot, byte r % 4 of word r / 4
     positions: array<vec4<u32>, 8>, // attend_rows: row r's position, word r

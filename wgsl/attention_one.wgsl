@@ -19,7 +19,8 @@
 // head: after the output row out[0 .. Hq*hd], part h (of rank_pad = rank rounded up to 4 floats,
 // the padding zero) = A[:, h*hd .. (h+1)*hd] . out[h*hd .. (h+1)*hd], where A is the group's
 // [rank, Hq*hd] shrink matrix; matvec.wgsl sums the Hq parts in o_proj's prologue (no shrink
-// dispatch).
+// dispatch). attend_rows_merge_lora does the same for each row of a batched step, row r's Hq
+// parts from lora_at + r Hq rank_pad (after all the rows' outputs; matvec_batch.wgsl sums them).
 //
 // attend_rows / attend_rows_merge: the same for the rows of a batched step, each row one
 // session's token (grid z = row r): its q|gate|k|v at r · row_stride from the offsets and its
@@ -217,15 +218,12 @@ fn attend_rows_merge(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invoca
     merge_head(batch_row(wg.z), wg.x, li);
 }
 
-@compute @workgroup_size(64)
-fn attend_one_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
-    let h = wg.x;
-    merge_head(one_row(), h, li);
-    workgroupBarrier();
+// Query head h's part of o_proj's LoRA shrink from its output row (left in vs by merge_head;
+// after a barrier) at out[at ..]: the rank rounded up to 4 floats, the padding zero.
+fn write_shrink(h: u32, at: u32, li: u32) {
     let hd = p.hd;
     let k4 = p.hq * hd / 4u;
     let rank_pad = (p.lora_rank + 3u) & ~3u;
-    let at = p.out_offset + p.hq * hd + h * rank_pad;
     for (var r = li; r < rank_pad; r += WG) {
         var sum = 0.0;
         if (r < p.lora_rank) {
@@ -235,6 +233,20 @@ fn attend_one_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_in
                 sum += dot(lora_a[a0 + q], vec4<f32>(vs[d], vs[d + 1u], vs[d + 2u], vs[d + 3u]));
             }
         }
-        out[at + r] = sum;
+        out[at + h * rank_pad + r] = sum;
     }
+}
+
+@compute @workgroup_size(64)
+fn attend_one_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    merge_head(one_row(), wg.x, li);
+    workgroupBarrier();
+    write_shrink(wg.x, p.out_offset + p.hq * p.hd, li);
+}
+
+@compute @workgroup_size(64)
+fn attend_rows_merge_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+    merge_head(batch_row(wg.z), wg.x, li);
+    workgroupBarrier();
+    write_shrink(wg.x, p.lora_at + wg.z * p.hq * ((p.lora_rank + 3u) & ~3u), li);
 }

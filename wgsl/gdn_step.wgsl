@@ -16,16 +16,17 @@
 // With a grid of R rows (workgroup_id.y = row r, a batched generation's pooled states), row r
 // reads mixed from mixed_at + r (C + Vd + 2 Hv), writes core from core_at + r Vd, and steps the
 // states of slot slots[r] (one byte each): conv history slot * C (K-1), recurrent state
-// slot * Hv Dk Dv. A grid of one row with slot 0 is the single-session step (gdn_decode_lora
-// takes one row: its shrink parts follow that row).
+// slot * Hv Dk Dv. A grid of one row with slot 0 is the single-session step.
 // prm:        [C*K conv taps | A_log (Hv) | dt_bias (Hv) | norm weight (Dv)]
 // A value head reads key head h / (Hv / Hk); the first value head of each key head writes that
 // key head's q/k conv history (the others read the same inputs and compute the same values).
 //
 // gdn_decode_lora also writes the LoRA shrink of out_proj's input, split by value head: after the
-// output row core[0 .. Vd], part h (of rank_pad = rank rounded up to 4 floats, the padding zero)
-// = A[:, h*Dv .. (h+1)*Dv] . core[h*Dv .. (h+1)*Dv], where A is the group's [rank, Vd] shrink
-// matrix; matvec.wgsl sums the Hv parts in out_proj's prologue (no shrink dispatch).
+// grid's R output rows (from core_at + R Vd), row r's part h (of rank_pad = rank rounded up to 4
+// floats, the padding zero; part r Hv + h) = A[:, h*Dv .. (h+1)*Dv] . core[h*Dv .. (h+1)*Dv] of
+// the row's output, where A is the group's [rank, Vd] shrink matrix; out_proj's matvec sums each
+// row's Hv parts in its prologue (matvec.wgsl for one row, matvec_batch.wgsl for 2 to 8: no
+// shrink dispatch).
 
 struct Params {       // one GdnParams on the host; gdn_conv.wgsl's and gdn_rule.wgsl's are its first fields
     t: u32,           // 1 here
@@ -212,14 +213,18 @@ fn gdn_decode(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
 }
 
 @compute @workgroup_size(128)
-fn gdn_decode_lora(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
+fn gdn_decode_lora(
+    @builtin(workgroup_id) wg: vec3<u32>,
+    @builtin(num_workgroups) nwg: vec3<u32>,
+    @builtin(local_invocation_index) li: u32,
+) {
     let h = wg.x;
     rows(wg.y);
     head_step(h, li, true);
     workgroupBarrier();
     let vd = p.hv * p.dv;
     let rank_pad = (p.lora_rank + 3u) & ~3u;
-    let at = core_at + vd + h * rank_pad;
+    let at = p.core_at + nwg.y * vd + (wg.y * p.hv + h) * rank_pad;
     for (var r = li; r < rank_pad; r += WG) {
         var sum = 0.0;
         if (r < p.lora_rank) {

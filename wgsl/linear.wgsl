@@ -21,12 +21,13 @@
 //    adapter set stacks several adapters' ranks in one segment, each with its own scale), per row
 //    of t when lora_sc_stride > 0. The single-token matvec multiplies them in once per workgroup
 //    while staging t of at most 256 columns (t_staged), not once per output row.
-// Split shrink (matvec only): when lora_parts > 0, t is not read from its buffer but summed from
+// Split shrink (the matvecs): when lora_parts > 0, t is not read from its buffer but summed from
 //    lora_parts parts in x, part q's column c at x element lora_parts_at + q * (lora_t_stride
 //    rounded up to 4) + c (the token mixers' decode kernels write them per head after their
 //    output row, a shrink out per workgroup); the kernel sums them into workgroup memory in its
 //    prologue. With NORM the parts are of x * (1 + aux) before the norm's scale (a residual
-//    projection's shrink out) and the expand is multiplied by that scale.
+//    projection's shrink out) and the expand is multiplied by that scale. The batched matvec
+//    takes them for each token (token tk's parts after token tk - 1's) without NORM or GLU.
 // Shrink out (matvec only): when out_rank > 0, the dispatch also writes the LoRA shrink of its
 //    output for the projections that read it next, split by workgroup: part w's column r at y
 //    element out_at + w * (out_rank rounded up to 4) + r, the sum over the workgroup's outputs o

@@ -25,6 +25,13 @@
 // reads all of x) and hand their sums over workgroup memory, and each token's scale multiplies
 // its partials before the expand is added (t is the shrink of the normed rows). Two barriers.
 //
+// Split shrink: with lora_parts > 0, t is summed from parts in x (a batched step's token mixers
+// write each row's o_proj / out_proj shrink split by head after all the rows' outputs): token tk's
+// part q, column c at x element lora_parts_at + (tk * lora_parts + q) * (lora_t_stride rounded up
+// to 4) + c. The workgroup sums them for every token, times the scale table, into workgroup
+// memory before anything else (one barrier), and the expand reads t from there. Host contract:
+// m * lora_t_stride <= TSUM, no NORM, no GLU.
+//
 // Host contract: K a multiple of 8, x rows 16-byte aligned (x_offset and x_stride multiples of 4),
 // m <= TOK (token rows past m are skipped: not loaded, computed or stored), aux bound (x when
 // unused), up to 4 LoRA segments (the projections of a concatenated weight, as the single-token
@@ -49,6 +56,9 @@ var<workgroup> red: array<f32, 2048>;
 // NORM: row group 0's partial sums of x^2, [TOK][LANES], then each token's norm scale.
 var<workgroup> sq_red: array<f32, 512>;
 var<workgroup> norm_scale: array<f32, MAX_TOK>;
+// Split shrink: every token's t, [m][lora_t_stride], summed from its parts (stage_t).
+const TSUM: u32 = 1024u;
+var<workgroup> tsum: array<f32, TSUM>;
 
 struct Slot {
     row0: u32,  // first row of the workgroup
@@ -234,9 +244,34 @@ fn apply_norm(s: Slot, part: ptr<function, Partials>, li: u32) {
     (*part).acc[15] *= hi.w;
 }
 
+// Split shrink: t of every token summed from its parts in x, times the scale table, into tsum;
+// invocation li sums values li, li + WG, ... (token v / lora_t_stride, column v % lora_t_stride).
+// Then one barrier.
+fn stage_t(li: u32) {
+    let stride = p.lora_t_stride;
+    let pad = (stride + 3u) & ~3u;
+    for (var v = li; v < p.m * stride; v += WG) {
+        let tk = v / stride;
+        let c = v % stride;
+        let first = p.lora_parts_at + tk * p.lora_parts * pad + c;
+        var sum = 0.0;
+        for (var q = 0u; q < p.lora_parts; q++) {
+            sum += x_elem(first + q * pad);
+        }
+        if (p.lora_sc != NO_TABLE) {
+            sum *= t_elem(p.lora_sc + tk * p.lora_sc_stride + c);
+        }
+        tsum[v] = sum;
+    }
+    workgroupBarrier();
+}
+
 // Token row tk's t value of rank column c of segment seg, times its scale-table factor.
 fn t_at(tk: u32, seg: u32, c: u32) -> f32 {
     let col = p.seg_t[seg] + c;
+    if (p.lora_parts > 0u) {
+        return tsum[tk * p.lora_t_stride + col];
+    }
     var v = t_elem(tk * p.lora_t_stride + col);
     if (p.lora_sc != NO_TABLE) {
         v *= t_elem(p.lora_sc + tk * p.lora_sc_stride + col);
@@ -454,6 +489,9 @@ fn matvec_batch_lora(
     @builtin(local_invocation_index) li: u32,
 ) {
     let s = slot(wg, nwg, li);
+    if (p.lora_parts > 0u) {
+        stage_t(li);
+    }
     var acc = normed_partials(s, li);
     for (var seg = 0u; seg < select(4u, 2u, GLU); seg++) {
         add_expand(s, &acc, seg);

@@ -254,6 +254,8 @@ pub enum Kernel {
     AttendRows,
     /// `AttendOneMerge` for each row of a batched step.
     AttendRowsMerge,
+    /// `AttendRowsMerge` that also writes each row's o_proj LoRA shrink split by head.
+    AttendRowsMergeLora,
     /// Embedding gather from a table split in up to 4 bindings, in one dispatch.
     EmbedSplit,
     /// `Matvec` reducing by subgroup shuffles (no barrier).
@@ -296,7 +298,7 @@ fn matmul_tile_variants() -> &'static [u32] {
 }
 
 /// Every entry point, in [`Kernel`] order.
-pub const KERNELS: [KernelDesc; 44] = [
+pub const KERNELS: [KernelDesc; 45] = [
     KernelDesc {
         kernel: Kernel::Matmul,
         shader: Shader::Matmul,
@@ -733,6 +735,17 @@ pub const KERNELS: [KernelDesc; 44] = [
         io: &[R, R, W, W, W, W],
         weights: true,
         lora: false,
+        accumulate: false,
+        dtype: false,
+        variants: no_variants,
+    },
+    KernelDesc {
+        kernel: Kernel::AttendRowsMergeLora,
+        shader: Shader::AttentionOne,
+        entry: "attend_rows_merge_lora",
+        io: &[R, R, W, W, W, W],
+        weights: true,
+        lora: true,
         accumulate: false,
         dtype: false,
         variants: no_variants,

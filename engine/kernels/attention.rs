@@ -49,8 +49,11 @@ pub struct AttnParams {
     pub row_stride: u32,
     /// `attend_rows`: elements from one row's output to the next's.
     pub out_stride: u32,
+    /// `attend_rows_merge_lora`: the first element of row 0's o_proj shrink parts in `out`
+    /// ([`attention_one_rows`] sets it).
+    pub lora_at: u32,
     /// Padding (the WGSL struct's arrays start on 16 bytes).
-    pub _pad: [u32; 2],
+    pub _pad: u32,
     /// `attend_rows`: row r's cache slot in byte `r % 4` of word `r / 4` ([`attention_one_rows`]
     /// sets it).
     pub slots: [u32; 8],
@@ -157,14 +160,17 @@ pub struct AttnOneIo<'a> {
 /// `params` holds row 0's offsets (q|gate, k, v and output), the strides to the next rows and
 /// the pooled caches' positions per KV head (`s_max`); `io.k_cache` and `io.v_cache` are
 /// `[slots · Hkv, s_max, hd]`, `io.part` holds `min(rows, ATTN_MAX_ROWS) · Hq ·
-/// ATTN_MAX_SPLITS · (hd + 2)` floats. A slot past the caches or 255, a position past the
-/// caches or a parts buffer too small is a `Validation` error.
+/// ATTN_MAX_SPLITS · (hd + 2)` floats. With `shrink`, each row's heads also write their parts
+/// of o_proj's LoRA shrink into `out` after all the rows' outputs (from the element after the last
+/// row's output rounded up to 4: row r's `Hq` parts, each of the rank rounded up to 4, after row
+/// r − 1's). A slot past the caches or 255, a position past the caches, a parts buffer too small
+/// or shrink parts past `out` is a `Validation` error.
 pub fn attention_one_rows(
     rec: &mut Recorder,
     qk_norm: &GpuVector,
     params: &AttnParams,
     io: &AttnOneIo,
-    rows: &[(usize, usize)],
+    (rows, shrink): (&[(usize, usize)], Option<HeadShrink>),
 ) -> Result<(), GpuError> {
     let bad = |message: String| GpuError::Validation { during: "recording AttendRows".into(), message };
     let (hq, hd, s_max) = (u64::from(params.hq), u64::from(params.hd), u64::from(params.s_max));
@@ -184,6 +190,18 @@ pub fn attention_one_rows(
     if io.part.size() < need {
         return Err(bad(format!("the parts buffer holds {} bytes, {} rows need {need}", io.part.size(), rows.len())));
     }
+    // The shrink parts: after the last row's output, each row's Hq parts of the padded rank.
+    let n = rows.len() as u64;
+    let rank_pad = shrink.map_or(0, |s| s.rank.next_multiple_of(4)) as u64;
+    let lora_at = (u64::from(params.out_offset) + n * u64::from(params.out_stride)).next_multiple_of(4);
+    let parts_end = lora_at + n * hq * rank_pad;
+    if shrink.is_some() && (parts_end * 4 > io.out.size() || parts_end > u64::from(u32::MAX)) {
+        return Err(bad(format!(
+            "the shrink parts of {} rows run to element {parts_end}, past the output ({} bytes)",
+            rows.len(),
+            io.out.size()
+        )));
+    }
     for (chunk, part) in rows.chunks(ATTN_MAX_ROWS).enumerate() {
         let furthest = part.iter().map(|&(_, pos)| pos).max().unwrap_or(0);
         let (splits, split_keys) = attention_splits(furthest as u32);
@@ -195,6 +213,8 @@ pub fn attention_one_rows(
             k_offset: params.k_offset + first * params.row_stride,
             v_offset: params.v_offset + first * params.row_stride,
             out_offset: params.out_offset + first * params.out_stride,
+            lora_rank: shrink.map_or(0, |s| s.rank as u32),
+            lora_at: (lora_at + u64::from(first) * hq * rank_pad) as u32,
             slots: [0; 8],
             positions: [0; ATTN_MAX_ROWS],
             ..*params
@@ -207,7 +227,14 @@ pub fn attention_one_rows(
         let norm = [&qk_norm.bind_group];
         let n = part.len() as u32;
         rec.dispatch(PipelineKey::plain(Kernel::AttendRows), &p, &storage, &norm, [params.hq, splits, n])?;
-        rec.dispatch(PipelineKey::plain(Kernel::AttendRowsMerge), &p, &storage, &norm, [params.hq, 1, n])?;
+        let merge = [params.hq, 1, n];
+        match shrink {
+            None => rec.dispatch(PipelineKey::plain(Kernel::AttendRowsMerge), &p, &storage, &norm, merge)?,
+            Some(s) => {
+                let binds = [&qk_norm.bind_group, s.a];
+                rec.dispatch(PipelineKey::plain(Kernel::AttendRowsMergeLora), &p, &storage, &binds, merge)?
+            }
+        }
     }
     Ok(())
 }

@@ -202,29 +202,20 @@ pub fn gdn_step(
     io: &GdnStepIo,
     shrink: Option<HeadShrink>,
 ) -> Result<(), GpuError> {
-    let Some(s) = shrink else {
-        return gdn_step_rows(rec, prm, params, io, 1);
-    };
-    let storage = [io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core];
-    let params = GdnParams { lora_rank: s.rank as u32, ..*params };
-    rec.dispatch(
-        PipelineKey::plain(Kernel::GdnDecodeLora),
-        &params,
-        &storage,
-        &[&prm.bind_group, s.a],
-        [params.hv, 1, 1],
-    )
+    gdn_step_rows(rec, prm, params, io, (1, shrink))
 }
 
 /// Record one token of each of `rows` rows of a GDN layer in one dispatch (a workgroup per value
 /// head and row): row r reads its row of `io.mixed`, writes its row of `io.core` and steps the
-/// states of slot r of `params` in the pooled state buffers of `io` (see `gdn_step.wgsl`).
+/// states of slot r of `params` in the pooled state buffers of `io` (see `gdn_step.wgsl`). With
+/// `shrink`, each row's heads also write their parts of out_proj's LoRA shrink into `core` after
+/// all the rows' outputs (row r's `Hv` parts, each of the rank rounded up to 4, after row r − 1's).
 pub fn gdn_step_rows(
     rec: &mut Recorder,
     prm: &GpuVector,
     params: &GdnParams,
     io: &GdnStepIo,
-    rows: usize,
+    (rows, shrink): (usize, Option<HeadShrink>),
 ) -> Result<(), GpuError> {
     if rows > GDN_MAX_ROWS {
         return Err(GpuError::Validation {
@@ -232,12 +223,28 @@ pub fn gdn_step_rows(
             message: format!("{rows} rows (expected at most {GDN_MAX_ROWS})"),
         });
     }
+    if let Some(s) = shrink {
+        // After the rows' outputs, each row's Hv parts of the padded rank.
+        let vd = u64::from(params.hv) * u64::from(params.dv);
+        let parts = rows as u64 * u64::from(params.hv) * s.rank.next_multiple_of(4) as u64;
+        let end = u64::from(params.core_at) + rows as u64 * vd + parts;
+        if end * 4 > io.core.size() {
+            return Err(GpuError::Validation {
+                during: "gdn_decode_lora".into(),
+                message: format!(
+                    "the shrink parts of {rows} rows run to element {end}, past the output ({} bytes)",
+                    io.core.size()
+                ),
+            });
+        }
+    }
     let storage = [io.mixed, io.conv_in, io.conv_out, io.state_in, io.state_out, io.core];
-    rec.dispatch(
-        PipelineKey::plain(Kernel::GdnDecode),
-        params,
-        &storage,
-        &[&prm.bind_group],
-        [params.hv, rows as u32, 1],
-    )
+    let grid = [params.hv, rows as u32, 1];
+    match shrink {
+        None => rec.dispatch(PipelineKey::plain(Kernel::GdnDecode), params, &storage, &[&prm.bind_group], grid),
+        Some(s) => {
+            let params = GdnParams { lora_rank: s.rank as u32, ..*params };
+            rec.dispatch(PipelineKey::plain(Kernel::GdnDecodeLora), &params, &storage, &[&prm.bind_group, s.a], grid)
+        }
+    }
 }

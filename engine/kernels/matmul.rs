@@ -189,6 +189,7 @@ pub const MAX_SEGMENTS: usize = 4;
 
 /// The LoRA expand fused into a linear layer: the rows of the view the layer runs, in
 /// consecutive segments, one per projection.
+#[derive(Clone)]
 pub struct LoraExpand<'a> {
     /// Shrink output `[m, t_stride]` (`t = x · Aᵀ` for the whole input group).
     pub t: &'a wgpu::Buffer,
@@ -200,14 +201,16 @@ pub struct LoraExpand<'a> {
     pub segments: Vec<LoraSegment>,
     /// Per-rank-column factors (an adapter set's scales), if any.
     pub table: Option<ScaleTableAt>,
-    /// Where t comes from instead of `t` when the dispatch before split the shrink (matvec only).
+    /// Where t comes from instead of `t` when the dispatch before split the shrink (the matvecs:
+    /// one token, or the batched matvec's tokens without a fused norm or SwiGLU).
     pub parts: Option<SplitShrink>,
 }
 
 /// A shrink the dispatch before the linear layer wrote in parts: split by head by the token
 /// mixer's decode kernel (`gdn_step.wgsl`, `attention_one.wgsl`), or by workgroup by a
 /// [`ShrinkOut`]. `count` parts of `t_stride` columns rounded up to 4, in the linear layer's input
-/// x from element `at`; the matvec sums them in its prologue. With a fused norm
+/// x from element `at` (for several tokens, token k's `count` parts after token k − 1's); the
+/// matvec sums them in its prologue. With a fused norm
 /// ([`Fuse::norm`]) the parts are of `x · (1 + w)` before the norm's scale (a residual
 /// projection's shrink out) and the matvec multiplies its expand by that scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -220,6 +223,10 @@ pub struct SplitShrink {
 
 /// The largest total rank a split shrink takes (`tsum` in `matvec.wgsl`).
 pub const SPLIT_SHRINK_MAX_RANK: usize = 256;
+
+/// Tokens times rank a batched matvec's split shrink holds at most (`matvec_batch.wgsl`'s `TSUM`:
+/// every token's t staged in workgroup memory).
+pub const BATCH_SPLIT_SHRINK_FLOATS: usize = 1024;
 
 /// The parts a single-token layer over `rows` weight rows writes its [`ShrinkOut`] in: one per
 /// workgroup (with SwiGLU the rows are `[gate; up]`, half as many outputs).
@@ -549,11 +556,18 @@ pub fn linear_rows(
     {
         Some(format!("a multi-token SwiGLU takes two LoRA segments of {n_glu} rows (gate, up)"))
     } else if let Some((rank, p)) =
-        split.filter(|&(rank, p)| io.m != 1 || rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
+        split.filter(|&(rank, p)| rank > SPLIT_SHRINK_MAX_RANK || !p.at.is_multiple_of(4) || p.count == 0)
     {
         Some(format!(
-            "a split shrink takes one token, a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got {} tokens, rank {rank}, {} parts from {}",
-            io.m, p.count, p.at
+            "a split shrink takes a rank of at most {SPLIT_SHRINK_MAX_RANK} and parts from a multiple of 4: got rank {rank}, {} parts from {}",
+            p.count, p.at
+        ))
+    } else if let Some((rank, _)) = split.filter(|&(rank, _)| {
+        io.m != 1 && (!batch || fuse.norm.is_some() || fuse.glu || io.m * rank > BATCH_SPLIT_SHRINK_FLOATS)
+    }) {
+        Some(format!(
+            "a split shrink of {} tokens takes the batched matvec's 2 to {MAX_BATCH_TOKENS} tokens without a fused norm or SwiGLU and tokens times rank at most {BATCH_SPLIT_SHRINK_FLOATS}: got rank {rank}",
+            io.m
         ))
     } else if let Some(msg) =
         fuse.shrink_out.and_then(|s| shrink_out_error(rec.ctx(), &view, io, (fuse.glu, fuse.norm.is_some()), s))
@@ -564,11 +578,12 @@ pub fn linear_rows(
     } else if let Some(msg) = fuse.norm.and_then(|n| n.prenormed).and_then(|p| prenormed_error(io, p)) {
         Some(msg)
     } else if let Some((rank, p)) =
-        split.filter(|&(rank, p)| ((p.at + p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
+        split.filter(|&(rank, p)| ((p.at + io.m * p.count * rank.next_multiple_of(4)) * 4) as u64 > io.x.size())
     {
         Some(format!(
-            "a split shrink of {} parts of rank {rank} from element {} runs past x ({} bytes)",
+            "a split shrink of {} parts of rank {rank} per token over {} tokens from element {} runs past x ({} bytes)",
             p.count,
+            io.m,
             p.at,
             io.x.size()
         ))

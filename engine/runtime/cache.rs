@@ -4,7 +4,7 @@
 use crate::error::{GpuError, RunError};
 use crate::gpu::GpuContext;
 use crate::kernels::attention::{ATTN_MAX_ROWS, ATTN_MAX_SPLITS};
-use crate::kernels::matmul::{shrink_out_parts, SPLIT_SHRINK_MAX_RANK};
+use crate::kernels::matmul::{shrink_out_parts, BATCH_SPLIT_SHRINK_FLOATS, MAX_BATCH_TOKENS, SPLIT_SHRINK_MAX_RANK};
 use crate::model::{LayerType, TextConfig};
 use crate::runtime::forward::{norm_out_layout, parts_end};
 use crate::runtime::session::MAX_CONTEXT;
@@ -43,7 +43,8 @@ pub struct Scratch {
     /// `[rows, max(Vd, Hkv·hd)]`: GDN z, or attention keys.
     pub mid_a: wgpu::Buffer,
     /// `[rows, max(Vd, Hkv·hd, Hq·hd)]`: GDN core output, or attention output; at least room
-    /// after one row for its shrink split by head (`forward::head_split`).
+    /// after one row, and after the rows of a batched step, for their shrink split by head
+    /// (`forward::head_split`).
     pub mid_b: wgpu::Buffer,
     /// `[rows, Hkv·hd]` attention values.
     pub mid_c: wgpu::Buffer,
@@ -97,8 +98,12 @@ impl Scratch {
         // head split, after the SwiGLU product down_proj's shrink.
         let most = SPLIT_SHRINK_MAX_RANK;
         let hidden = norm_out_layout(h, shrink_out_parts(ctx, h, false), most).2 as u64;
-        let mixer_out =
-            parts_end(c.value_dim(), c.linear_value_heads, most).max(parts_end(attn, c.num_heads, most)) as u64;
+        let one = parts_end(c.value_dim(), c.linear_value_heads, most).max(parts_end(attn, c.num_heads, most));
+        // A batch's rows (2 to 8 sessions' mixer outputs) and their head splits: rows times rank at most what the
+        // batched matvec stages, each row's rank rounded up to 4.
+        let rows_split = (mixer_rows.min(MAX_BATCH_TOKENS) * c.value_dim().max(attn)).next_multiple_of(4)
+            + c.linear_value_heads.max(c.num_heads) * (BATCH_SPLIT_SHRINK_FLOATS + 3 * MAX_BATCH_TOKENS);
+        let mixer_out = one.max(if mixer_rows > 1 { rows_split } else { 0 }) as u64;
         let swiglu = parts_end(i, shrink_out_parts(ctx, 2 * i, true), most) as u64;
         Ok(Self {
             hidden: at_least("hidden", h, hidden)?,

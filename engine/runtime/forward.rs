@@ -21,7 +21,7 @@ use crate::kernels::attention::{attention, attention_one, AttnIo, AttnOneIo, Att
 use crate::kernels::gdn::{gated_delta, gdn_step, GdnIo, GdnParams, GdnSplit, GdnStepIo, HeadShrink, GDN_STEP_MAX_D};
 use crate::kernels::matmul::{
     batched_matvec_takes, linear_rows, linear_with, shrink_out_parts, Fuse, FusedNorm, LinearIo, LoraExpand,
-    LoraSegment, NormOut, ShrinkOut, SplitShrink, WeightRows, SPLIT_SHRINK_MAX_RANK,
+    LoraSegment, NormOut, ShrinkOut, SplitShrink, WeightRows, BATCH_SPLIT_SHRINK_FLOATS, SPLIT_SHRINK_MAX_RANK,
 };
 use crate::kernels::misc::swiglu;
 use crate::kernels::norm::{rms_norm, rms_norm_gated, rms_norm_shrink, NormIo, NormShrink};
@@ -75,25 +75,30 @@ pub(crate) struct HeadSplit<'a> {
     pub(crate) shrunk: Shrunk<'a>,
 }
 
-/// The split shrink of the mixer output: the mixer's decode kernel writes `heads` parts after
-/// its output row of `row` elements in `out`, and the projection sums them (no shrink dispatch).
-/// None when the adapter does not cover the group or the split does not apply (A in more than
-/// one binding, a rank above the matvec's, unaligned rows, `out` too small): the group then
-/// takes the shrink dispatch.
+/// The split shrink of the mixer output of `rows` rows (each of `row` elements, side by side in
+/// `out`): the mixer's decode kernel writes each row's `heads` parts after the rows, and the
+/// projection `w` sums them (no shrink dispatch). None when the adapter does not cover the group
+/// or the split does not apply (A in more than one binding, a rank above the matvec's, unaligned
+/// rows, `out` too small; for several rows, `w` outside the batched matvec or rows times rank
+/// past what it stages): the group then takes the shrink dispatch.
 pub(crate) fn head_split<'a>(
     lora: Option<LayerLora<'a>>,
     out: &wgpu::Buffer,
     (row, heads): (usize, usize),
+    (rows, w): (usize, &GpuWeight),
 ) -> Option<HeadSplit<'a>> {
     let l = lora?;
     let (g, chunk) = l.f32_a(InputGroup::MixerOut, row)?;
-    let fits = g.rank_total <= SPLIT_SHRINK_MAX_RANK
+    let batched = rows == 1
+        || (batched_matvec_takes(&WeightRows::all(w), rows, 0) && rows * g.rank_total <= BATCH_SPLIT_SHRINK_FLOATS);
+    let fits = batched
+        && g.rank_total <= SPLIT_SHRINK_MAX_RANK
         && row.is_multiple_of(4)
         && (row / heads).is_multiple_of(4)
-        && (parts_end(row, heads, g.rank_total) * 4) as u64 <= out.size();
+        && (parts_end(rows * row, rows * heads, g.rank_total) * 4) as u64 <= out.size();
     fits.then_some(HeadSplit {
         shrink: HeadShrink { a: &chunk.bind_group, rank: g.rank_total },
-        shrunk: Shrunk { lora: l, group: g, parts: Some(SplitShrink { count: heads, at: row }) },
+        shrunk: Shrunk { lora: l, group: g, parts: Some(SplitShrink { count: heads, at: rows * row }) },
     })
 }
 
@@ -376,7 +381,7 @@ pub(crate) fn gdn_block(
             state_out: state[1],
             core: &sc.mid_b,
         };
-        let split = head_split(lora, &sc.mid_b, (vd, hv));
+        let split = head_split(lora, &sc.mid_b, (vd, hv), (1, &w.out_proj));
         gdn_step(rec, &w.step_params, &params, &io, split.as_ref().map(|s| s.shrink))?;
         return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, t, (split.map(|s| s.shrunk), next));
     } else {
@@ -499,7 +504,7 @@ pub(crate) fn attention_block(
             out: &sc.mid_b,
             part: &sc.attn_part,
         };
-        let split = head_split(lora, &sc.mid_b, (hq * hd, hq));
+        let split = head_split(lora, &sc.mid_b, (hq * hd, hq), (1, &w.o_proj));
         attention_one(rec, &w.qk_norm, &params, &io, split.as_ref().map(|s| s.shrink))?;
         return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, t, (split.map(|s| s.shrunk), next));
     }
@@ -523,7 +528,7 @@ pub(crate) fn attention_block(
 
 /// A token mixer's output projection (`out_proj` / `o_proj`, with its LoRA) from `mid_b`, added
 /// into the residual stream of `t` rows; its shrink is a dispatch of its own unless the mixer
-/// wrote it split by head (`split`, one token: [`head_split`]). With `next` it also writes the
+/// wrote it split by head (`split`: [`head_split`]). With `next` it also writes the
 /// MLP's input shrink and prenormed input ([`residual_out`]).
 pub(crate) fn mixer_out(
     rec: &mut Recorder,

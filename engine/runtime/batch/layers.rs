@@ -10,8 +10,8 @@ use crate::lora::Proj;
 use crate::model::{AttnWeights, GdnWeights, TextConfig};
 use crate::runtime::cache::{LayerState, Scratch};
 use crate::runtime::forward::{
-    attn_params, gated_delta_norm, gdn_params, gdn_step_fits, mixer_out, project, LayerLora, NextWrites, Parts, Shrunk,
-    Src, ATTN_IN, GDN_IN,
+    attn_params, gated_delta_norm, gdn_params, gdn_step_fits, head_split, mixer_out, project, LayerLora, NextWrites,
+    Parts, Shrunk, Src, ATTN_IN, GDN_IN,
 };
 use crate::runtime::session::Session;
 
@@ -19,8 +19,9 @@ use super::pool::PoolRows;
 
 /// A GDN layer for every row: the input projections for all rows (row k of `mixer_in` is
 /// session k's qkv|z|b|a), then the fused step of every row in one dispatch on the pooled states
-/// (`pooled`), else per session on its own states, reading its row and writing its output row of
-/// `mid_b`, then out_proj for all rows. Where the fused step does not fit
+/// (`pooled`; it also writes out_proj's LoRA shrink split by head where [`head_split`] applies),
+/// else per session on its own states, reading its row and writing its output row of `mid_b`,
+/// then out_proj for all rows. Where the fused step does not fit
 /// (wide heads), each row is copied into the session's scratch for the unfused kernels and back.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn gdn_rows(
@@ -54,8 +55,10 @@ pub(super) fn gdn_rows(
             state_out: &state[1 - parity],
             core: &sc.mid_b,
         };
-        gdn_step_rows(rec, &w.step_params, &params, &io, n)?;
-        return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (None, NextWrites::default()));
+        let split = head_split(lora, &sc.mid_b, (vd, hv), (n, &w.out_proj));
+        gdn_step_rows(rec, &w.step_params, &params, &io, (n, split.as_ref().map(|s| s.shrink)))?;
+        let split = split.map(|s| s.shrunk);
+        return mixer_out(rec, c, sc, (&w.out_proj, Proj::OutProj), lora, n, (split, NextWrites::default()));
     }
     let f = |e: usize| (e * 4) as u64;
     for (k, sess) in sessions.iter().enumerate() {
@@ -104,7 +107,8 @@ pub(super) fn gdn_rows(
 /// An attention layer for every row: q|gate, k and v for all rows (row k of `mixer_in` is
 /// session k's q|gate|k|v), then every row through q/k norm, RoPE at its position, its KV cache
 /// and attention into its output row of `mid_b`, in two dispatches on the pooled caches
-/// (`pooled`), else per session on its own cache; then o_proj for all rows.
+/// (`pooled`; the second also writes o_proj's LoRA shrink split by head where [`head_split`]
+/// applies), else per session on its own cache; then o_proj for all rows.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn attention_rows(
     rec: &mut Recorder,
@@ -135,8 +139,10 @@ pub(super) fn attention_rows(
         // The widest session's RoPE table holds every row's position.
         let io =
             AttnOneIo { qkv: &sc.mixer_in, k_cache, v_cache, rope: &widest.rope, out: &sc.mid_b, part: &sc.attn_part };
-        attention_one_rows(rec, &w.qk_norm, &params, &io, &rows)?;
-        return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (None, NextWrites::default()));
+        let split = head_split(lora, &sc.mid_b, (attn, c.num_heads), (n, &w.o_proj));
+        attention_one_rows(rec, &w.qk_norm, &params, &io, (&rows, split.as_ref().map(|s| s.shrink)))?;
+        let split = split.map(|s| s.shrunk);
+        return mixer_out(rec, c, sc, (&w.o_proj, Proj::OProj), lora, n, (split, NextWrites::default()));
     }
     for (k, sess) in sessions.iter().enumerate() {
         let LayerState::Attention { k: k_cache, v: v_cache } = &sess.states[layer] else {
