@@ -529,7 +529,12 @@ fn matvec_sweep(ctx: &GpuContext) {
                     }
                     SplitShrink { count: 3, at }
                 });
-                let (xb, yb, tb, bb) = (upload(ctx, &xs), upload(ctx, &y0), upload(ctx, &t), upload(ctx, &b));
+                // t's own columns zeroed where the parts stand in for them (the table stays).
+                let mut t_buf = t.clone();
+                if parts.is_some() {
+                    t_buf[..t_cols].fill(0.0);
+                }
+                let (xb, yb, tb, bb) = (upload(ctx, &xs), upload(ctx, &y0), upload(ctx, &t_buf), upload(ctx, &b));
                 let nb = upload(ctx, &norm_w);
                 let bg = ctx.weights_bind_group(&bb, "b");
                 let segments = segs
@@ -1096,8 +1101,13 @@ fn batched_matvec_takes_several_lora_segments() {
                 }
                 SplitShrink { count: 3, at }
             });
+            // t's own rows zeroed where the parts stand in for them (the table stays).
+            let mut t_buf = t.clone();
+            if parts.is_some() {
+                t_buf[..m * stride].fill(0.0);
+            }
             let (xb, yb, tb, bb) =
-                (upload(&ctx, &xs), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t), upload(&ctx, &b));
+                (upload(&ctx, &xs), upload(&ctx, &vec![7.0; m * n + 1]), upload(&ctx, &t_buf), upload(&ctx, &b));
             let (bg, nb) = (ctx.weights_bind_group(&bb, "b"), upload(&ctx, &norm_w));
             let fuse =
                 Fuse { norm: norm.then_some(FusedNorm { weight: &nb, eps: 1e-6, prenormed: None }), ..Fuse::NONE };
@@ -1181,6 +1191,65 @@ fn batched_matvec_takes_several_lora_segments() {
             }
         }
     }
+}
+
+/// A batched split shrink at the most the batched matvec stages: 8 tokens of rank
+/// `BATCH_SPLIT_SHRINK_FLOATS / 8` (the WGSL array `TSUM` is that size), each token's t in five
+/// parts (a mixer's heads) and a scale table of one row per token; one column more is refused.
+#[test]
+fn a_batched_split_shrink_stages_up_to_its_limit() {
+    let Some(ctx) = ctx() else { return };
+    let src = include_str!("../wgsl/matvec_batch.wgsl");
+    let tsum = format!("const TSUM: u32 = {BATCH_SPLIT_SHRINK_FLOATS}u;");
+    assert!(src.contains(&tsum), "matvec_batch.wgsl stages {BATCH_SPLIT_SHRINK_FLOATS} floats");
+    let (m, n, k, heads) = (8, 10, 16, 5);
+    let rank = BATCH_SPLIT_SHRINK_FLOATS / m;
+    let (bytes, w) = weight_bytes(&rand(n * k, 71, 1.0), Dtype::BF16);
+    let gw = GpuWeight::upload(&ctx, "w", Dtype::BF16, n, k, &bytes, u64::MAX).expect("w");
+    let (t, at, factor) = t_rows(m, rank, true, 72);
+    let (b, _) = segment_b(&[(rank, n)], 73);
+    let x = rand(m * k, 74, 1.0);
+    let pad = rank.next_multiple_of(4);
+    let mut xs = x.clone();
+    let parts_at = xs.len();
+    xs.resize(parts_at + m * heads * pad, 0.0);
+    for i in 0..m {
+        for c in 0..rank {
+            // Parts summing to t: a fifth of t each, the last one the remainder.
+            let first = parts_at + i * heads * pad + c;
+            let fifth = t[i * rank + c] / heads as f32;
+            for h in 0..heads - 1 {
+                xs[first + h * pad] = fifth;
+            }
+            xs[first + (heads - 1) * pad] = t[i * rank + c] - fifth * (heads - 1) as f32;
+        }
+    }
+    let mut t_buf = t.clone();
+    t_buf[..m * rank].fill(0.0);
+    let (xb, yb, tb, bb) = (upload(&ctx, &xs), upload(&ctx, &vec![0.0; m * n]), upload(&ctx, &t_buf), upload(&ctx, &b));
+    let bg = ctx.weights_bind_group(&bb, "b");
+    let scale = 0.75;
+    let lora = LoraExpand {
+        segments: vec![LoraSegment { rows: n, rank, t_offset: 0, b_offset: 0, scale }],
+        table: Some(at),
+        parts: Some(SplitShrink { count: heads, at: parts_at }),
+        ..LoraExpand::single(&tb, (0, rank), (0, 0), 1.0, &bg)
+    };
+    let io = LinearIo { x: &xb, x_offset: 0, m, y: &yb, y_offset: 0, y_stride: n, accumulate: false };
+    run(&ctx, |rec| linear(rec, &gw, &io, Some(&lora)));
+    let mut want = cpu::linear(&x, &w, m, n, k);
+    for i in 0..m {
+        for r in 0..n {
+            let d: f32 = (0..rank).map(|c| t[i * rank + c] * factor(i, c) * b[r * rank + c]).sum();
+            want[i * n + r] += scale * d;
+        }
+    }
+    assert_close("split shrink at the staging limit", &read(&ctx, &yb, m * n), &want, KERNEL_ATOL, KERNEL_RTOL);
+    let wide = LoraExpand { t_stride: rank + 1, ..lora.clone() };
+    let mut cache = bind_cache(&ctx, 4096);
+    let mut rec = Recorder::new(&ctx, &mut cache);
+    let err = linear(&mut rec, &gw, &io, Some(&wide)).expect_err("one column past the staging");
+    assert!(err.to_string().contains("split shrink"), "{err}");
 }
 
 /// SwiGLU in the batched matvec (2 to 8 tokens over a `[gate; up]` weight of 2n rows): every
@@ -1816,7 +1885,8 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
     let params = GdnParams { t: 1, c: 8, k: 2, hk: 1, hv: 1, dk: 4, dv: 4, ..Default::default() };
     let err = gdn_step_rows(&mut rec, &pv, &params, &io, (GDN_MAX_ROWS + 1, None));
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
-    // Three rows of 4 outputs and one head each fill the 64 floats; their shrink parts do not fit.
+    // Three rows of 4 outputs and one head each take 12 of the 64 floats; their rank-20 shrink
+    // parts (60 more) do not fit.
     let abg = ctx.weights_bind_group(&buf, "a");
     let err = gdn_step_rows(&mut rec, &pv, &params, &io, (3, Some(HeadShrink { a: &abg, rank: 20 })));
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");

@@ -244,24 +244,31 @@ fn apply_norm(s: Slot, part: ptr<function, Partials>, li: u32) {
     (*part).acc[15] *= hi.w;
 }
 
-// Split shrink: t of every token summed from its parts in x, times the scale table, into tsum;
-// invocation li sums values li, li + WG, ... (token v / lora_t_stride, column v % lora_t_stride).
-// Then one barrier.
+// Split shrink: t of every token summed from its parts in x, times the scale table, into tsum.
+// The parts start 16-byte aligned and each is the rank rounded up to 4 columns, so invocation li
+// sums column quads li, li + WG, ... (token v / quads, columns 4 (v % quads) to + 3), one vec4
+// load per part. Then one barrier.
 fn stage_t(li: u32) {
     let stride = p.lora_t_stride;
-    let pad = (stride + 3u) & ~3u;
-    for (var v = li; v < p.m * stride; v += WG) {
-        let tk = v / stride;
-        let c = v % stride;
-        let first = p.lora_parts_at + tk * p.lora_parts * pad + c;
-        var sum = 0.0;
+    let quads = (stride + 3u) / 4u;
+    for (var v = li; v < p.m * quads; v += WG) {
+        let tk = v / quads;
+        let q4 = v % quads;
+        let first = p.lora_parts_at / 4u + tk * p.lora_parts * quads + q4;
+        var sum = vec4<f32>(0.0);
         for (var q = 0u; q < p.lora_parts; q++) {
-            sum += x_elem(first + q * pad);
+            sum += x[first + q * quads];
         }
-        if (p.lora_sc != NO_TABLE) {
-            sum *= t_elem(p.lora_sc + tk * p.lora_sc_stride + c);
+        for (var i = 0u; i < 4u; i++) {
+            let c = 4u * q4 + i;
+            if (c < stride) {
+                var tv = sum[i];
+                if (p.lora_sc != NO_TABLE) {
+                    tv *= t_elem(p.lora_sc + tk * p.lora_sc_stride + c);
+                }
+                tsum[tk * stride + c] = tv;
+            }
         }
-        tsum[v] = sum;
     }
     workgroupBarrier();
 }

@@ -279,7 +279,8 @@ pub struct KernelDesc {
     /// Whether it binds a group-1 weight buffer.
     pub weights: bool,
     /// Whether it binds a group-2 adapter slot (LoRA B; LoRA A for the split shrinks of
-    /// `gdn_decode_lora` and `attend_one_merge_lora` and the shrink of `rms_norm_shrink`).
+    /// `gdn_decode_lora`, `attend_one_merge_lora` and `attend_rows_merge_lora` and the shrink of
+    /// `rms_norm_shrink`).
     pub lora: bool,
     /// Whether the shader has the `ACCUMULATE` override.
     pub accumulate: bool,

@@ -34,7 +34,8 @@ pub struct AttnParams {
     pub k_offset: u32,
     /// First element of the raw values in `vraw`.
     pub v_offset: u32,
-    /// `attend_one_merge_lora`: the total rank of o_proj's shrink (0 otherwise).
+    /// `attend_one_merge_lora`, `attend_rows_merge_lora`: the total rank of o_proj's shrink (0
+    /// otherwise).
     pub lora_rank: u32,
     /// `attend_one`: first element of the q|gate rows in `qkv` (a batch's row of one session; 0
     /// otherwise); `attend_rows`: row 0's.
@@ -156,7 +157,8 @@ pub struct AttnOneIo<'a> {
 
 /// Record one token's attention for each of a batched step's `rows` (row r: (cache slot,
 /// position)) in two dispatches per [`ATTN_MAX_ROWS`] rows: `attend_rows` over every row's
-/// splits (those of the furthest row's keys: [`attention_splits`]), then `attend_rows_merge`.
+/// splits (those of the furthest row's keys: [`attention_splits`]), then `attend_rows_merge`
+/// (`attend_rows_merge_lora` with `shrink`).
 /// `params` holds row 0's offsets (q|gate, k, v and output), the strides to the next rows and
 /// the pooled caches' positions per KV head (`s_max`); `io.k_cache` and `io.v_cache` are
 /// `[slots · Hkv, s_max, hd]`, `io.part` holds `min(rows, ATTN_MAX_ROWS) · Hq ·
@@ -195,6 +197,9 @@ pub fn attention_one_rows(
     let rank_pad = shrink.map_or(0, |s| s.rank.next_multiple_of(4)) as u64;
     let lora_at = (u64::from(params.out_offset) + n * u64::from(params.out_stride)).next_multiple_of(4);
     let parts_end = lora_at + n * hq * rank_pad;
+    if shrink.is_some() && !hd.is_multiple_of(4) {
+        return Err(bad(format!("a split shrink reads A four columns at a time: head dim {hd}")));
+    }
     if shrink.is_some() && (parts_end * 4 > io.out.size() || parts_end > u64::from(u32::MAX)) {
         return Err(bad(format!(
             "the shrink parts of {} rows run to element {parts_end}, past the output ({} bytes)",

@@ -43,7 +43,8 @@ pub struct MatmulParams {
     pub lora_sc: u32,
     /// Row stride of the scale table (0: one row for every row of t).
     pub lora_sc_stride: u32,
-    /// Split shrink (matvec): parts of t summed from x (0: t is read from its buffer).
+    /// Split shrink (the matvecs): parts of t summed from x per token (0: t is read from its
+    /// buffer).
     pub lora_parts: u32,
     /// Split shrink: the element of x where part 0 starts (a multiple of 4).
     pub lora_parts_at: u32,
