@@ -1890,6 +1890,10 @@ fn pooled_gdn_rows_step_each_slot_as_its_own_step() {
     let abg = ctx.weights_bind_group(&buf, "a");
     let err = gdn_step_rows(&mut rec, &pv, &params, &io, (3, Some(HeadShrink { a: &abg, rank: 20 })));
     assert!(matches!(err, Err(GpuError::Validation { .. })), "{err:?}");
+    // A split shrink reads A four columns at a time: a value head dim of 6 is refused.
+    let odd = GdnParams { dv: 6, ..params };
+    let err = gdn_step_rows(&mut rec, &pv, &odd, &io, (1, Some(HeadShrink { a: &abg, rank: 1 })));
+    assert!(matches!(&err, Err(GpuError::Validation { message, .. }) if message.contains("head dim 6")), "{err:?}");
     assert!(params.with_slots(&[0; GDN_MAX_ROWS + 1]).is_none(), "65 rows do not fit the slot table");
     assert!(params.with_slots(&[256]).is_none(), "a slot is one byte");
 }
@@ -2213,6 +2217,11 @@ fn batched_single_token_attention_matches_reference_per_row() {
         let wide = Some(HeadShrink { a: &abg, rank: rank + 4 });
         let err = attention_one_rows(&mut rec, &qkn, &params, &io, (&placed, wide)).expect_err("refused");
         assert!(matches!(err, GpuError::Validation { .. }), "shrink past the output: {err}");
+        // A split shrink reads A four columns at a time: a head dim of 6 is refused.
+        let odd = AttnParams { hd: 6, ..params };
+        let shrink = Some(HeadShrink { a: &abg, rank: 1 });
+        let err = attention_one_rows(&mut rec, &qkn, &odd, &io, (&placed[..1], shrink)).expect_err("refused");
+        assert!(err.to_string().contains("head dim 6"), "{err}");
     }
 }
 
