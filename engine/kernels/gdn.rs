@@ -223,13 +223,13 @@ pub fn gdn_step_rows(
             message: format!("{rows} rows (expected at most {GDN_MAX_ROWS})"),
         });
     }
-    if shrink.is_some() && !params.dv.is_multiple_of(4) {
-        return Err(GpuError::Validation {
-            during: "gdn_decode_lora".into(),
-            message: format!("a split shrink reads A four columns at a time: value head dim {}", params.dv),
-        });
-    }
     if let Some(s) = shrink {
+        if !params.dv.is_multiple_of(4) {
+            return Err(GpuError::Validation {
+                during: "gdn_decode_lora".into(),
+                message: format!("a split shrink reads A four columns at a time: value head dim {}", params.dv),
+            });
+        }
         // After the rows' outputs, each row's Hv parts of the padded rank.
         let vd = u64::from(params.hv) * u64::from(params.dv);
         let parts = rows as u64 * u64::from(params.hv) * s.rank.next_multiple_of(4) as u64;

@@ -99,10 +99,13 @@ impl Scratch {
         let most = SPLIT_SHRINK_MAX_RANK;
         let hidden = norm_out_layout(h, shrink_out_parts(ctx, h, false), most).2 as u64;
         let one = parts_end(c.value_dim(), c.linear_value_heads, most).max(parts_end(attn, c.num_heads, most));
-        // A batch's rows (2 to 8 sessions' mixer outputs) and their head splits: rows times rank at most what the
-        // batched matvec stages, each row's rank rounded up to 4.
-        let rows_split = (mixer_rows.min(MAX_BATCH_TOKENS) * c.value_dim().max(attn)).next_multiple_of(4)
-            + c.linear_value_heads.max(c.num_heads) * (BATCH_SPLIT_SHRINK_FLOATS + 3 * MAX_BATCH_TOKENS);
+        // A batch's rows (2 to 8 sessions' mixer outputs) and their head splits: per head, rows
+        // times rank at most what the batched matvec stages, each row's rank rounded up to 4.
+        let rows_split = parts_end(
+            mixer_rows.min(MAX_BATCH_TOKENS) * c.value_dim().max(attn),
+            c.linear_value_heads.max(c.num_heads),
+            BATCH_SPLIT_SHRINK_FLOATS + 3 * MAX_BATCH_TOKENS,
+        );
         let mixer_out = one.max(if mixer_rows > 1 { rows_split } else { 0 }) as u64;
         let swiglu = parts_end(i, shrink_out_parts(ctx, 2 * i, true), most) as u64;
         Ok(Self {
