@@ -76,8 +76,8 @@ fn every_shader_parses_and_validates() {
 }
 
 /// The files the loader prepends to shaders (`Shader::source`): no entry points of their own.
-const INCLUDES: [&str; 5] =
-    ["prelude.wgsl", "weights.wgsl", "linear.wgsl", "attention_common.wgsl", "attention_cached.wgsl"];
+const INCLUDES: [&str; 6] =
+    ["prelude.wgsl", "weights.wgsl", "linear.wgsl", "attention_common.wgsl", "attention_cached.wgsl", "reduce.wgsl"];
 
 #[test]
 fn the_kernel_table_lists_every_entry_point_of_every_shader_once() {

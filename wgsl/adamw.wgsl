@@ -36,24 +36,15 @@ const WG: u32 = 256u;
 @group(0) @binding(5) var<storage, read_write> m2: array<f32>;      // adamw only
 @group(0) @binding(6) var<storage, read> anchor: array<f32>;        // adamw only
 
-var<workgroup> red: array<f32, 256>;
-
 @compute @workgroup_size(256)
 fn sum_squares(@builtin(local_invocation_index) li: u32) {
     var s = 0.0;
     for (var i = li; i < p.n; i += WG) {
         s = fma(grad[i], grad[i], s);
     }
-    red[li] = s;
-    workgroupBarrier();
-    for (var k = WG / 2u; k > 0u; k >>= 1u) {
-        if (li < k) {
-            red[li] += red[li + k];
-        }
-        workgroupBarrier();
-    }
+    let total = reduce_sum(s, li);
     if (li == 0u) {
-        norms[p.slot] = red[0];
+        norms[p.slot] = total;
     }
 }
 

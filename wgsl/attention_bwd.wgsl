@@ -40,25 +40,6 @@ var<workgroup> va: array<f32, 512>;
 var<workgroup> vb: array<f32, 512>;
 var<workgroup> ps: array<f32, 64>;
 var<workgroup> ds: array<f32, 64>;
-var<workgroup> red: array<f32, 64>;
-
-fn reduce(v: f32, li: u32, is_max: bool) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            if (is_max) {
-                red[li] = max(red[li], red[li + s]);
-            } else {
-                red[li] += red[li + s];
-            }
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
 
 fn key_base(kvh: u32, s: u32) -> u32 {
     return (kvh * p.s_max + s) * p.hd;
@@ -99,7 +80,7 @@ fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
         m = max(m, dot * p.scale);
     }
-    m = reduce(m, li, true);
+    m = reduce_max(m, li);
     var l = 0.0;
     for (var s = li; s < n_keys; s += WG) {
         var dot = 0.0;
@@ -108,7 +89,7 @@ fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
         l += exp(dot * p.scale - m);
     }
-    l = reduce(l, li, false);
+    l = reduce_sum(l, li);
     // Pass 2: O and D.
     var o: array<f32, MAX_DIMS>;
     var dsum = 0.0;
@@ -137,7 +118,7 @@ fn attn_bwd_q(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_in
         }
         workgroupBarrier();
     }
-    let dd = reduce(dsum, li, false);
+    let dd = reduce_sum(dsum, li);
     let ob = (i * p.hq + h) * 2u * p.hd;
     for (var k = 0u; k < MAX_DIMS; k++) {
         let d = li + k * WG;

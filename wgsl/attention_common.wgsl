@@ -32,20 +32,8 @@ const MAX_DIMS: u32 = 8u;   // hd <= WG * MAX_DIMS
 
 @group(0) @binding(0) var<uniform> p: Params;
 
-var<workgroup> red: array<f32, 64>;
-
 // rsqrt(mean + eps) of a head row from each invocation's partial sum of squares (a workgroup
 // sum; red is free again when it returns).
 fn inv_rms(sumsq: f32, li: u32) -> f32 {
-    red[li] = sumsq;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let r = inverseSqrt(red[0] / f32(p.hd) + p.eps);
-    workgroupBarrier();
-    return r;
+    return inverseSqrt(reduce_sum(sumsq, li) / f32(p.hd) + p.eps);
 }

@@ -25,22 +25,6 @@ const WG: u32 = 64u;
 @group(0) @binding(4) var<storage, read_write> dst1: array<f32>;  // (unused) | du
 @group(1) @binding(0) var<storage, read> w: array<f32>;           // rms_norm_bwd only
 
-var<workgroup> red: array<f32, 64>;
-
-fn reduce_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let m = red[0];
-    workgroupBarrier();
-    return m;
-}
-
 @compute @workgroup_size(64)
 fn rms_norm_bwd(
     @builtin(workgroup_id) wg: vec3<u32>,

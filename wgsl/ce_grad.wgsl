@@ -18,36 +18,6 @@ const WG: u32 = 256u;
 @group(0) @binding(2) var<storage, read> rowinfo: array<u32>;   // [rows, 2]: target id, bitcast coef
 @group(0) @binding(3) var<storage, read_write> loss: array<f32>; // [rows]
 
-var<workgroup> red: array<f32, 256>;
-
-fn reduce_max(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] = max(red[li], red[li + s]);
-        }
-        workgroupBarrier();
-    }
-    let m = red[0];
-    workgroupBarrier();
-    return m;
-}
-
-fn reduce_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let m = red[0];
-    workgroupBarrier();
-    return m;
-}
-
 @compute @workgroup_size(256)
 fn ce_grad(
     @builtin(workgroup_id) wg: vec3<u32>,

@@ -26,7 +26,6 @@ const WG: u32 = 64u;
 @group(1) @binding(0) var<storage, read> w: array<f32>;
 @group(2) @binding(0) var<storage, read> lora_a: array<vec4<f32>>; // rms_norm_shrink: A f32 [rank, n]
 
-var<workgroup> red: array<f32, 64>;
 var<workgroup> tred: array<vec4<f32>, 128>; // rms_norm_shrink: [2][WG] partial dots of 8 rows of A
 
 fn row_index(wg: vec3<u32>, nwg: vec3<u32>) -> u32 {
@@ -34,15 +33,7 @@ fn row_index(wg: vec3<u32>, nwg: vec3<u32>) -> u32 {
 }
 
 fn inv_rms(sumsq: f32, li: u32) -> f32 {
-    red[li] = sumsq;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    return inverseSqrt(red[0] / f32(p.n) + p.eps);
+    return inverseSqrt(reduce_sum(sumsq, li) / f32(p.n) + p.eps);
 }
 
 // The scale rsqrt(mean(x^2) + eps) of row `row`, and the normalised row into y when `store`

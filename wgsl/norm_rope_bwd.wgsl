@@ -31,22 +31,6 @@ const WG: u32 = 64u;
 @group(1) @binding(0) var<storage, read> norm_w: array<f32>;
 
 var<workgroup> dn: array<f32, 512>;
-var<workgroup> red: array<f32, 64>;
-
-fn reduce_sum(v: f32, li: u32) -> f32 {
-    red[li] = v;
-    workgroupBarrier();
-    for (var s = WG / 2u; s > 0u; s >>= 1u) {
-        if (li < s) {
-            red[li] += red[li + s];
-        }
-        workgroupBarrier();
-    }
-    let r = red[0];
-    workgroupBarrier();
-    return r;
-}
-
 @compute @workgroup_size(64)
 fn norm_rope_bwd(@builtin(workgroup_id) wg: vec3<u32>, @builtin(local_invocation_index) li: u32) {
     let row = wg.x;

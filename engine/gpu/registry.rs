@@ -133,8 +133,9 @@ impl Shader {
     /// that read checkpoint weights `weights.wgsl` (the weight binding and decoder), then for
     /// the linear kernels `linear.wgsl` (their parameters and bindings), for the attention
     /// kernels `attention_common.wgsl` (parameters, the head RMS) and for those reading the KV
-    /// cache `attention_cached.wgsl` (its bindings, the online softmax), then the file
-    /// (`matvec_subgroup.wgsl` after the whole of `matvec.wgsl`, whose kernels it varies).
+    /// cache `attention_cached.wgsl` (its bindings, the online softmax), for the shaders with
+    /// workgroup tree reductions `reduce.wgsl`, then the file (`matvec_subgroup.wgsl` after the
+    /// whole of `matvec.wgsl`, whose kernels it varies).
     pub fn source(self) -> String {
         let mut src = String::from(include_str!("../../wgsl/prelude.wgsl"));
         let linear = matches!(self, Shader::Matmul | Shader::Matvec | Shader::MatvecSubgroup | Shader::MatvecBatch);
@@ -153,8 +154,27 @@ impl Shader {
         if matches!(self, Shader::Attention | Shader::AttentionOne) {
             src.push_str(include_str!("../../wgsl/attention_cached.wgsl"));
         }
+        if self.reduces() {
+            src.push_str(include_str!("../../wgsl/reduce.wgsl"));
+        }
         src.push_str(SHADERS[self as usize].body);
         src
+    }
+
+    /// Whether the shader takes `reduce.wgsl`'s workgroup tree reductions (over its `const WG`).
+    fn reduces(self) -> bool {
+        matches!(
+            self,
+            Shader::Norm
+                | Shader::AttentionPrep
+                | Shader::Attention
+                | Shader::AttentionOne
+                | Shader::CeGrad
+                | Shader::Backward
+                | Shader::Adamw
+                | Shader::AttentionBwd
+                | Shader::NormRopeBwd
+        )
     }
 
     /// The shader whose whole file this one is appended to (its entry points are in the module
