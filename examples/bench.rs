@@ -170,7 +170,7 @@ fn host_read_bandwidth(bytes: u64) -> f64 {
     bytes as f64 / times[times.len() / 2]
 }
 
-#[derive(Default)]
+#[derive(Clone, Default)]
 struct Series(Vec<f64>);
 
 impl Series {
@@ -663,8 +663,12 @@ fn main() -> Result<()> {
 /// through `Batch::generate`: choices on the GPU, `--run-ahead` as for one session; at most 3
 /// timed repeats), every session with its own set: session k applies `adapters[0]`,
 /// `adapters[1]` or none, by k mod 3; the last repeat's dispatches and submits per step as the
-/// engine counted them (its pool copies included). With `--profile`, one more generation per
-/// session count timed per kernel family (per step: a step is one token of every session).
+/// engine counted them (its pool copies included). The session counts run round by round (each
+/// repeat runs every count once, the order turning each repeat), and each repeat's rate over the
+/// same repeat's rate of the first count is reported (`speedup_over_first_paired`), so that the
+/// machine's drift between the counts does not enter the ratio. With `--profile`, one more
+/// generation per session count timed per kernel family (per step: a step is one token of every
+/// session).
 fn batched(
     model: &Arc<Model>,
     adapters: [&Arc<LoraAdapter>; 2],
@@ -674,49 +678,64 @@ fn batched(
     let prompt = &ids[..ids.len().min(8)];
     let steps = args.decode.min(16);
     let opts = SessionOptions { max_context: prompt.len() + steps + 1, max_batch: prompt.len() };
-    let mut rows = Vec::new();
-    for &n in &args.batch_sessions {
-        let mut sessions = Vec::with_capacity(n);
-        for k in 0..n {
-            let mut s = Session::new(model.clone(), opts.clone())?;
-            s.set_adapter(adapters.get(k % 3).map(|a| ((*a).clone(), 1.0)))?;
-            sessions.push(s);
-        }
+    let counts = &args.batch_sessions;
+    // The largest count's sessions; a count of n steps the first n.
+    let mut sessions = Vec::new();
+    for k in 0..counts.iter().copied().max().unwrap_or(0) {
+        let mut s = Session::new(model.clone(), opts.clone())?;
+        s.set_adapter(adapters.get(k % 3).map(|a| ((*a).clone(), 1.0)))?;
+        sessions.push(s);
+    }
+    let mut batches = Vec::with_capacity(counts.len());
+    for &n in counts {
         let mut batch = Batch::new(model.clone(), n)?;
         if let RunAhead(Some(on)) = args.run_ahead {
             batch.set_run_ahead(on);
         }
-        let prompts = vec![prompt; n];
-        let fed = vec![prompt.len() - 1; n];
-        let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
-        let mut tps = Series::default();
-        let mut work = Default::default();
-        for rep in 0..=args.repeats.min(3) {
-            let mut refs = restart(&mut sessions, prompt)?;
+        batches.push(batch);
+    }
+    let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
+    let mut tps = vec![Series::default(); counts.len()];
+    let mut paired = vec![Series::default(); counts.len()];
+    let mut work = vec![Default::default(); counts.len()];
+    for rep in 0..=args.repeats.min(3) {
+        let mut rates = vec![f64::NAN; counts.len()];
+        for turn in 0..counts.len() {
+            let i = (turn + rep) % counts.len();
+            let n = counts[i];
+            let mut refs = restart(&mut sessions[..n], prompt)?;
+            let (prompts, fed) = (vec![prompt; n], vec![prompt.len() - 1; n]);
             let (t, before) = (Instant::now(), model.ctx.counters());
-            let out = batch.generate(&mut refs, &prompts, &fed, &params)?;
-            let rate = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
-            work = model.ctx.counters() - before;
-            eprintln!("batched {n} rep {rep}: {rate:.2} tok/s in all");
-            if rep > 0 {
-                tps.0.push(rate);
+            let out = batches[i].generate(&mut refs, &prompts, &fed, &params)?;
+            rates[i] = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
+            work[i] = model.ctx.counters() - before;
+            eprintln!("batched {n} rep {rep}: {:.2} tok/s in all", rates[i]);
+        }
+        if rep > 0 {
+            for (i, &rate) in rates.iter().enumerate() {
+                tps[i].0.push(rate);
+                paired[i].0.push(rate / rates[0]);
             }
         }
-        let run_ahead = batch.run_ahead();
-        // Counted by the engine over the last generation (its pool copies included).
+    }
+    let mut rows = Vec::with_capacity(counts.len());
+    for (i, &n) in counts.iter().enumerate() {
+        // Counted by the engine over the count's last generation (its pool copies included).
         let per_step = |count: u64| count as f64 / steps.max(1) as f64;
         let mut row = serde_json::json!({
             "sessions": n,
             "steps": steps,
-            "run_ahead": run_ahead,
-            "decode_tok_s": tps.json(),
-            "dispatches_per_step": per_step(work.dispatches),
-            "submits_per_step": per_step(work.submits),
+            "run_ahead": batches[i].run_ahead(),
+            "decode_tok_s": tps[i].json(),
+            "speedup_over_first_paired": paired[i].json(),
+            "dispatches_per_step": per_step(work[i].dispatches),
+            "submits_per_step": per_step(work[i].submits),
         });
-        if args.profile && batch.start_profile() {
-            let mut refs = restart(&mut sessions, prompt)?;
-            batch.generate(&mut refs, &prompts, &fed, &params)?;
-            let p = batch.take_profile().unwrap_or_default();
+        if args.profile && batches[i].start_profile() {
+            let mut refs = restart(&mut sessions[..n], prompt)?;
+            let (prompts, fed) = (vec![prompt; n], vec![prompt.len() - 1; n]);
+            batches[i].generate(&mut refs, &prompts, &fed, &params)?;
+            let p = batches[i].take_profile().unwrap_or_default();
             row["profile_per_step"] = serde_json::json!(family_table(&p.submits, p.submits.len().max(1) as f64));
         }
         rows.push(row);
