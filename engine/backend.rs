@@ -11,7 +11,7 @@ use crate::learn::{FeedbackEvent, LearnOptions, LearnReport, TrainSpec};
 use crate::lora::{AdapterInfo, LayerScales};
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
-use crate::text::{ChatDelta, ChatReply, ChatRequest, ReplyParser, TextError, TextTokenizer};
+use crate::text::{ChatDelta, ChatReply, ChatRequest, ReplyParser, TextError, TextStream, TextTokenizer};
 
 /// The id of a resident adapter.
 pub type AdapterId = String;
@@ -190,6 +190,53 @@ impl<'a> StopFilter<'a> {
     }
 }
 
+/// One generation's text as its tokens come: decoded as a stream, cut at the first stop string
+/// (held back while a tail could still become one), its deltas handed to the caller, who may
+/// stop it; once the caller returned `false` it is not called again (not even for the
+/// held-back tail).
+pub(crate) struct TextOut<'a> {
+    stream: TextStream<'a>,
+    filter: StopFilter<'a>,
+    failure: Option<TextError>,
+    caller_stopped: bool,
+}
+
+impl<'a> TextOut<'a> {
+    pub(crate) fn new(tok: &'a TextTokenizer, stop: &'a [String]) -> Self {
+        Self { stream: tok.stream(), filter: StopFilter::new(stop), failure: None, caller_stopped: false }
+    }
+
+    /// Take token `id`, handing `on_text` what is safe to emit; whether to go on (no stop
+    /// string, the caller did not stop, the decoder did not fail).
+    pub(crate) fn token(&mut self, id: u32, on_text: &mut dyn FnMut(&str) -> bool) -> bool {
+        match self.stream.step(id) {
+            Ok(Some(delta)) => {
+                let safe = self.filter.push(&delta);
+                self.caller_stopped = !safe.is_empty() && !on_text(safe);
+                !self.caller_stopped && !self.filter.stopped
+            }
+            Ok(None) => true,
+            Err(e) => {
+                self.failure = Some(e);
+                false
+            }
+        }
+    }
+
+    /// The generation ended: the held-back tail to `on_text`, and the whole text (up to the
+    /// stop string), or the decoder's failure.
+    pub(crate) fn finish(mut self, on_text: &mut dyn FnMut(&str) -> bool) -> Result<String, TextError> {
+        if let Some(e) = self.failure {
+            return Err(e);
+        }
+        let tail = self.filter.finish().to_string();
+        if !tail.is_empty() && !self.caller_stopped {
+            on_text(&tail);
+        }
+        Ok(self.filter.text)
+    }
+}
+
 /// An LLM engine as an application embeds it: text in, text out (through the model's own
 /// tokenizer and chat template), with token-id entry points underneath.
 pub trait LlmBackend {
@@ -251,31 +298,9 @@ pub trait LlmBackend {
         on_text: &mut dyn FnMut(&str) -> bool,
     ) -> Result<String, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
-        let mut stream = tok.stream();
-        let mut filter = StopFilter::new(&params.stop);
-        let mut failure = None;
-        // Once `on_text` returned false it is not called again (not even for the held-back tail).
-        let mut caller_stopped = false;
-        self.generate_tokens(ids, params, &mut |id| match stream.step(id) {
-            Ok(Some(delta)) => {
-                let safe = filter.push(&delta);
-                caller_stopped = !safe.is_empty() && !on_text(safe);
-                !caller_stopped && !filter.stopped
-            }
-            Ok(None) => true,
-            Err(e) => {
-                failure = Some(e);
-                false
-            }
-        })?;
-        if let Some(e) = failure {
-            return Err(e.into());
-        }
-        let tail = filter.finish().to_string();
-        if !tail.is_empty() && !caller_stopped {
-            on_text(&tail);
-        }
-        Ok(filter.text)
+        let mut text = TextOut::new(&tok, &params.stop);
+        self.generate_tokens(ids, params, &mut |id| text.token(id, on_text))?;
+        Ok(text.finish(on_text)?)
     }
 
     /// Generate from raw `prompt` text and return the text.

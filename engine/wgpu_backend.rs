@@ -4,7 +4,9 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use crate::backend::{ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo};
+use crate::backend::{
+    ActiveAdapterInfo, AdapterId, AdapterSwitch, AdapterWeight, BackendError, LlmBackend, ModelInfo, TextOut,
+};
 use crate::error::{AdapterError, LearnError, RunError};
 use crate::gpu::GpuContext;
 use crate::learn::{
@@ -267,6 +269,17 @@ impl WgpuBackend {
         requests: &[(SessionId, &[u32])],
         params: &GenerateParams,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
+        self.generate_batch_with(requests, params, &mut |_, _| true)
+    }
+
+    /// [`WgpuBackend::generate_batch`], handing each request's tokens to `on_token(i, id)`
+    /// (request `i`) as they come: `false` ends request `i` at that token, the others go on.
+    pub fn generate_batch_with(
+        &mut self,
+        requests: &[(SessionId, &[u32])],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
         if !params.stop.is_empty() {
             return Err(RunError::BadParam {
                 name: "stop",
@@ -275,6 +288,45 @@ impl WgpuBackend {
             }
             .into());
         }
+        self.batch_ids(requests, params, on_token)
+    }
+
+    /// Generate for several sessions at once from raw text (no chat template): request `i`
+    /// continues session `requests[i].0` with the prompt text `requests[i].1`, as
+    /// [`LlmBackend::generate_stream`] does for one session (the same tokens, each session under
+    /// its own adapter set and prompt cache), the sessions decoding together as in
+    /// [`WgpuBackend::generate_batch`]. Each request stops at EOS, `max_tokens` or the first of
+    /// `params.stop` (not included) on its own; `on_text(i, delta)` gets request `i`'s text as it
+    /// is generated (deltas never split a UTF-8 character) and returns `false` to stop that
+    /// request (it is not called for it again). Returns each request's text, in order.
+    pub fn generate_batch_stream(
+        &mut self,
+        requests: &[(SessionId, &str)],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(usize, &str) -> bool,
+    ) -> Result<Vec<String>, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
+        let ids = requests.iter().map(|(_, text)| tok.encode(text)).collect::<Result<Vec<_>, _>>()?;
+        let by_ids: Vec<(SessionId, &[u32])> =
+            requests.iter().zip(&ids).map(|((id, _), p)| (*id, p.as_slice())).collect();
+        // Generation stops a request's row as soon as its text does: at a stop string, when the
+        // caller stops it or when its decoding fails.
+        let mut texts: Vec<TextOut> = requests.iter().map(|_| TextOut::new(&tok, &params.stop)).collect();
+        self.batch_ids(&by_ids, params, &mut |i, id| texts[i].token(id, &mut |delta| on_text(i, delta)))?;
+        let mut out = Vec::with_capacity(texts.len());
+        for (i, text) in texts.into_iter().enumerate() {
+            out.push(text.finish(&mut |delta| on_text(i, delta))?);
+        }
+        Ok(out)
+    }
+
+    /// [`WgpuBackend::generate_batch_with`] for requests whose stop strings the caller applies.
+    fn batch_ids(
+        &mut self,
+        requests: &[(SessionId, &[u32])],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
         let budget = self.snapshot_budget;
         let loaded = self.loaded()?;
         for (i, (id, _)) in requests.iter().enumerate() {
@@ -321,7 +373,7 @@ impl WgpuBackend {
         let prompts: Vec<&[u32]> = requests.iter().map(|(_, p)| *p).collect();
         let out = {
             let mut rows: Vec<&mut Session> = convs.iter_mut().map(|(_, c)| &mut c.session).collect();
-            batch.as_mut().ok_or(BackendError::NoModel)?.generate(&mut rows, &prompts, &fed, params)
+            batch.as_mut().ok_or(BackendError::NoModel)?.generate_with(&mut rows, &prompts, &fed, params, on_token)
         };
         for (i, c) in convs.iter_mut() {
             match &out {

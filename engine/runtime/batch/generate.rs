@@ -44,6 +44,20 @@ impl Batch {
         fed: &[usize],
         params: &GenerateParams,
     ) -> Result<Vec<Vec<u32>>, RunError> {
+        self.generate_with(sessions, prompts, fed, params, &mut |_, _| true)
+    }
+
+    /// [`Batch::generate`], handing each session's tokens to `on_token(i, id)` (session `i`, in
+    /// the order they are chosen) as they come: `false` ends session `i`'s generation at that
+    /// token (it stays the last of its output, as EOS does), the other sessions go on.
+    pub fn generate_with(
+        &mut self,
+        sessions: &mut [&mut Session],
+        prompts: &[&[u32]],
+        fed: &[usize],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<Vec<u32>>, RunError> {
         let n = sessions.len();
         self.check_rows(sessions)?;
         if prompts.len() != n || fed.len() != n {
@@ -70,7 +84,7 @@ impl Batch {
             return Ok(vec![Vec::new(); n]);
         }
         if let [only] = sessions {
-            return Ok(vec![self.generate_alone(only, prompts[0], fed[0], params)?]);
+            return Ok(vec![self.generate_alone(only, prompts[0], fed[0], params, on_token)?]);
         }
         let mut next: Vec<u32> = Vec::with_capacity(n);
         for (i, s) in sessions.iter_mut().enumerate() {
@@ -86,9 +100,9 @@ impl Batch {
         // Plain greedy rows (the same params for every row) are chosen on the GPU; sampled rows
         // draw from candidates found on the GPU where the settings allow (`generate`'s rule).
         let out = if samplers.first().is_some_and(Sampler::is_plain_greedy) {
-            self.generate_greedy(sessions, &next, params, pooled)
+            self.generate_greedy(sessions, &next, params, pooled, on_token)
         } else {
-            self.generate_sampled(sessions, prompts, next, samplers, params, pooled)
+            self.generate_sampled(sessions, prompts, (next, samplers), params, pooled, on_token)
         };
         self.pool_out(sessions, pooled);
         out
@@ -149,10 +163,10 @@ impl Batch {
         &mut self,
         sessions: &mut [&mut Session],
         prompts: &[&[u32]],
-        mut next: Vec<u32>,
-        mut samplers: Vec<Sampler>,
+        (mut next, mut samplers): (Vec<u32>, Vec<Sampler>),
         params: &GenerateParams,
         pooled: Pooled,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let n = sessions.len();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); n];
@@ -209,7 +223,8 @@ impl Batch {
                 history[i].push(id);
                 out[i].push(id);
                 next[i] = id;
-                let done = (params.stop_at_eos && eos.contains(&id)) || out[i].len() >= params.max_tokens;
+                let done =
+                    !on_token(i, id) || (params.stop_at_eos && eos.contains(&id)) || out[i].len() >= params.max_tokens;
                 if !done && sessions[i].pos < sessions[i].opts.max_context {
                     still.push(i);
                 }
@@ -229,6 +244,7 @@ impl Batch {
         prompt: &[u32],
         fed: usize,
         params: &GenerateParams,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<u32>, RunError> {
         // The prompt ends at position `end`; each token but the last one returned takes one more.
         let end = s.pos + (prompt.len() - fed);
@@ -237,7 +253,7 @@ impl Batch {
         let own = (s.run_ahead, s.profile.take());
         s.run_ahead = self.run_ahead;
         s.profile = self.profile.take();
-        let out = s.generate_from_with(prompt, fed, &params, |_, _| Ok::<_, RunError>(true));
+        let out = s.generate_from_with(prompt, fed, &params, |id, _| Ok::<_, RunError>(on_token(0, id)));
         self.profile = s.profile.take();
         (s.run_ahead, s.profile) = own;
         out
@@ -253,6 +269,7 @@ impl Batch {
         first: &[u32],
         params: &GenerateParams,
         pooled: Pooled,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<Vec<u32>>, RunError> {
         let eos = self.model.eos_token_ids.clone();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); sessions.len()];
@@ -291,7 +308,8 @@ impl Batch {
                     return Err(RunError::NonFiniteLogits { position: sessions[i].pos - 1 });
                 }
                 out[i].push(id);
-                let done = (params.stop_at_eos && eos.contains(&id)) || out[i].len() >= params.max_tokens;
+                let done =
+                    !on_token(i, id) || (params.stop_at_eos && eos.contains(&id)) || out[i].len() >= params.max_tokens;
                 if !done && sessions[i].pos < sessions[i].opts.max_context {
                     still.push(i);
                     next.push(id);
