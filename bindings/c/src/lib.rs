@@ -79,6 +79,12 @@ pub type qe_session = u64;
 /// for the very call that runs that callback).
 pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
+/// Streaming callback of qe_generate_batch: request `index`'s text, as for qe_delta_fn. Return 0
+/// to stop that request (the call goes on with the others; the callback is not called for it
+/// again). The same rules inside the callback as for qe_delta_fn.
+pub type qe_batch_delta_fn =
+    Option<unsafe extern "C" fn(index: usize, text: *const c_char, len: usize, user: *mut c_void) -> i32>;
+
 /// The ABI version: bumped whenever a function's signature or meaning changes.
 pub const QE_ABI_VERSION: u32 = 2;
 
@@ -843,6 +849,88 @@ pub unsafe extern "C" fn qe_generate(
             let text = b.generate_stream(prompt, &params.into(), &mut |d| sink.push(d))?;
             finish(&sink, text_out, text, "text_out")
         })
+    })
+}
+
+/// The most requests one qe_generate_batch takes: the sessions an engine keeps open.
+const MAX_BATCH: usize = qwen35_wgpu::MAX_SESSIONS;
+
+/// Continue `n` sessions at once, each with its raw text prompt (no chat template), and generate:
+/// request `i` is `sessions[i]` with `prompts[i]`, as qe_generate would run it alone (its
+/// adapter set, its prompt cache, the same text), and the sessions decode together (each step
+/// reads the weights once for all of them). `params_json` as in qe_generate; each request stops
+/// at EOS, `max_tokens` or a stop string on its own. `on_delta` (may be null) gets each
+/// request's text as it is generated, with the request's index; returning 0 stops that request.
+/// Writes request `i`'s whole text to `texts_out[i]` (free each with qe_string_free), also
+/// after QE_CANCELLED; after another failure `texts_out` is left as it was. A session asked for
+/// twice is QE_INVALID_ARGUMENT, and so are more than 64 requests; `n` = 0 does nothing.
+///
+/// # Safety
+/// `sessions` and `prompts` are null or valid for `n` reads, each prompt null or a
+/// NUL-terminated string; `params_json` as in qe_generate; `texts_out` is null or valid for `n`
+/// writes; `on_delta` is null or a function that may be called with `user` during the call.
+#[no_mangle]
+pub unsafe extern "C" fn qe_generate_batch(
+    engine: qe_engine,
+    sessions: *const qe_session,
+    prompts: *const *const c_char,
+    n: usize,
+    params_json: *const c_char,
+    on_delta: qe_batch_delta_fn,
+    user: *mut c_void,
+    texts_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        let e = self::engine(engine)?;
+        if n == 0 {
+            return Ok(());
+        }
+        if n > MAX_BATCH {
+            return Err(Fail::arg(format!("n is {n}: at most {MAX_BATCH} requests (an engine's sessions)")));
+        }
+        need(sessions.cast_mut(), "sessions")?;
+        need(prompts.cast_mut(), "prompts")?;
+        need(texts_out, "texts_out")?;
+        // SAFETY: non-null, and by the caller's contract valid for n reads.
+        let (handles, prompt_ptrs) =
+            unsafe { (std::slice::from_raw_parts(sessions, n), std::slice::from_raw_parts(prompts, n)) };
+        let mut texts = Vec::with_capacity(n);
+        for (i, &p) in prompt_ptrs.iter().enumerate() {
+            // SAFETY: the caller's contract.
+            texts.push(unsafe { text(p, &format!("prompts[{i}]")) }?);
+        }
+        // SAFETY: the caller's contract.
+        let params: Params = unsafe { parse(params_json, "params_json", true) }?;
+        let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
+        let mut st = lock(&e)?;
+        let mut requests = Vec::with_capacity(n);
+        for (&handle, prompt) in handles.iter().zip(texts) {
+            requests.push((st.session(engine, handle)?.1, prompt));
+        }
+        let mut sink = Sink::new(None, user, entry);
+        let mut stopped = vec![false; n];
+        let out = st.backend.generate_batch_stream(&requests, &params.into(), &mut |i, delta| {
+            if !sink.tick() || stopped[i] {
+                return false;
+            }
+            let Some(f) = on_delta else { return true };
+            IN_CALLBACK.with(|c| c.borrow_mut().push(sink.entry.engine.id));
+            // SAFETY: the caller's callback, given valid text for the duration of the call.
+            let go_on = unsafe { f(i, delta.as_ptr().cast(), delta.len(), sink.user) } != 0;
+            IN_CALLBACK.with(|c| c.borrow_mut().pop());
+            stopped[i] = !go_on;
+            go_on
+        })?;
+        // SAFETY: non-null, and by the caller's contract valid for n writes.
+        let slots = unsafe { std::slice::from_raw_parts_mut(texts_out, n) };
+        for (slot, text) in slots.iter_mut().zip(out) {
+            // SAFETY: one element of the caller's array, valid for a write.
+            unsafe { put_string(slot, text, "texts_out") }?;
+        }
+        if sink.cancelled {
+            return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
+        }
+        Ok(())
     })
 }
 

@@ -61,6 +61,40 @@ static int32_t count_deltas(const char *text, size_t len, void *user) {
     return c->stop_after > 0 && c->deltas >= c->stop_after ? 0 : 1;
 }
 
+/* Collects qe_generate_batch's deltas per request; stops request `stop_index` after
+   `stop_after` deltas when that is > 0. */
+typedef struct {
+    char text[3][2048];
+    int deltas[3];
+    int bad_index;
+    size_t stop_index;
+    int stop_after;
+} batch_seen;
+
+static int32_t collect_batch(size_t index, const char *text, size_t len, void *user) {
+    batch_seen *b = (batch_seen *)user;
+    if (index >= 3) {
+        b->bad_index = 1;
+        return 0;
+    }
+    size_t have = strlen(b->text[index]);
+    if (have + len < sizeof b->text[index]) {
+        memcpy(b->text[index] + have, text, len);
+        b->text[index][have + len] = 0;
+    }
+    b->deltas[index]++;
+    return b->stop_after > 0 && index == b->stop_index && b->deltas[index] >= b->stop_after ? 0 : 1;
+}
+
+/* Raw-text generation in one session (caller frees). */
+static char *generate_ok(qe_engine e, qe_session s, const char *prompt, const char *params) {
+    char *text = NULL;
+    MUST(qe_generate(e, s, prompt, params, NULL, NULL, &text));
+    char *copy = strdup(text);
+    qe_string_free(text);
+    return copy;
+}
+
 /* The "content" string of a reply JSON (a copy; the demo's answers hold no escapes). */
 static char *content_of(const char *reply) {
     const char *key = "\"content\":\"";
@@ -287,6 +321,62 @@ int main(int argc, char **argv) {
     CHECK(strcmp(in_s2, shout) == 0 && strcmp(in_s1, french) == 0, "two sessions: %s / %s", in_s2, in_s1);
     free(in_s2);
     free(in_s1);
+
+    /* Three sessions (french, shout, none) generate together, each as it does alone: the same
+       text, also with a stop string, and a request its callback stops ends alone. */
+    qe_session s3 = 0;
+    MUST(qe_session_create(e, &s3));
+    const char *prompt = "What color is the sky?";
+    const qe_session trio[3] = {s, s2, s3};
+    const char *prompts[3] = {prompt, prompt, prompt};
+    const char *batch_params[2] = {"{\"max_tokens\": 12, \"stop_at_eos\": false}",
+                                   "{\"max_tokens\": 12, \"stop_at_eos\": false, \"stop\": [\"E\", \"e\"]}"};
+    char *alone[3] = {NULL, NULL, NULL};
+    for (int round = 0; round < 2; round++) {
+        for (int i = 0; i < 3; i++) alone[i] = generate_ok(e, trio[i], prompt, batch_params[round]);
+        CHECK(round == 1 || (strcmp(alone[0], alone[1]) != 0 && strcmp(alone[1], alone[2]) != 0), "three sets, three texts: %s / %s / %s",
+              alone[0], alone[1], alone[2]);
+        batch_seen seen_b;
+        memset(&seen_b, 0, sizeof seen_b);
+        char *texts[3] = {NULL, NULL, NULL};
+        MUST(qe_generate_batch(e, trio, prompts, 3, batch_params[round], collect_batch, &seen_b, texts));
+        for (int i = 0; i < 3; i++) {
+            CHECK(strcmp(texts[i], alone[i]) == 0, "round %d, request %d: batched %s, alone %s", round, i, texts[i],
+                  alone[i]);
+            CHECK(strcmp(seen_b.text[i], texts[i]) == 0, "round %d, request %d: the deltas %s add up to %s", round, i,
+                  seen_b.text[i], texts[i]);
+            qe_string_free(texts[i]);
+        }
+        CHECK(!seen_b.bad_index, "callback indices within the batch");
+        if (round == 0) printf("batch of three: %s / %s / %s\n", alone[0], alone[1], alone[2]);
+        if (round == 1) {
+            /* Stopped by its callback after one delta: request 1 alone ends early. */
+            memset(&seen_b, 0, sizeof seen_b);
+            seen_b.stop_index = 1;
+            seen_b.stop_after = 1;
+            MUST(qe_generate_batch(e, trio, prompts, 3, batch_params[0], collect_batch, &seen_b, texts));
+            CHECK(seen_b.deltas[1] == 1 && strlen(texts[1]) < 12, "request 1 stopped after one delta: %d, %s",
+                  seen_b.deltas[1], texts[1]);
+            for (int i = 0; i < 3; i++) qe_string_free(texts[i]);
+        }
+        for (int i = 0; i < 3; i++) free(alone[i]);
+    }
+    char *untouched[3] = {NULL, NULL, NULL};
+    const qe_session twice[2] = {s, s};
+    CHECK(qe_generate_batch(e, twice, prompts, 2, NULL, NULL, NULL, untouched) == QE_INVALID_ARGUMENT &&
+              untouched[0] == NULL,
+          "a session asked for twice");
+    const qe_session unknown[2] = {s, 12345};
+    CHECK(qe_generate_batch(e, unknown, prompts, 2, NULL, NULL, NULL, untouched) == QE_INVALID_HANDLE, "an unknown session");
+    CHECK(qe_generate_batch(e, trio, NULL, 3, NULL, NULL, NULL, untouched) == QE_INVALID_ARGUMENT, "null prompts");
+    const char *with_null[3] = {prompt, NULL, prompt};
+    CHECK(qe_generate_batch(e, trio, with_null, 3, NULL, NULL, NULL, untouched) == QE_INVALID_ARGUMENT &&
+              strstr(qe_last_error(), "prompts[1]") != NULL,
+          "a null prompt, named");
+    CHECK(qe_generate_batch(e, NULL, NULL, 0, NULL, NULL, NULL, NULL) == QE_OK, "an empty batch");
+    CHECK(qe_generate_batch(e + 1000, trio, prompts, 3, NULL, NULL, NULL, untouched) == QE_INVALID_HANDLE,
+          "an unknown engine");
+    MUST(qe_session_free(e, s3));
 
     /* The two sessions' prompt-cache snapshots: a zero budget frees them, and answers stay. */
     uint64_t held = 0;
