@@ -361,6 +361,25 @@ int main(int argc, char **argv) {
         }
         for (int i = 0; i < 3; i++) free(alone[i]);
     }
+    /* A cancel from a second thread stops every request of a batch; the texts so far come back. */
+    {
+        canceller cb = {e, 0};
+        pthread_t cth;
+        pthread_create(&cth, NULL, cancel_loop, &cb);
+        char *texts[3] = {NULL, NULL, NULL};
+        batch_seen seen_c;
+        memset(&seen_c, 0, sizeof seen_c);
+        qe_status cs = qe_generate_batch(e, trio, prompts, 3, "{\"max_tokens\": 64, \"stop_at_eos\": false}",
+                                         collect_batch, &seen_c, texts);
+        cb.done = 1;
+        pthread_join(cth, NULL);
+        CHECK(cs == QE_CANCELLED, "a cancelled batch: status %d", (int)cs);
+        for (int i = 0; i < 3; i++) {
+            CHECK(texts[i] != NULL && seen_c.deltas[i] < 64, "request %d of the cancelled batch: %d deltas", i,
+                  seen_c.deltas[i]);
+            qe_string_free(texts[i]);
+        }
+    }
     char *untouched[3] = {NULL, NULL, NULL};
     const qe_session twice[2] = {s, s};
     CHECK(qe_generate_batch(e, twice, prompts, 2, NULL, NULL, NULL, untouched) == QE_INVALID_ARGUMENT &&
