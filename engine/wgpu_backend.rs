@@ -15,7 +15,7 @@ use crate::learn::{
 use crate::lora::{AdapterInfo, LoraAdapter};
 use crate::model::{LoadOptions, Model};
 use crate::runtime::{ActiveAdapter, Batch, GenerateParams, PromptCache, Session, SessionOptions};
-use crate::text::{ChatMessage, TextTokenizer};
+use crate::text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, ReplyParser, TextTokenizer};
 
 /// A backend session's id ([`WgpuBackend::create_session`]); never reused while the backend
 /// lives.
@@ -309,10 +309,52 @@ impl WgpuBackend {
         let ids = requests.iter().map(|(_, text)| tok.encode(text)).collect::<Result<Vec<_>, _>>()?;
         let by_ids: Vec<(SessionId, &[u32])> =
             requests.iter().zip(&ids).map(|((id, _), p)| (*id, p.as_slice())).collect();
+        self.batch_text(&tok, &by_ids, params, on_text)
+    }
+
+    /// One chat turn in each of several sessions at once: request `i` is
+    /// [`LlmBackend::chat`] of `requests[i].1` in session `requests[i].0` (its template, its
+    /// adapter set and prompt cache, the same reply), the sessions decoding together as in
+    /// [`WgpuBackend::generate_batch`]. `on_delta(i, delta)` gets request `i`'s reply as it is
+    /// generated and returns `false` to stop that request (it is not called for it again); each
+    /// request stops at EOS, `max_tokens` or the first of `params.stop` on its own. Returns each
+    /// request's reply, in order.
+    pub fn chat_batch(
+        &mut self,
+        requests: &[(SessionId, &ChatRequest)],
+        params: &GenerateParams,
+        on_delta: &mut dyn FnMut(usize, ChatDelta<'_>) -> bool,
+    ) -> Result<Vec<ChatReply>, BackendError> {
+        let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
+        let prompts = requests.iter().map(|(_, r)| tok.render_chat(r)).collect::<Result<Vec<_>, _>>()?;
+        let ids = prompts.iter().map(|p| tok.encode_prompt(p)).collect::<Result<Vec<_>, _>>()?;
+        let by_ids: Vec<(SessionId, &[u32])> =
+            requests.iter().zip(&ids).map(|((id, _), p)| (*id, p.as_slice())).collect();
+        let mut parsers: Vec<ReplyParser> =
+            prompts.iter().zip(requests).map(|(p, (_, r))| ReplyParser::new(p, r.tools.as_deref())).collect();
+        // Once `on_delta` returned false for a request it is not called for it again.
+        let mut open = vec![true; requests.len()];
+        let mut emit = |i: usize, d: ChatDelta<'_>, open: &mut [bool]| {
+            open[i] = open[i] && on_delta(i, d);
+            open[i]
+        };
+        self.batch_text(&tok, &by_ids, params, &mut |i, delta| parsers[i].push(delta, &mut |d| emit(i, d, &mut open)))?;
+        Ok(parsers.into_iter().enumerate().map(|(i, p)| p.finish(&mut |d| emit(i, d, &mut open))).collect())
+    }
+
+    /// Several requests' token ids decoded together, each request's text as
+    /// [`LlmBackend::generate_stream_ids`] makes it for one (`on_text` with the request's index).
+    fn batch_text(
+        &mut self,
+        tok: &TextTokenizer,
+        requests: &[(SessionId, &[u32])],
+        params: &GenerateParams,
+        on_text: &mut dyn FnMut(usize, &str) -> bool,
+    ) -> Result<Vec<String>, BackendError> {
         // Generation stops a request's row as soon as its text does: at a stop string, when the
         // caller stops it or when its decoding fails.
-        let mut texts: Vec<TextOut> = requests.iter().map(|_| TextOut::new(&tok, &params.stop)).collect();
-        self.batch_ids(&by_ids, params, &mut |i, id| texts[i].token(id, &mut |delta| on_text(i, delta)))?;
+        let mut texts: Vec<TextOut> = requests.iter().map(|_| TextOut::new(tok, &params.stop)).collect();
+        self.batch_ids(requests, params, &mut |i, id| texts[i].token(id, &mut |delta| on_text(i, delta)))?;
         let mut out = Vec::with_capacity(texts.len());
         for (i, text) in texts.into_iter().enumerate() {
             out.push(text.finish(&mut |delta| on_text(i, delta))?);

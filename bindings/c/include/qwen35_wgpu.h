@@ -246,6 +246,19 @@ qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const 
 // As qe_generate, with `request_json` for `prompt`.
 qe_status qe_chat(qe_engine engine, qe_session session, const char *request_json, const char *params_json, qe_delta_fn on_delta, void *user, char **reply_out);
 
+// One chat turn in each of `n` sessions at once: request `i` is qe_chat of `requests_json[i]`
+// in `sessions[i]` (its template, adapter set and prompt cache, the same reply), the sessions
+// decoding together as in qe_generate_batch. `params_json` as in qe_generate; `on_delta` (may
+// be null) gets each request's answer text with the request's index, returning 0 stops that
+// request. Writes request `i`'s reply JSON (as qe_chat's) to `replies_out[i]` (free each with
+// qe_string_free), also after QE_CANCELLED; after another failure `replies_out` is left as it
+// was. The same refusals as qe_generate_batch, and a malformed request is QE_INVALID_ARGUMENT
+// naming its index.
+//
+// # Safety
+// As qe_generate_batch, with `requests_json` for `prompts` and `replies_out` for `texts_out`.
+qe_status qe_chat_batch(qe_engine engine, const qe_session *sessions, const char *const *requests_json, size_t n, const char *params_json, qe_batch_delta_fn on_delta, void *user, char **replies_out);
+
 // An embedding of `text` (the mean of the final hidden states; uses and resets `session`):
 // writes up to `capacity` floats to `out` and their number to `len_out`. When `capacity` is
 // too small nothing is written to `out`, `len_out` gets the size needed and the call returns

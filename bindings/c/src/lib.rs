@@ -852,8 +852,96 @@ pub unsafe extern "C" fn qe_generate(
     })
 }
 
-/// The most requests one qe_generate_batch takes: the sessions an engine keeps open.
+/// The most requests one batch call takes: the sessions an engine keeps open.
 const MAX_BATCH: usize = qwen35_wgpu::MAX_SESSIONS;
+
+/// A batch call's streaming sink over the C callback and the engine's cancel count: `cancelled`
+/// tells whether a cancel stopped the call, `stopped[i]` whether the callback stopped request
+/// `i` (it is not called for it again).
+struct BatchSink<'a> {
+    cb: qe_batch_delta_fn,
+    user: *mut c_void,
+    entry: Entry<'a>,
+    cancelled: bool,
+    stopped: Vec<bool>,
+}
+
+impl BatchSink<'_> {
+    /// Whether request `i` goes on (false once the engine was cancelled after the call was
+    /// made, or the callback stopped it).
+    fn tick(&mut self, i: usize) -> bool {
+        if self.entry.engine.cancels.load(Ordering::SeqCst) != self.entry.cancels {
+            self.cancelled = true;
+        }
+        !self.cancelled && !self.stopped[i]
+    }
+
+    fn push(&mut self, i: usize, delta: &str) -> bool {
+        if !self.tick(i) {
+            return false;
+        }
+        let Some(f) = self.cb else { return true };
+        IN_CALLBACK.with(|c| c.borrow_mut().push(self.entry.engine.id));
+        // SAFETY: the caller's callback, given valid text for the duration of the call.
+        let go_on = unsafe { f(i, delta.as_ptr().cast(), delta.len(), self.user) } != 0;
+        IN_CALLBACK.with(|c| c.borrow_mut().pop());
+        self.stopped[i] = !go_on;
+        go_on
+    }
+}
+
+/// The course qe_generate_batch and qe_chat_batch share: the `n` sessions and the `n` strings
+/// at `inputs` (named `input` in errors, `input[i]`) checked, the sessions' backend ids found
+/// under the engine's lock, `run` over them with a sink on the callback, and the `n` texts it
+/// returns written to `out` (also after a cancel, which then is the status).
+///
+/// # Safety
+/// `sessions` and `inputs` are null or valid for `n` reads, each input null or a NUL-terminated
+/// string; `out` is null or valid for `n` writes; `cb` is null or a function that may be called
+/// with `user` during the call.
+unsafe fn run_batch(
+    engine: qe_engine,
+    (sessions, inputs, n, input): (*const qe_session, *const *const c_char, usize, &str),
+    (cb, user): (qe_batch_delta_fn, *mut c_void),
+    (out, out_name): (*mut *mut c_char, &str),
+    run: impl FnOnce(&mut WgpuBackend, Vec<(SessionId, &str)>, &mut BatchSink) -> Res<Vec<String>>,
+) -> Res<()> {
+    let e = self::engine(engine)?;
+    if n == 0 {
+        return Ok(());
+    }
+    if n > MAX_BATCH {
+        return Err(Fail::arg(format!("n is {n}: at most {MAX_BATCH} requests (an engine's sessions)")));
+    }
+    need(sessions.cast_mut(), "sessions")?;
+    need(inputs.cast_mut(), input)?;
+    need(out, out_name)?;
+    // SAFETY: non-null, and by the caller's contract valid for n reads.
+    let (handles, ptrs) = unsafe { (std::slice::from_raw_parts(sessions, n), std::slice::from_raw_parts(inputs, n)) };
+    let mut texts = Vec::with_capacity(n);
+    for (i, &p) in ptrs.iter().enumerate() {
+        // SAFETY: the caller's contract.
+        texts.push(unsafe { text(p, &format!("{input}[{i}]")) }?);
+    }
+    let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
+    let mut st = lock(&e)?;
+    let mut requests = Vec::with_capacity(n);
+    for (&handle, text) in handles.iter().zip(texts) {
+        requests.push((st.session(engine, handle)?.1, text));
+    }
+    let mut sink = BatchSink { cb, user, entry, cancelled: false, stopped: vec![false; n] };
+    let results = run(&mut st.backend, requests, &mut sink)?;
+    // SAFETY: non-null, and by the caller's contract valid for n writes.
+    let slots = unsafe { std::slice::from_raw_parts_mut(out, n) };
+    for (slot, text) in slots.iter_mut().zip(results) {
+        // SAFETY: one element of the caller's array, valid for a write.
+        unsafe { put_string(slot, text, out_name) }?;
+    }
+    if sink.cancelled {
+        return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
+    }
+    Ok(())
+}
 
 /// Continue `n` sessions at once, each with its raw text prompt (no chat template), and generate:
 /// request `i` is `sessions[i]` with `prompts[i]`, as qe_generate would run it alone (its
@@ -881,56 +969,19 @@ pub unsafe extern "C" fn qe_generate_batch(
     texts_out: *mut *mut c_char,
 ) -> qe_status {
     guard(|| {
-        let e = self::engine(engine)?;
-        if n == 0 {
-            return Ok(());
-        }
-        if n > MAX_BATCH {
-            return Err(Fail::arg(format!("n is {n}: at most {MAX_BATCH} requests (an engine's sessions)")));
-        }
-        need(sessions.cast_mut(), "sessions")?;
-        need(prompts.cast_mut(), "prompts")?;
-        need(texts_out, "texts_out")?;
-        // SAFETY: non-null, and by the caller's contract valid for n reads.
-        let (handles, prompt_ptrs) =
-            unsafe { (std::slice::from_raw_parts(sessions, n), std::slice::from_raw_parts(prompts, n)) };
-        let mut texts = Vec::with_capacity(n);
-        for (i, &p) in prompt_ptrs.iter().enumerate() {
-            // SAFETY: the caller's contract.
-            texts.push(unsafe { text(p, &format!("prompts[{i}]")) }?);
-        }
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
-        let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
-        let mut st = lock(&e)?;
-        let mut requests = Vec::with_capacity(n);
-        for (&handle, prompt) in handles.iter().zip(texts) {
-            requests.push((st.session(engine, handle)?.1, prompt));
+        let params = params.into();
+        // SAFETY: the caller's contract, as run_batch's.
+        unsafe {
+            run_batch(
+                engine,
+                (sessions, prompts, n, "prompts"),
+                (on_delta, user),
+                (texts_out, "texts_out"),
+                |b, r, sink| Ok(b.generate_batch_stream(&r, &params, &mut |i, delta| sink.push(i, delta))?),
+            )
         }
-        let mut sink = Sink::new(None, user, entry);
-        let mut stopped = vec![false; n];
-        let out = st.backend.generate_batch_stream(&requests, &params.into(), &mut |i, delta| {
-            if !sink.tick() || stopped[i] {
-                return false;
-            }
-            let Some(f) = on_delta else { return true };
-            IN_CALLBACK.with(|c| c.borrow_mut().push(sink.entry.engine.id));
-            // SAFETY: the caller's callback, given valid text for the duration of the call.
-            let go_on = unsafe { f(i, delta.as_ptr().cast(), delta.len(), sink.user) } != 0;
-            IN_CALLBACK.with(|c| c.borrow_mut().pop());
-            stopped[i] = !go_on;
-            go_on
-        })?;
-        // SAFETY: non-null, and by the caller's contract valid for n writes.
-        let slots = unsafe { std::slice::from_raw_parts_mut(texts_out, n) };
-        for (slot, text) in slots.iter_mut().zip(out) {
-            // SAFETY: one element of the caller's array, valid for a write.
-            unsafe { put_string(slot, text, "texts_out") }?;
-        }
-        if sink.cancelled {
-            return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
-        }
-        Ok(())
     })
 }
 
@@ -944,6 +995,19 @@ struct Chat {
     enable_thinking: Option<bool>,
     #[serde(default)]
     vars: serde_json::Map<String, Value>,
+}
+
+impl Chat {
+    /// The request the backend renders.
+    fn request(self) -> ChatRequest {
+        let mut request = ChatRequest::new(self.messages);
+        request.tools = self.tools;
+        request.vars = self.vars;
+        if let Some(on) = self.enable_thinking {
+            request = request.thinking(on);
+        }
+        request
+    }
 }
 
 /// One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
@@ -972,26 +1036,73 @@ pub unsafe extern "C" fn qe_chat(
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         need(reply_out, "reply_out")?;
-        let mut request = ChatRequest::new(chat.messages);
-        request.tools = chat.tools;
-        request.vars = chat.vars;
-        if let Some(on) = chat.enable_thinking {
-            request = request.thinking(on);
-        }
+        let request = chat.request();
         with_session(engine, session, |b, entry| {
             let mut sink = Sink::new(on_delta, user, entry);
             let reply = b.chat(&request, &params.into(), &mut |d| match d {
                 qwen35_wgpu::ChatDelta::Content(c) => sink.push(c),
                 _ => sink.tick(),
             })?;
-            let v = json!({
-                "content": reply.content,
-                "reasoning_content": reply.reasoning_content,
-                "tool_calls": reply.tool_calls,
-                "text": reply.text,
-            });
-            finish(&sink, reply_out, v.to_string(), "reply_out")
+            finish(&sink, reply_out, reply_json(&reply), "reply_out")
         })
+    })
+}
+
+/// A reply as qe_chat writes it.
+fn reply_json(reply: &qwen35_wgpu::ChatReply) -> String {
+    json!({
+        "content": reply.content,
+        "reasoning_content": reply.reasoning_content,
+        "tool_calls": reply.tool_calls,
+        "text": reply.text,
+    })
+    .to_string()
+}
+
+/// One chat turn in each of `n` sessions at once: request `i` is qe_chat of `requests_json[i]`
+/// in `sessions[i]` (its template, adapter set and prompt cache, the same reply), the sessions
+/// decoding together as in qe_generate_batch. `params_json` as in qe_generate; `on_delta` (may
+/// be null) gets each request's answer text with the request's index, returning 0 stops that
+/// request. Writes request `i`'s reply JSON (as qe_chat's) to `replies_out[i]` (free each with
+/// qe_string_free), also after QE_CANCELLED; after another failure `replies_out` is left as it
+/// was. The same refusals as qe_generate_batch, and a malformed request is QE_INVALID_ARGUMENT
+/// naming its index.
+///
+/// # Safety
+/// As qe_generate_batch, with `requests_json` for `prompts` and `replies_out` for `texts_out`.
+#[no_mangle]
+pub unsafe extern "C" fn qe_chat_batch(
+    engine: qe_engine,
+    sessions: *const qe_session,
+    requests_json: *const *const c_char,
+    n: usize,
+    params_json: *const c_char,
+    on_delta: qe_batch_delta_fn,
+    user: *mut c_void,
+    replies_out: *mut *mut c_char,
+) -> qe_status {
+    guard(|| {
+        // SAFETY: the caller's contract.
+        let params: Params = unsafe { parse(params_json, "params_json", true) }?;
+        let params = params.into();
+        let io = (replies_out, "replies_out");
+        // SAFETY: the caller's contract, as run_batch's.
+        unsafe {
+            run_batch(engine, (sessions, requests_json, n, "requests_json"), (on_delta, user), io, |b, r, sink| {
+                let mut requests = Vec::with_capacity(r.len());
+                for (i, (_, json)) in r.iter().enumerate() {
+                    let chat: Chat =
+                        serde_json::from_str(json).map_err(|e| Fail::arg(format!("requests_json[{i}]: {e}")))?;
+                    requests.push(chat.request());
+                }
+                let asks: Vec<_> = r.iter().zip(&requests).map(|((id, _), request)| (*id, request)).collect();
+                let replies = b.chat_batch(&asks, &params, &mut |i, d| match d {
+                    qwen35_wgpu::ChatDelta::Content(c) => sink.push(i, c),
+                    _ => sink.tick(i),
+                })?;
+                Ok(replies.iter().map(reply_json).collect())
+            })
+        }
     })
 }
 

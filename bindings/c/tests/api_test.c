@@ -380,6 +380,28 @@ int main(int argc, char **argv) {
             qe_string_free(texts[i]);
         }
     }
+    /* The same three sessions chat together: each answers as transformers + peft does with its
+       adapter set (the session's own template, adapters and prompt cache), streamed by index. */
+    {
+        const char *questions[3] = {QUESTION, QUESTION, QUESTION};
+        const char *want[3] = {want_french, want_shout, want_base};
+        char *replies[3] = {NULL, NULL, NULL};
+        batch_seen seen_chat;
+        memset(&seen_chat, 0, sizeof seen_chat);
+        MUST(qe_chat_batch(e, trio, questions, 3, PARAMS, collect_batch, &seen_chat, replies));
+        for (int i = 0; i < 3; i++) {
+            char *answer = content_of(replies[i]);
+            CHECK(strcmp(answer, want[i]) == 0, "chat batch, request %d: %s, transformers + peft's %s", i, answer,
+                  want[i]);
+            CHECK(strcmp(seen_chat.text[i], answer) == 0, "chat batch, request %d: streamed %s", i, seen_chat.text[i]);
+            free(answer);
+            qe_string_free(replies[i]);
+        }
+        const char *broken[3] = {QUESTION, "{\"messages\": [", QUESTION};
+        CHECK(qe_chat_batch(e, trio, broken, 3, PARAMS, NULL, NULL, replies) == QE_INVALID_ARGUMENT &&
+                  strstr(qe_last_error(), "requests_json[1]") != NULL,
+              "a malformed request, named: %s", qe_last_error());
+    }
     char *untouched[3] = {NULL, NULL, NULL};
     const qe_session twice[2] = {s, s};
     CHECK(qe_generate_batch(e, twice, prompts, 2, NULL, NULL, NULL, untouched) == QE_INVALID_ARGUMENT &&
