@@ -138,3 +138,62 @@ fn two_sessions_with_different_adapters_answer_as_transformers_when_interleaved(
         }
     }
 }
+
+/// Three sessions (base, shout, french) chat together, one batch per question: every reply is
+/// transformers + peft's for its session's adapter, streamed per request; with a stop string
+/// each request ends where its session's own chat ends.
+#[test]
+fn batched_chats_answer_as_transformers_for_each_sessions_adapter() {
+    let Some(ctx) = gpu() else { return };
+    let r = reference();
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
+    let params = GenerateParams { max_tokens, ..Default::default() };
+    let mut sessions = vec![(b.current_session().expect("session"), "base")];
+    for variant in ["shout", "french"] {
+        b.preload_adapter(&demo_dir().join("adapters").join(variant), Some(variant)).expect("adapter");
+        let id = b.create_session().expect("session");
+        b.select_session(id).expect("select");
+        b.activate_adapter(variant, 1.0).expect("activate");
+        sessions.push((id, variant));
+    }
+    let rows = r["outputs"]["base"].as_array().expect("rows").len();
+    for i in 0..rows {
+        let requests: Vec<ChatRequest> = sessions
+            .iter()
+            .map(|(_, v)| {
+                ChatRequest::new(vec![ChatMessage::new("user", r["outputs"][v][i]["question"].as_str().expect("q"))])
+            })
+            .collect();
+        let asks: Vec<_> = sessions.iter().zip(&requests).map(|((id, _), q)| (*id, q)).collect();
+        let mut streamed = vec![String::new(); sessions.len()];
+        let replies = b
+            .chat_batch(&asks, &params, &mut |k, d| {
+                if let ChatDelta::Content(c) = d {
+                    streamed[k].push_str(c);
+                }
+                true
+            })
+            .expect("batched chat");
+        for (k, (_, v)) in sessions.iter().enumerate() {
+            let row = &r["outputs"][v][i];
+            assert_eq!(replies[k].text, row["text"].as_str().expect("text"), "{v}: {}", row["question"]);
+            assert_eq!(streamed[k], replies[k].content, "{v}: streamed deltas");
+        }
+    }
+    let full = r["outputs"]["base"][0]["text"].as_str().expect("text");
+    let cut = full.find(' ').expect("a space in the answer");
+    let stop = GenerateParams { stop: vec![full[cut..cut + 2].to_string()], ..params };
+    let q = ChatRequest::new(vec![ChatMessage::new("user", r["outputs"]["base"][0]["question"].as_str().expect("q"))]);
+    let mut alone = Vec::new();
+    for (id, _) in &sessions {
+        b.select_session(*id).expect("select");
+        alone.push(b.chat(&q, &stop, &mut |_| true).expect("alone").text);
+    }
+    assert_eq!(alone[0], full[..cut], "the stop string ends the base answer");
+    let asks: Vec<_> = sessions.iter().map(|(id, _)| (*id, &q)).collect();
+    let replies = b.chat_batch(&asks, &stop, &mut |_, _| true).expect("batched chat with a stop string");
+    let texts: Vec<String> = replies.into_iter().map(|reply| reply.text).collect();
+    assert_eq!(texts, alone, "each request ends where its session's own chat does");
+}
