@@ -1,7 +1,8 @@
 //! The README's main command: the embedded demo model answers the same questions with no
 //! adapter and with each LoRA adapter, switching adapters live between requests and once in the
 //! middle of a generation, with the measured swap time and tokens/s; then conversations side by
-//! side on the same loaded model, each a session with its own adapter and its own prompt cache.
+//! side on the same loaded model, each a session with its own adapter and its own prompt cache,
+//! every turn of all of them answered by one batched chat.
 //!
 //! `cargo run --release --example live_swap [-- --model DIR --adapter DIR --adapter DIR --prompt TEXT]`
 //!
@@ -146,13 +147,14 @@ fn main() -> Result<()> {
     Ok(())
 }
 
-/// Conversations on one model, turn by turn: one session per adapter. Each chat grows by a
-/// question a turn; each session's prompt cache prefills only the new turn.
+/// Conversations on one model, turn by turn: one session per adapter, every turn of all of them
+/// answered by one batched chat (the sessions decode together, each row with its own adapter).
+/// Each chat grows by a question a turn; each session's prompt cache prefills only the new turn.
 fn conversations(backend: &mut WgpuBackend, ids: &[String], prompts: &[String], params: &GenerateParams) -> Result<()> {
     if ids.is_empty() {
         return Ok(());
     }
-    println!("Conversations side by side on one model (a session and an adapter each):");
+    println!("Conversations side by side on one model (a session and an adapter each, answered together):");
     let home = backend.current_session().context("a model is loaded")?;
     let mut sessions = Vec::new();
     for id in ids {
@@ -164,19 +166,25 @@ fn conversations(backend: &mut WgpuBackend, ids: &[String], prompts: &[String], 
     let width = sessions.iter().map(|(_, n, _)| n.len()).max().unwrap_or(4);
     for question in prompts {
         println!("  user: {question}");
-        for (session, name, messages) in &mut sessions {
-            backend.select_session(*session)?;
-            messages.push(ChatMessage::new("user", question));
-            let t = Instant::now();
-            let reply = backend.chat(&ChatRequest::new(messages.clone()), params, &mut |_| true)?;
-            let secs = t.elapsed().as_secs_f64();
+        let requests: Vec<ChatRequest> = sessions
+            .iter_mut()
+            .map(|(_, _, messages)| {
+                messages.push(ChatMessage::new("user", question));
+                ChatRequest::new(messages.clone())
+            })
+            .collect();
+        let asks: Vec<_> = sessions.iter().zip(&requests).map(|((session, _, _), r)| (*session, r)).collect();
+        let t = Instant::now();
+        let replies = backend.chat_batch(&asks, params, &mut |_, _| true)?;
+        let secs = t.elapsed().as_secs_f64();
+        eprintln!("  ({} answers in one batch: {:.0} ms)", replies.len(), secs * 1e3);
+        for ((session, name, messages), reply) in sessions.iter_mut().zip(replies) {
             println!("  {name:>width$} | {}", reply.content.trim());
+            backend.select_session(*session)?;
             let stats = backend.prompt_cache()?.stats();
             eprintln!(
-                "  {name:>width$}: {:.0} ms; this conversation's prompt cache so far: {} tokens reused, {} prefilled",
-                secs * 1e3,
-                stats.reused_tokens,
-                stats.prefilled_tokens
+                "  {name:>width$}: this conversation's prompt cache so far: {} tokens reused, {} prefilled",
+                stats.reused_tokens, stats.prefilled_tokens
             );
             messages.push(ChatMessage::new("assistant", reply.content.trim()));
         }
