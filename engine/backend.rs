@@ -209,6 +209,9 @@ impl<'a> TextOut<'a> {
     /// Take token `id`, handing `on_text` what is safe to emit; whether to go on (no stop
     /// string, the caller did not stop, the decoder did not fail).
     pub(crate) fn token(&mut self, id: u32, on_text: &mut dyn FnMut(&str) -> bool) -> bool {
+        if self.caller_stopped || self.filter.stopped || self.failure.is_some() {
+            return false;
+        }
         match self.stream.step(id) {
             Ok(Some(delta)) => {
                 let safe = self.filter.push(&delta);
@@ -221,6 +224,16 @@ impl<'a> TextOut<'a> {
                 false
             }
         }
+    }
+
+    /// Whether decoding failed (the generation then fails: [`TextOut::finish`] returns it).
+    pub(crate) fn failed(&self) -> bool {
+        self.failure.is_some()
+    }
+
+    /// The decoder's failure, taken out (before any request's tail is emitted).
+    pub(crate) fn take_failure(&mut self) -> Option<TextError> {
+        self.failure.take()
     }
 
     /// The generation ended: the held-back tail to `on_text`, and the whole text (up to the

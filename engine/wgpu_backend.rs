@@ -296,9 +296,11 @@ impl WgpuBackend {
     /// [`LlmBackend::generate_stream`] does for one session (the same tokens, each session under
     /// its own adapter set and prompt cache), the sessions decoding together as in
     /// [`WgpuBackend::generate_batch`]. Each request stops at EOS, `max_tokens` or the first of
-    /// `params.stop` (not included) on its own; `on_text(i, delta)` gets request `i`'s text as it
-    /// is generated (deltas never split a UTF-8 character) and returns `false` to stop that
-    /// request (it is not called for it again). Returns each request's text, in order.
+    /// `params.stop` (not included) on its own, and where its session's context fills it ends
+    /// with what it has (alone that is `ContextFull`); `on_text(i, delta)` gets request `i`'s
+    /// text as it is generated (deltas never split a UTF-8 character) and returns `false` to
+    /// stop that request (it is not called for it again). A request whose text cannot be
+    /// decoded fails the call. Returns each request's text, in order.
     pub fn generate_batch_stream(
         &mut self,
         requests: &[(SessionId, &str)],
@@ -317,8 +319,8 @@ impl WgpuBackend {
     /// adapter set and prompt cache, the same reply), the sessions decoding together as in
     /// [`WgpuBackend::generate_batch`]. `on_delta(i, delta)` gets request `i`'s reply as it is
     /// generated and returns `false` to stop that request (it is not called for it again); each
-    /// request stops at EOS, `max_tokens` or the first of `params.stop` on its own. Returns each
-    /// request's reply, in order.
+    /// request stops at EOS, `max_tokens`, the first of `params.stop` or its full context on its
+    /// own, as in [`WgpuBackend::generate_batch_stream`]. Returns each request's reply, in order.
     pub fn chat_batch(
         &mut self,
         requests: &[(SessionId, &ChatRequest)],
@@ -351,10 +353,18 @@ impl WgpuBackend {
         params: &GenerateParams,
         on_text: &mut dyn FnMut(usize, &str) -> bool,
     ) -> Result<Vec<String>, BackendError> {
-        // Generation stops a request's row as soon as its text does: at a stop string, when the
-        // caller stops it or when its decoding fails.
+        // Generation stops a request's row as soon as its text does: at a stop string or when the
+        // caller stops it; and every row once one request's decoding fails (the call fails).
         let mut texts: Vec<TextOut> = requests.iter().map(|_| TextOut::new(tok, &params.stop)).collect();
-        self.batch_ids(requests, params, &mut |i, id| texts[i].token(id, &mut |delta| on_text(i, delta)))?;
+        let mut failed = false;
+        self.batch_ids(requests, params, &mut |i, id| {
+            let go_on = !failed && texts[i].token(id, &mut |delta| on_text(i, delta));
+            failed = failed || texts[i].failed();
+            go_on
+        })?;
+        if let Some(e) = texts.iter_mut().find_map(TextOut::take_failure) {
+            return Err(e.into());
+        }
         let mut out = Vec::with_capacity(texts.len());
         for (i, text) in texts.into_iter().enumerate() {
             out.push(text.finish(&mut |delta| on_text(i, delta))?);

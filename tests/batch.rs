@@ -465,8 +465,9 @@ fn sampled_batched_generation_draws_what_each_session_draws_alone() {
 }
 
 /// `generate_with`'s callback sees every row's tokens as they come, and a `false` ends that row
-/// there (the token stays its last, the session holding the tokens before it, as at an EOS),
-/// greedy and sampled, while the other rows go on as alone; a batch of one stops the same way.
+/// there (the token stays its last, the session holding the tokens before it, as at an EOS:
+/// continuing it gives what continuing alone gives), greedy with run-ahead off and on, and
+/// sampled, while the other rows go on as alone; a batch of one stops the same way.
 #[test]
 fn a_batch_ends_a_row_where_its_callback_says_and_the_others_go_on() {
     let Some(f) = fixture() else { return };
@@ -475,25 +476,18 @@ fn a_batch_ends_a_row_where_its_callback_says_and_the_others_go_on() {
     let refs: Vec<&[u32]> = prompts.iter().map(|p| p.as_slice()).collect();
     // Row 1 ends after its second token, row 3 after its first.
     let ends = [None, Some(2), None, Some(1)];
-    let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
-    let settings = [
-        GenerateParams { max_tokens: 5, stop_at_eos: false, ..Default::default() },
-        GenerateParams {
-            max_tokens: 5,
-            stop_at_eos: false,
-            temperature: 0.7,
-            top_k: 20,
-            seed: 3,
-            ..Default::default()
-        },
-    ];
-    for params in settings {
-        let want = alone(&f, &sets, &prompts, &params);
+    let greedy = GenerateParams { max_tokens: 5, stop_at_eos: false, ..Default::default() };
+    let sampled = GenerateParams { temperature: 0.7, top_k: 20, seed: 3, ..greedy.clone() };
+    let more = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    for (params, run_ahead) in [(&greedy, false), (&greedy, true), (&sampled, false)] {
+        let mut batch = Batch::new(f.model.clone(), 4).expect("batch");
+        batch.set_run_ahead(run_ahead);
+        let want = alone(&f, &sets, &prompts, params);
         let mut sessions: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
         let mut rows: Vec<&mut Session> = sessions.iter_mut().collect();
         let mut seen: Vec<Vec<u32>> = vec![Vec::new(); sets.len()];
         let got = batch
-            .generate_with(&mut rows, &refs, &[0; 4], &params, &mut |i, id| {
+            .generate_with(&mut rows, &refs, &[0; 4], params, &mut |i, id| {
                 seen[i].push(id);
                 ends[i].is_none_or(|end| seen[i].len() < end)
             })
@@ -502,22 +496,23 @@ fn a_batch_ends_a_row_where_its_callback_says_and_the_others_go_on() {
         for (k, end) in ends.iter().enumerate() {
             let mut expect = want[k].clone();
             expect.truncate(end.unwrap_or(expect.len()));
-            assert_eq!(got[k], expect, "row {k} with {params:?}");
-            assert_eq!(
-                sessions[k].position(),
-                prompts[k].len() + expect.len() - 1,
-                "row {k} holds its tokens but the last"
-            );
+            assert_eq!(got[k], expect, "row {k} with {params:?}, run-ahead {run_ahead}");
+            let held: Vec<u32> = prompts[k].iter().chain(&got[k]).copied().collect();
+            assert_eq!(sessions[k].position(), held.len() - 1, "row {k} holds its tokens but the last");
+            let went_on = sessions[k].generate_from_with(&held, held.len() - 1, &more, |_, _| Ok::<_, RunError>(true));
+            let fresh = session(&f, &sets[k]).generate(&held, &more, |_| true).expect("alone");
+            assert_eq!(went_on.expect("continued"), fresh, "row {k} continued, run-ahead {run_ahead}");
         }
         let mut one = session(&f, &sets[0]);
         let mut calls = 0;
         let got = batch
-            .generate_with(&mut [&mut one], &refs[..1], &[0], &params, &mut |_, _| {
+            .generate_with(&mut [&mut one], &refs[..1], &[0], params, &mut |_, _| {
                 calls += 1;
                 calls < 2
             })
             .expect("a batch of one");
         assert_eq!(got, vec![want[0][..2].to_vec()], "a batch of one with {params:?}");
+        assert_eq!(one.position(), prompts[0].len() + 1, "the batch of one's session holds its tokens but the last");
     }
 }
 

@@ -184,7 +184,7 @@ fn batched_chats_answer_as_transformers_for_each_sessions_adapter() {
     }
     let full = r["outputs"]["base"][0]["text"].as_str().expect("text");
     let cut = full.find(' ').expect("a space in the answer");
-    let stop = GenerateParams { stop: vec![full[cut..cut + 2].to_string()], ..params };
+    let stop = GenerateParams { stop: vec![full[cut..].chars().take(2).collect()], ..params };
     let q = ChatRequest::new(vec![ChatMessage::new("user", r["outputs"]["base"][0]["question"].as_str().expect("q"))]);
     let mut alone = Vec::new();
     for (id, _) in &sessions {

@@ -22,8 +22,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-// The ABI version: bumped whenever a function's signature or meaning changes.
-#define QE_ABI_VERSION 2
+// The ABI version: bumped whenever a function's signature or meaning changes or functions are
+// added (3: qe_generate_batch and qe_chat_batch).
+#define QE_ABI_VERSION 3
 
 // What a call did: one of the `QE_*` codes (plain `int32_t` constants, so C, C++ and Swift
 // compare them with `==` alike).
@@ -46,9 +47,10 @@ typedef uint64_t qe_session;
 // for the very call that runs that callback).
 typedef int32_t (*qe_delta_fn)(const char *text, size_t len, void *user);
 
-// Streaming callback of qe_generate_batch: request `index`'s text, as for qe_delta_fn. Return 0
-// to stop that request (the call goes on with the others; the callback is not called for it
-// again). The same rules inside the callback as for qe_delta_fn.
+// Streaming callback of qe_generate_batch and qe_chat_batch: request `index`'s text (for a
+// chat, its answer's content), as for qe_delta_fn. Return 0 to stop that request (the call goes
+// on with the others; the callback is not called for it again). The same rules inside the
+// callback as for qe_delta_fn.
 typedef int32_t (*qe_batch_delta_fn)(size_t index, const char *text, size_t len, void *user);
 
 // Success.
@@ -222,16 +224,18 @@ qe_status qe_generate(qe_engine engine, qe_session session, const char *prompt, 
 // request `i` is `sessions[i]` with `prompts[i]`, as qe_generate would run it alone (its
 // adapter set, its prompt cache, the same text), and the sessions decode together (each step
 // reads the weights once for all of them). `params_json` as in qe_generate; each request stops
-// at EOS, `max_tokens` or a stop string on its own. `on_delta` (may be null) gets each
-// request's text as it is generated, with the request's index; returning 0 stops that request.
+// at EOS, `max_tokens` or a stop string on its own, and where its session's context fills it
+// ends with what it has (alone that is QE_RUN). `on_delta` (may be null) gets each request's
+// text as it is generated, with the request's index; returning 0 stops that request.
 // Writes request `i`'s whole text to `texts_out[i]` (free each with qe_string_free), also
 // after QE_CANCELLED; after another failure `texts_out` is left as it was. A session asked for
 // twice is QE_INVALID_ARGUMENT, and so are more than 64 requests; `n` = 0 does nothing.
 //
 // # Safety
 // `sessions` and `prompts` are null or valid for `n` reads, each prompt null or a
-// NUL-terminated string; `params_json` as in qe_generate; `texts_out` is null or valid for `n`
-// writes; `on_delta` is null or a function that may be called with `user` during the call.
+// NUL-terminated string, none of them changing during the call (the callback included);
+// `params_json` as in qe_generate; `texts_out` is null or valid for `n` writes; `on_delta` is
+// null or a function that may be called with `user` during the call.
 qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const char *const *prompts, size_t n, const char *params_json, qe_batch_delta_fn on_delta, void *user, char **texts_out);
 
 // One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":

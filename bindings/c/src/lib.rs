@@ -79,14 +79,16 @@ pub type qe_session = u64;
 /// for the very call that runs that callback).
 pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
-/// Streaming callback of qe_generate_batch: request `index`'s text, as for qe_delta_fn. Return 0
-/// to stop that request (the call goes on with the others; the callback is not called for it
-/// again). The same rules inside the callback as for qe_delta_fn.
+/// Streaming callback of qe_generate_batch and qe_chat_batch: request `index`'s text (for a
+/// chat, its answer's content), as for qe_delta_fn. Return 0 to stop that request (the call goes
+/// on with the others; the callback is not called for it again). The same rules inside the
+/// callback as for qe_delta_fn.
 pub type qe_batch_delta_fn =
     Option<unsafe extern "C" fn(index: usize, text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
-/// The ABI version: bumped whenever a function's signature or meaning changes.
-pub const QE_ABI_VERSION: u32 = 2;
+/// The ABI version: bumped whenever a function's signature or meaning changes or functions are
+/// added (3: qe_generate_batch and qe_chat_batch).
+pub const QE_ABI_VERSION: u32 = 3;
 
 struct Engine {
     id: qe_engine,
@@ -854,6 +856,7 @@ pub unsafe extern "C" fn qe_generate(
 
 /// The most requests one batch call takes: the sessions an engine keeps open.
 const MAX_BATCH: usize = qwen35_wgpu::MAX_SESSIONS;
+const _: () = assert!(MAX_BATCH <= qwen35_wgpu::runtime::MAX_BATCH_SESSIONS, "a batch call's sessions fit one Batch");
 
 /// A batch call's streaming sink over the C callback and the engine's cancel count: `cancelled`
 /// tells whether a cancel stopped the call, `stopped[i]` whether the callback stopped request
@@ -891,20 +894,22 @@ impl BatchSink<'_> {
 }
 
 /// The course qe_generate_batch and qe_chat_batch share: the `n` sessions and the `n` strings
-/// at `inputs` (named `input` in errors, `input[i]`) checked, the sessions' backend ids found
-/// under the engine's lock, `run` over them with a sink on the callback, and the `n` texts it
-/// returns written to `out` (also after a cancel, which then is the status).
+/// at `inputs` (named `input` in errors, `input[i]`) checked and each made a request by `parse`,
+/// then under the engine's lock the sessions' backend ids found, `run` over them with a sink on
+/// the callback, and the `n` texts it returns written to `out` (also after a cancel, which then
+/// is the status).
 ///
 /// # Safety
 /// `sessions` and `inputs` are null or valid for `n` reads, each input null or a NUL-terminated
-/// string; `out` is null or valid for `n` writes; `cb` is null or a function that may be called
-/// with `user` during the call.
-unsafe fn run_batch(
+/// string, none changing during the call; `out` is null or valid for `n` writes; `cb` is null or
+/// a function that may be called with `user` during the call.
+unsafe fn run_batch<'a, T>(
     engine: qe_engine,
     (sessions, inputs, n, input): (*const qe_session, *const *const c_char, usize, &str),
+    parse: impl Fn(usize, &'a str) -> Res<T>,
     (cb, user): (qe_batch_delta_fn, *mut c_void),
     (out, out_name): (*mut *mut c_char, &str),
-    run: impl FnOnce(&mut WgpuBackend, Vec<(SessionId, &str)>, &mut BatchSink) -> Res<Vec<String>>,
+    run: impl FnOnce(&mut WgpuBackend, Vec<(SessionId, T)>, &mut BatchSink) -> Res<Vec<String>>,
 ) -> Res<()> {
     let e = self::engine(engine)?;
     if n == 0 {
@@ -918,24 +923,23 @@ unsafe fn run_batch(
     need(out, out_name)?;
     // SAFETY: non-null, and by the caller's contract valid for n reads.
     let (handles, ptrs) = unsafe { (std::slice::from_raw_parts(sessions, n), std::slice::from_raw_parts(inputs, n)) };
-    let mut texts = Vec::with_capacity(n);
+    let mut parsed = Vec::with_capacity(n);
     for (i, &p) in ptrs.iter().enumerate() {
         // SAFETY: the caller's contract.
-        texts.push(unsafe { text(p, &format!("{input}[{i}]")) }?);
+        let s: &'a str = unsafe { text(p, &format!("{input}[{i}]")) }?;
+        parsed.push(parse(i, s)?);
     }
     let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
     let mut st = lock(&e)?;
     let mut requests = Vec::with_capacity(n);
-    for (&handle, text) in handles.iter().zip(texts) {
-        requests.push((st.session(engine, handle)?.1, text));
+    for (&handle, request) in handles.iter().zip(parsed) {
+        requests.push((st.session(engine, handle)?.1, request));
     }
     let mut sink = BatchSink { cb, user, entry, cancelled: false, stopped: vec![false; n] };
     let results = run(&mut st.backend, requests, &mut sink)?;
-    // SAFETY: non-null, and by the caller's contract valid for n writes.
-    let slots = unsafe { std::slice::from_raw_parts_mut(out, n) };
-    for (slot, text) in slots.iter_mut().zip(results) {
-        // SAFETY: one element of the caller's array, valid for a write.
-        unsafe { put_string(slot, text, out_name) }?;
+    for (i, text) in results.into_iter().enumerate().take(n) {
+        // SAFETY: element i < n of the caller's array, valid for a write by the contract.
+        unsafe { put_string(out.add(i), text, out_name) }?;
     }
     if sink.cancelled {
         return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
@@ -947,16 +951,18 @@ unsafe fn run_batch(
 /// request `i` is `sessions[i]` with `prompts[i]`, as qe_generate would run it alone (its
 /// adapter set, its prompt cache, the same text), and the sessions decode together (each step
 /// reads the weights once for all of them). `params_json` as in qe_generate; each request stops
-/// at EOS, `max_tokens` or a stop string on its own. `on_delta` (may be null) gets each
-/// request's text as it is generated, with the request's index; returning 0 stops that request.
+/// at EOS, `max_tokens` or a stop string on its own, and where its session's context fills it
+/// ends with what it has (alone that is QE_RUN). `on_delta` (may be null) gets each request's
+/// text as it is generated, with the request's index; returning 0 stops that request.
 /// Writes request `i`'s whole text to `texts_out[i]` (free each with qe_string_free), also
 /// after QE_CANCELLED; after another failure `texts_out` is left as it was. A session asked for
 /// twice is QE_INVALID_ARGUMENT, and so are more than 64 requests; `n` = 0 does nothing.
 ///
 /// # Safety
 /// `sessions` and `prompts` are null or valid for `n` reads, each prompt null or a
-/// NUL-terminated string; `params_json` as in qe_generate; `texts_out` is null or valid for `n`
-/// writes; `on_delta` is null or a function that may be called with `user` during the call.
+/// NUL-terminated string, none of them changing during the call (the callback included);
+/// `params_json` as in qe_generate; `texts_out` is null or valid for `n` writes; `on_delta` is
+/// null or a function that may be called with `user` during the call.
 #[no_mangle]
 pub unsafe extern "C" fn qe_generate_batch(
     engine: qe_engine,
@@ -977,6 +983,7 @@ pub unsafe extern "C" fn qe_generate_batch(
             run_batch(
                 engine,
                 (sessions, prompts, n, "prompts"),
+                |_, prompt| Ok(prompt),
                 (on_delta, user),
                 (texts_out, "texts_out"),
                 |b, r, sink| Ok(b.generate_batch_stream(&r, &params, &mut |i, delta| sink.push(i, delta))?),
@@ -1086,22 +1093,27 @@ pub unsafe extern "C" fn qe_chat_batch(
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         let params = params.into();
         let io = (replies_out, "replies_out");
+        let parse = |i: usize, json: &str| -> Res<ChatRequest> {
+            let chat: Chat = serde_json::from_str(json).map_err(|e| Fail::arg(format!("requests_json[{i}]: {e}")))?;
+            Ok(chat.request())
+        };
         // SAFETY: the caller's contract, as run_batch's.
         unsafe {
-            run_batch(engine, (sessions, requests_json, n, "requests_json"), (on_delta, user), io, |b, r, sink| {
-                let mut requests = Vec::with_capacity(r.len());
-                for (i, (_, json)) in r.iter().enumerate() {
-                    let chat: Chat =
-                        serde_json::from_str(json).map_err(|e| Fail::arg(format!("requests_json[{i}]: {e}")))?;
-                    requests.push(chat.request());
-                }
-                let asks: Vec<_> = r.iter().zip(&requests).map(|((id, _), request)| (*id, request)).collect();
-                let replies = b.chat_batch(&asks, &params, &mut |i, d| match d {
-                    qwen35_wgpu::ChatDelta::Content(c) => sink.push(i, c),
-                    _ => sink.tick(i),
-                })?;
-                Ok(replies.iter().map(reply_json).collect())
-            })
+            run_batch(
+                engine,
+                (sessions, requests_json, n, "requests_json"),
+                parse,
+                (on_delta, user),
+                io,
+                |b, r, sink| {
+                    let asks: Vec<_> = r.iter().map(|(id, request)| (*id, request)).collect();
+                    let replies = b.chat_batch(&asks, &params, &mut |i, d| match d {
+                        qwen35_wgpu::ChatDelta::Content(c) => sink.push(i, c),
+                        _ => sink.tick(i),
+                    })?;
+                    Ok(replies.iter().map(reply_json).collect())
+                },
+            )
         }
     })
 }

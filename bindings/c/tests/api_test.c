@@ -332,6 +332,7 @@ int main(int argc, char **argv) {
     const char *batch_params[2] = {"{\"max_tokens\": 12, \"stop_at_eos\": false}",
                                    "{\"max_tokens\": 12, \"stop_at_eos\": false, \"stop\": [\"E\", \"e\"]}"};
     char *alone[3] = {NULL, NULL, NULL};
+    char *plain[3] = {NULL, NULL, NULL}; /* round 0's texts, without stop strings */
     for (int round = 0; round < 2; round++) {
         for (int i = 0; i < 3; i++) alone[i] = generate_ok(e, trio[i], prompt, batch_params[round]);
         CHECK(round == 1 || (strcmp(alone[0], alone[1]) != 0 && strcmp(alone[1], alone[2]) != 0), "three sets, three texts: %s / %s / %s",
@@ -348,16 +349,24 @@ int main(int argc, char **argv) {
             qe_string_free(texts[i]);
         }
         CHECK(!seen_b.bad_index, "callback indices within the batch");
-        if (round == 0) printf("batch of three: %s / %s / %s\n", alone[0], alone[1], alone[2]);
+        if (round == 0) {
+            printf("batch of three: %s / %s / %s\n", alone[0], alone[1], alone[2]);
+            for (int i = 0; i < 3; i++) plain[i] = strdup(alone[i]);
+        }
         if (round == 1) {
             /* Stopped by its callback after one delta: request 1 alone ends early. */
             memset(&seen_b, 0, sizeof seen_b);
             seen_b.stop_index = 1;
             seen_b.stop_after = 1;
             MUST(qe_generate_batch(e, trio, prompts, 3, batch_params[0], collect_batch, &seen_b, texts));
-            CHECK(seen_b.deltas[1] == 1 && strlen(texts[1]) < 12, "request 1 stopped after one delta: %d, %s",
-                  seen_b.deltas[1], texts[1]);
-            for (int i = 0; i < 3; i++) qe_string_free(texts[i]);
+            CHECK(seen_b.deltas[1] == 1 && strcmp(texts[1], seen_b.text[1]) == 0 && strlen(texts[1]) < strlen(plain[1]),
+                  "request 1 stopped after its first delta %s: %d deltas, %s", seen_b.text[1], seen_b.deltas[1], texts[1]);
+            CHECK(strcmp(texts[0], plain[0]) == 0 && strcmp(texts[2], plain[2]) == 0,
+                  "the others go on as alone: %s / %s", texts[0], texts[2]);
+            for (int i = 0; i < 3; i++) {
+                qe_string_free(texts[i]);
+                free(plain[i]);
+            }
         }
         for (int i = 0; i < 3; i++) free(alone[i]);
     }
