@@ -21,6 +21,31 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
     v.as_array().expect("ids").iter().map(|x| x.as_u64().expect("id") as u32).collect()
 }
 
+/// The demo model in a backend with a session per variant (an adapter of the demo's, activated;
+/// "base": the session the loaded backend keeps, without one) and the reference's greedy params.
+fn sessions_per_variant(
+    ctx: std::sync::Arc<qwen35_wgpu::GpuContext>,
+    r: &serde_json::Value,
+    variants: &[&'static str],
+) -> (WgpuBackend, Vec<(qwen35_wgpu::SessionId, &'static str)>, GenerateParams) {
+    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
+    b.load_model(&demo_dir()).expect("demo model");
+    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
+    let mut sessions = Vec::new();
+    for &variant in variants {
+        if variant == "base" {
+            sessions.push((b.current_session().expect("session"), variant));
+            continue;
+        }
+        b.preload_adapter(&demo_dir().join("adapters").join(variant), Some(variant)).expect("adapter");
+        let id = b.create_session().expect("session");
+        b.select_session(id).expect("select");
+        b.activate_adapter(variant, 1.0).expect("activate");
+        sessions.push((id, variant));
+    }
+    (b, sessions, GenerateParams { max_tokens, ..Default::default() })
+}
+
 #[test]
 fn template_and_tokenizer_match_transformers() {
     let tok = TextTokenizer::from_dir(&demo_dir()).expect("tokenizer");
@@ -115,18 +140,7 @@ fn stop_strings_end_the_text_before_them() {
 fn two_sessions_with_different_adapters_answer_as_transformers_when_interleaved() {
     let Some(ctx) = gpu() else { return };
     let r = reference();
-    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
-    b.load_model(&demo_dir()).expect("demo model");
-    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
-    let params = GenerateParams { max_tokens, ..Default::default() };
-    let mut sessions = Vec::new();
-    for variant in ["shout", "french"] {
-        b.preload_adapter(&demo_dir().join("adapters").join(variant), Some(variant)).expect("adapter");
-        let id = b.create_session().expect("session");
-        b.select_session(id).expect("select");
-        b.activate_adapter(variant, 1.0).expect("activate");
-        sessions.push((id, variant));
-    }
+    let (mut b, sessions, params) = sessions_per_variant(ctx, &r, &["shout", "french"]);
     let rows = r["outputs"]["shout"].as_array().expect("rows").len();
     for i in 0..rows {
         for &(id, variant) in &sessions {
@@ -146,18 +160,7 @@ fn two_sessions_with_different_adapters_answer_as_transformers_when_interleaved(
 fn batched_chats_answer_as_transformers_for_each_sessions_adapter() {
     let Some(ctx) = gpu() else { return };
     let r = reference();
-    let mut b = WgpuBackend::with_context(ctx, SessionOptions { max_context: 256, max_batch: 64 });
-    b.load_model(&demo_dir()).expect("demo model");
-    let max_tokens = r["max_new_tokens"].as_u64().expect("max") as usize;
-    let params = GenerateParams { max_tokens, ..Default::default() };
-    let mut sessions = vec![(b.current_session().expect("session"), "base")];
-    for variant in ["shout", "french"] {
-        b.preload_adapter(&demo_dir().join("adapters").join(variant), Some(variant)).expect("adapter");
-        let id = b.create_session().expect("session");
-        b.select_session(id).expect("select");
-        b.activate_adapter(variant, 1.0).expect("activate");
-        sessions.push((id, variant));
-    }
+    let (mut b, sessions, params) = sessions_per_variant(ctx, &r, &["base", "shout", "french"]);
     let rows = r["outputs"]["base"].as_array().expect("rows").len();
     for i in 0..rows {
         let requests: Vec<ChatRequest> = sessions
