@@ -707,6 +707,53 @@ fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
     );
 }
 
+/// A request its callback stopped early leaves its session's prompt cache holding what it
+/// generated: the next batch, whose prompt extends that prompt and its tokens, prefills only the
+/// new tokens and generates what a fresh backend generates from the whole prompt.
+#[test]
+fn a_request_stopped_in_a_batch_keeps_its_prompt_cache() {
+    use qwen35_wgpu::{AdapterWeight, LlmBackend, WgpuBackend};
+    let Some(ctx) = gpu() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let make = || {
+        let mut b = WgpuBackend::with_context(ctx.clone(), opts());
+        b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+        b.preload_adapter(&root().join("tests/fixtures/adapters/all12_r8"), Some("a")).expect("adapter");
+        b
+    };
+    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
+    let mut b = make();
+    let sids = [b.current_session().expect("session"), b.create_session().expect("session")];
+    b.select_session(sids[1]).expect("select");
+    b.set_adapters(&[AdapterWeight::new("a", 1.0)]).expect("set");
+    let firsts = [&ids[..4], &ids[..5]];
+    let requests: Vec<_> = sids.iter().copied().zip(firsts).collect();
+    // Request 0 stops after its first token.
+    let r1 = b.generate_batch_with(&requests, &params, &mut |i, _| i != 0).expect("batch 1");
+    assert_eq!(r1[0].len(), 1, "request 0 stopped after one token");
+    assert_eq!(r1[1].len(), 4, "request 1 went on");
+    let seconds: Vec<Vec<u32>> = (0..2).map(|k| [firsts[k], &r1[k], &ids[6..8]].concat()).collect();
+    let before: Vec<u64> = sids
+        .iter()
+        .map(|&sid| {
+            b.select_session(sid).expect("select");
+            b.prompt_cache().expect("cache").stats().reused_tokens
+        })
+        .collect();
+    let requests: Vec<_> = sids.iter().copied().zip(seconds.iter().map(|p| p.as_slice())).collect();
+    let r2 = b.generate_batch(&requests, &params).expect("batch 2");
+    for k in 0..2 {
+        b.select_session(sids[k]).expect("select");
+        let reused = b.prompt_cache().expect("cache").stats().reused_tokens - before[k];
+        assert!(reused >= firsts[k].len() as u64, "session {k} reused {reused} tokens");
+        let mut fresh = make();
+        if k == 1 {
+            fresh.set_adapters(&[AdapterWeight::new("a", 1.0)]).expect("set");
+        }
+        assert_eq!(r2[k], fresh.generate_ids(&seconds[k], &params).expect("alone"), "session {k}");
+    }
+}
+
 #[test]
 fn a_learning_step_between_batches_reaches_the_next_batch() {
     use qwen35_wgpu::{LearnOptions, LlmBackend, Signal, TokenEvent, TrainSpec, WgpuBackend};
