@@ -226,7 +226,7 @@ fn with_session<T>(
     f: impl FnOnce(&mut WgpuBackend, Entry) -> Res<T>,
 ) -> Res<T> {
     let e = engine(handle)?;
-    let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
+    let entry = Entry::new(&e);
     let mut st = lock(&e)?;
     let (_, id) = st.session(handle, session)?;
     st.backend.select_session(id)?;
@@ -248,6 +248,32 @@ impl State {
 struct Entry<'a> {
     engine: &'a Engine,
     cancels: u64,
+}
+
+impl<'a> Entry<'a> {
+    /// A call made on `engine` now.
+    fn new(engine: &'a Engine) -> Self {
+        Self { engine, cancels: engine.cancels.load(Ordering::SeqCst) }
+    }
+
+    /// Whether the engine was cancelled (qe_cancel, qe_engine_free) since the call was made.
+    fn cancelled(&self) -> bool {
+        self.engine.cancels.load(Ordering::SeqCst) != self.cancels
+    }
+
+    /// Run the caller's callback `call`, this thread marked as running one of the engine's (a
+    /// call on it from inside is refused, see [`lock`]).
+    fn in_callback<R>(&self, call: impl FnOnce() -> R) -> R {
+        IN_CALLBACK.with(|c| c.borrow_mut().push(self.engine.id));
+        let r = call();
+        IN_CALLBACK.with(|c| c.borrow_mut().pop());
+        r
+    }
+}
+
+/// What a cancelled generation returns (with the text so far written).
+fn cancelled() -> Fail {
+    Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() }
 }
 
 /// The NUL-terminated UTF-8 string at `p`, named `name` in errors.
@@ -790,9 +816,7 @@ impl<'a> Sink<'a> {
     /// Whether to go on (false once the engine was cancelled after the call was made, or the
     /// callback asked to stop).
     fn tick(&mut self) -> bool {
-        if self.entry.engine.cancels.load(Ordering::SeqCst) != self.entry.cancels {
-            self.cancelled = true;
-        }
+        self.cancelled = self.cancelled || self.entry.cancelled();
         !self.cancelled && !self.stopped
     }
 
@@ -801,10 +825,8 @@ impl<'a> Sink<'a> {
             return false;
         }
         let Some(f) = self.cb else { return true };
-        IN_CALLBACK.with(|c| c.borrow_mut().push(self.entry.engine.id));
         // SAFETY: the caller's callback, given valid text for the duration of the call.
-        let go_on = unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) } != 0;
-        IN_CALLBACK.with(|c| c.borrow_mut().pop());
+        let go_on = self.entry.in_callback(|| unsafe { f(delta.as_ptr().cast(), delta.len(), self.user) }) != 0;
         self.stopped = !go_on;
         go_on
     }
@@ -814,7 +836,7 @@ fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<(
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
     if sink.cancelled {
-        return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
+        return Err(cancelled());
     }
     Ok(())
 }
@@ -873,9 +895,7 @@ impl BatchSink<'_> {
     /// Whether request `i` goes on (false once the engine was cancelled after the call was
     /// made, or the callback stopped it).
     fn tick(&mut self, i: usize) -> bool {
-        if self.entry.engine.cancels.load(Ordering::SeqCst) != self.entry.cancels {
-            self.cancelled = true;
-        }
+        self.cancelled = self.cancelled || self.entry.cancelled();
         !self.cancelled && !self.stopped[i]
     }
 
@@ -884,10 +904,8 @@ impl BatchSink<'_> {
             return false;
         }
         let Some(f) = self.cb else { return true };
-        IN_CALLBACK.with(|c| c.borrow_mut().push(self.entry.engine.id));
         // SAFETY: the caller's callback, given valid text for the duration of the call.
-        let go_on = unsafe { f(i, delta.as_ptr().cast(), delta.len(), self.user) } != 0;
-        IN_CALLBACK.with(|c| c.borrow_mut().pop());
+        let go_on = self.entry.in_callback(|| unsafe { f(i, delta.as_ptr().cast(), delta.len(), self.user) }) != 0;
         self.stopped[i] = !go_on;
         go_on
     }
@@ -929,7 +947,7 @@ unsafe fn run_batch<'a, T>(
         let s: &'a str = unsafe { text(p, &format!("{input}[{i}]")) }?;
         parsed.push(parse(i, s)?);
     }
-    let entry = Entry { engine: &e, cancels: e.cancels.load(Ordering::SeqCst) };
+    let entry = Entry::new(&e);
     let mut st = lock(&e)?;
     let mut requests = Vec::with_capacity(n);
     for (&handle, request) in handles.iter().zip(parsed) {
@@ -942,7 +960,7 @@ unsafe fn run_batch<'a, T>(
         unsafe { put_string(out.add(i), text, out_name) }?;
     }
     if sink.cancelled {
-        return Err(Fail { status: QE_CANCELLED, message: "cancelled by qe_cancel or qe_engine_free".into() });
+        return Err(cancelled());
     }
     Ok(())
 }
