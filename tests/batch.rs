@@ -64,6 +64,17 @@ fn model_on_own_context() -> Option<Arc<Model>> {
     Some(Arc::new(Model::load(ctx, &fixture_model("gva_tied_f32")).expect("model")))
 }
 
+/// A backend on the fixture model with the named fixture adapters resident, each under its name.
+fn fixture_backend(ctx: &Arc<qwen35_wgpu::GpuContext>, adapters: &[&str]) -> qwen35_wgpu::WgpuBackend {
+    use qwen35_wgpu::LlmBackend;
+    let mut b = qwen35_wgpu::WgpuBackend::with_context(ctx.clone(), opts());
+    b.load_model(&fixture_model("gva_tied_f32")).expect("model");
+    for name in adapters {
+        b.preload_adapter(&root().join("tests/fixtures/adapters").join(name), Some(name)).expect(name);
+    }
+    b
+}
+
 /// What each set's session generates from its prompt on its own.
 fn alone(f: &Fixture, sets: &[Vec<ActiveAdapter>], prompts: &[Vec<u32>], params: &GenerateParams) -> Vec<Vec<u32>> {
     sets.iter().zip(prompts).map(|(set, p)| session(f, set).generate(p, params, |_| true).expect("alone")).collect()
@@ -627,17 +638,10 @@ fn bad_batches_are_typed_errors_and_change_nothing() {
 
 #[test]
 fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
-    use qwen35_wgpu::{AdapterWeight, BackendError, LlmBackend, WgpuBackend};
+    use qwen35_wgpu::{AdapterWeight, BackendError, LlmBackend};
     let Some(ctx) = gpu() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
-    let make = || {
-        let mut b = WgpuBackend::with_context(ctx.clone(), opts());
-        b.load_model(&fixture_model("gva_tied_f32")).expect("model");
-        for name in ["all12_r8", "gdn_mlp_r4_rslora"] {
-            b.preload_adapter(&root().join("tests/fixtures/adapters").join(name), Some(name)).expect(name);
-        }
-        b
-    };
+    let make = || fixture_backend(&ctx, &["all12_r8", "gdn_mlp_r4_rslora"]);
     let sets = [
         vec![AdapterWeight::new("all12_r8", 1.0)],
         vec![],
@@ -712,20 +716,15 @@ fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
 /// new tokens and generates what a fresh backend generates from the whole prompt.
 #[test]
 fn a_request_stopped_in_a_batch_keeps_its_prompt_cache() {
-    use qwen35_wgpu::{AdapterWeight, LlmBackend, WgpuBackend};
+    use qwen35_wgpu::{AdapterWeight, LlmBackend};
     let Some(ctx) = gpu() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
-    let make = || {
-        let mut b = WgpuBackend::with_context(ctx.clone(), opts());
-        b.load_model(&fixture_model("gva_tied_f32")).expect("model");
-        b.preload_adapter(&root().join("tests/fixtures/adapters/all12_r8"), Some("a")).expect("adapter");
-        b
-    };
+    let make = || fixture_backend(&ctx, &["all12_r8"]);
     let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
     let mut b = make();
     let sids = [b.current_session().expect("session"), b.create_session().expect("session")];
     b.select_session(sids[1]).expect("select");
-    b.set_adapters(&[AdapterWeight::new("a", 1.0)]).expect("set");
+    b.set_adapters(&[AdapterWeight::new("all12_r8", 1.0)]).expect("set");
     let firsts = [&ids[..4], &ids[..5]];
     let requests: Vec<_> = sids.iter().copied().zip(firsts).collect();
     // Request 0 stops after its first token.
@@ -748,7 +747,7 @@ fn a_request_stopped_in_a_batch_keeps_its_prompt_cache() {
         assert!(reused >= firsts[k].len() as u64, "session {k} reused {reused} tokens");
         let mut fresh = make();
         if k == 1 {
-            fresh.set_adapters(&[AdapterWeight::new("a", 1.0)]).expect("set");
+            fresh.set_adapters(&[AdapterWeight::new("all12_r8", 1.0)]).expect("set");
         }
         assert_eq!(r2[k], fresh.generate_ids(&seconds[k], &params).expect("alone"), "session {k}");
     }
@@ -756,17 +755,15 @@ fn a_request_stopped_in_a_batch_keeps_its_prompt_cache() {
 
 #[test]
 fn a_learning_step_between_batches_reaches_the_next_batch() {
-    use qwen35_wgpu::{LearnOptions, LlmBackend, Signal, TokenEvent, TrainSpec, WgpuBackend};
+    use qwen35_wgpu::{LearnOptions, LlmBackend, Signal, TokenEvent, TrainSpec};
     let Some(ctx) = gpu() else { return };
     let ids = Reference::load("adapter_sets").ids("ids");
-    let mut b = WgpuBackend::with_context(ctx, opts());
-    b.load_model(&fixture_model("gva_tied_f32")).expect("model");
-    b.preload_adapter(&root().join("tests/fixtures/adapters/all12_r8"), Some("x")).expect("adapter");
+    let mut b = fixture_backend(&ctx, &["all12_r8"]);
     let learner = b.current_session().expect("session");
     b.create_trainable_adapter(&TrainSpec { rank: 4, ..TrainSpec::default() }).expect("trainable");
     let other = b.create_session().expect("session");
     b.select_session(other).expect("select");
-    b.activate_adapter("x", 1.0).expect("x");
+    b.activate_adapter("all12_r8", 1.0).expect("all12_r8");
     let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
     let prompt = &ids[..5];
     let before = b.generate_batch(&[(learner, prompt), (other, prompt)], &params).expect("batch 1");
