@@ -695,6 +695,16 @@ fn batched(
         batches.push(batch);
     }
     let params = GenerateParams { max_tokens: steps, ..greedy(steps) };
+    // One batched generation from the sessions freshly prefilled (untimed): its tokens, and the
+    // seconds and work of the generation alone.
+    let run = |batch: &mut Batch, sessions: &mut [Session]| -> Result<(Vec<Vec<u32>>, f64, Counters)> {
+        let n = sessions.len();
+        let mut refs = restart(sessions, prompt)?;
+        let (prompts, fed) = (vec![prompt; n], vec![prompt.len() - 1; n]);
+        let (t, before) = (Instant::now(), model.ctx.counters());
+        let out = batch.generate(&mut refs, &prompts, &fed, &params)?;
+        Ok((out, t.elapsed().as_secs_f64(), model.ctx.counters() - before))
+    };
     let mut tps = vec![Series::default(); counts.len()];
     let mut paired = vec![Series::default(); counts.len()];
     let mut work = vec![Default::default(); counts.len()];
@@ -703,12 +713,9 @@ fn batched(
         for turn in 0..counts.len() {
             let i = (turn + rep) % counts.len();
             let n = counts[i];
-            let mut refs = restart(&mut sessions[..n], prompt)?;
-            let (prompts, fed) = (vec![prompt; n], vec![prompt.len() - 1; n]);
-            let (t, before) = (Instant::now(), model.ctx.counters());
-            let out = batches[i].generate(&mut refs, &prompts, &fed, &params)?;
-            rates[i] = out.iter().map(Vec::len).sum::<usize>() as f64 / t.elapsed().as_secs_f64();
-            work[i] = model.ctx.counters() - before;
+            let (out, secs, spent) = run(&mut batches[i], &mut sessions[..n])?;
+            rates[i] = out.iter().map(Vec::len).sum::<usize>() as f64 / secs;
+            work[i] = spent;
             eprintln!("batched {n} rep {rep}: {:.2} tok/s in all", rates[i]);
         }
         if rep > 0 {
@@ -732,9 +739,7 @@ fn batched(
             "submits_per_step": per_step(work[i].submits),
         });
         if args.profile && batches[i].start_profile() {
-            let mut refs = restart(&mut sessions[..n], prompt)?;
-            let (prompts, fed) = (vec![prompt; n], vec![prompt.len() - 1; n]);
-            batches[i].generate(&mut refs, &prompts, &fed, &params)?;
+            run(&mut batches[i], &mut sessions[..n])?;
             let p = batches[i].take_profile().unwrap_or_default();
             row["profile_per_step"] = serde_json::json!(family_table(&p.submits, p.submits.len().max(1) as f64));
         }
