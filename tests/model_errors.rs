@@ -3,11 +3,13 @@
 mod common;
 
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use common::{damaged_model, fixture_model, gpu, root, scratch_copy, Tensors};
 use qwen35_wgpu::error::FileError;
-use qwen35_wgpu::model::{Checkpoint, Dtype, Mixer};
-use qwen35_wgpu::{Model, ModelError, TextConfig};
+use qwen35_wgpu::model::{Checkpoint, Dtype, LayerType, Mixer};
+use qwen35_wgpu::runtime::{Batch, Session, SessionOptions};
+use qwen35_wgpu::{AdapterError, LoraAdapter, Model, ModelError, RunError, TextConfig};
 
 const BASE: &str = "odd_untied_f32";
 
@@ -592,6 +594,53 @@ fn dtype_strings_the_safetensors_format_does_not_define_are_refused_even_on_igno
                 assert!(message.contains("is not a safetensors dtype"), "{dtype}: {message}")
             }
             other => panic!("{dtype:?}: expected BadSafetensors, got {:?}", other.err()),
+        }
+    }
+}
+
+/// A `Model`'s fields are public too: one edited past what its weights are (a layer type
+/// dropped or changed, a config size of 0, a matrix's shape) is refused by a session, a batch and
+/// an adapter upload, typed and naming the field or tensor, before any buffer is sized from it.
+#[test]
+fn hand_edited_models_are_refused_before_a_step() {
+    let Some(ctx) = gpu() else { return };
+    let dir = fixture_model(BASE);
+    let load = || Model::load(ctx.clone(), &dir).expect("fixture model");
+    let good = load();
+    assert!(good.check().is_ok());
+    let adapter = qwen35_wgpu::lora::peft::parse(&root().join("tests/fixtures/adapters/odd_r4"), &good.config)
+        .expect("fixture adapter");
+    let good = Arc::new(good);
+    assert!(Session::new(good.clone(), SessionOptions::default()).is_ok());
+    assert!(Batch::new(good.clone(), 2).is_ok());
+    assert!(LoraAdapter::upload(&good, &adapter).is_ok());
+    type Edit = fn(&mut Model);
+    let cases: [(Edit, &str); 5] = [
+        (|m| _ = m.config.layer_types.pop(), "num_hidden_layers"),
+        (|m| m.config.conv_kernel = 0, "linear_conv_kernel_dim"),
+        (|m| m.config.layer_types[1] = LayerType::Linear, "layer_types[1]"),
+        (|m| m.layers[2].mlp.down_proj.rows -= 1, "layers.2.mlp.down_proj"),
+        (|m| m.embed.chunks[0].row_start = 1, "embed_tokens.weight"),
+    ];
+    for (edit, name) in cases {
+        let mut model = load();
+        edit(&mut model);
+        let named = |e: &ModelError| match e {
+            ModelError::BadConfig { field, .. } => field.clone(),
+            ModelError::ShapeMismatch { name, .. } => name.clone(),
+            other => panic!("{name}: expected BadConfig or ShapeMismatch, got {other}"),
+        };
+        assert_eq!(named(&model.check().expect_err(name)), name);
+        let model = Arc::new(model);
+        let run = |e: RunError| match e {
+            RunError::ModelConfig(inner) => named(&inner),
+            other => panic!("{name}: expected ModelConfig, got {other}"),
+        };
+        assert_eq!(run(Session::new(model.clone(), SessionOptions::default()).err().expect(name)), name);
+        assert_eq!(run(Batch::new(model.clone(), 2).err().expect(name)), name);
+        match LoraAdapter::upload(&model, &adapter).err().expect(name) {
+            AdapterError::ModelConfig(inner) => assert_eq!(named(&inner), name),
+            other => panic!("{name}: expected ModelConfig, got {other}"),
         }
     }
 }

@@ -220,6 +220,7 @@ impl LoraAdapter {
     /// `ParsedAdapter` may have been built by hand or parsed for another config): nothing is
     /// uploaded from one that does not fit.
     pub fn upload(model: &Arc<Model>, parsed: &ParsedAdapter) -> Result<Self, AdapterError> {
+        model.check().map_err(|e| AdapterError::ModelConfig(Box::new(e)))?;
         let mut seen = std::collections::BTreeSet::new();
         for d in &parsed.deltas {
             check_delta(d, &model.config)?;

@@ -521,6 +521,67 @@ impl Model {
         Ok(Self { ctx, config, eos_token_ids, embed, lm_head, norm, layers })
     }
 
+    /// Whether the model is one the engine can run: its config within [`TextConfig::check`]'s
+    /// bounds, one layer per `layer_types` entry of that entry's kind, and every matrix of the
+    /// shape the config gives (its row chunks covering its rows in order). [`Model::load`] builds
+    /// such a model; sessions, batches and adapter uploads check it first, so a hand-built or
+    /// edited model (every field is public) gives this error instead of a step past its buffers.
+    pub fn check(&self) -> Result<(), ModelError> {
+        let c = &self.config;
+        c.check()?;
+        if self.layers.len() != c.num_layers() {
+            return Err(ModelError::BadConfig {
+                field: "num_hidden_layers".into(),
+                expected: format!("{} (the model's layers)", self.layers.len()),
+                found: format!("{} layer_types", c.num_layers()),
+            });
+        }
+        let (h, v) = (c.hidden_size, c.vocab_size);
+        let shape = |name: String, w: &GpuWeight, rows: usize, cols: usize| {
+            let covered = w.chunks.iter().try_fold(0, |at, ch| (ch.row_start == at).then_some(at + ch.rows));
+            if w.rows != rows || w.cols != cols || covered != Some(w.rows) {
+                let chunked: usize = w.chunks.iter().map(|ch| ch.rows).sum();
+                return Err(ModelError::ShapeMismatch {
+                    name,
+                    expected: vec![rows, cols],
+                    found: vec![chunked, w.cols],
+                });
+            }
+            Ok(())
+        };
+        shape("embed_tokens.weight".into(), &self.embed, v, h)?;
+        if let Some(head) = &self.lm_head {
+            shape("lm_head.weight".into(), head, v, h)?;
+        }
+        let attn = c.num_heads * c.head_dim;
+        for (i, (layer, ty)) in self.layers.iter().zip(&c.layer_types).enumerate() {
+            let at = |what: &str| format!("layers.{i}.{what}");
+            match (&layer.mixer, ty) {
+                (Mixer::Attention(w), LayerType::Full) => {
+                    shape(at("self_attn.q_proj|k_proj|v_proj"), &w.qkv, 2 * attn + 2 * c.num_kv_heads * c.head_dim, h)?;
+                    shape(at("self_attn.o_proj"), &w.o_proj, h, attn)?;
+                }
+                (Mixer::Gdn(w), LayerType::Linear) => {
+                    let rows = c.conv_dim() + c.value_dim() + 2 * c.linear_value_heads;
+                    shape(at("linear_attn.in_proj_qkv|z|b|a"), &w.in_proj, rows, h)?;
+                    shape(at("linear_attn.out_proj"), &w.out_proj, h, c.value_dim())?;
+                }
+                (mixer, _) => {
+                    let name = |attention: bool| if attention { "full_attention" } else { "linear_attention" };
+                    let attention = matches!(mixer, Mixer::Attention(_));
+                    return Err(ModelError::BadConfig {
+                        field: format!("layer_types[{i}]"),
+                        expected: format!("{} (the model's layer {i})", name(attention)),
+                        found: name(*ty == LayerType::Full).into(),
+                    });
+                }
+            }
+            shape(at("mlp.gate_proj|up_proj"), &layer.mlp.gate_up, 2 * c.intermediate_size, h)?;
+            shape(at("mlp.down_proj"), &layer.mlp.down_proj, h, c.intermediate_size)?;
+        }
+        Ok(())
+    }
+
     /// The output projection (lm_head, or the tied embedding).
     pub fn output(&self) -> &GpuWeight {
         self.lm_head.as_ref().unwrap_or(&self.embed)

@@ -116,6 +116,7 @@ impl Batch {
                 expected: "1 to 64 sessions (MAX_BATCH_SESSIONS)",
             });
         }
+        model.check().map_err(|e| RunError::ModelConfig(Box::new(e)))?;
         let ctx = model.ctx.clone();
         let c = &model.config;
         let scratch = Scratch::new(&ctx, c, rows, rows)?;

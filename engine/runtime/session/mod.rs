@@ -228,6 +228,7 @@ impl Session {
                 expected: "at most 2^16 tokens (MAX_BATCH)",
             });
         }
+        model.check().map_err(|e| RunError::ModelConfig(Box::new(e)))?;
         let ctx = model.ctx.clone();
         let c = &model.config;
         // The RoPE table is computed on the host before its upload: check its size first.
