@@ -27,6 +27,7 @@ pub mod kernels;
 pub mod learn;
 pub mod lora;
 pub mod model;
+#[doc(hidden)]
 pub mod reference;
 pub mod runtime;
 pub mod text;

@@ -1,6 +1,7 @@
 //! Plain CPU implementations of every kernel (f32; `linear` sums in f64): the oracle of the
 //! kernel tests, and readable documentation of what each shader computes. Layouts match the WGSL
-//! files.
+//! files. The kernel tests' own code, not part of the engine's API: each function takes slices of
+//! the lengths its shapes give and panics on others, as test code does.
 
 /// `y[m, n] = Σ_k x[m, k] · w[n, k]` (nn.Linear), each sum in f64 and rounded once. A
 /// sequential f32 sum over k = 1,024 terms with cancellation errs by ~1e-4 of its terms' size

@@ -197,7 +197,8 @@ fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
 /// The engine's state, refused from inside its own streaming callback, at any depth of nested
 /// callbacks (the lock is held by the call running it: waiting would never end).
 fn lock(e: &Engine) -> Res<MutexGuard<'_, State>> {
-    if IN_CALLBACK.with(|c| c.borrow().contains(&e.id)) {
+    // A thread whose locals are being torn down runs no callback (`in_callback` marks it there).
+    if IN_CALLBACK.try_with(|c| c.borrow().contains(&e.id)).unwrap_or(false) {
         return Err(Fail::arg(format!(
             "engine {} is running a streaming callback on this thread: only qe_cancel, qe_last_error, \
              qe_string_free and engines not running one here may be called from it",
@@ -264,9 +265,12 @@ impl<'a> Entry<'a> {
     /// Run the caller's callback `call`, this thread marked as running one of the engine's (a
     /// call on it from inside is refused, see [`lock`]).
     fn in_callback<R>(&self, call: impl FnOnce() -> R) -> R {
-        IN_CALLBACK.with(|c| c.borrow_mut().push(self.engine.id));
+        // Unmarked only on a thread whose locals are being torn down, where `lock` reads none.
+        let marked = IN_CALLBACK.try_with(|c| c.borrow_mut().push(self.engine.id)).is_ok();
         let r = call();
-        IN_CALLBACK.with(|c| c.borrow_mut().pop());
+        if marked {
+            let _ = IN_CALLBACK.try_with(|c| c.borrow_mut().pop());
+        }
         r
     }
 }
