@@ -25,8 +25,9 @@ pub(crate) use step::{Capture, Input, LearnTaps, Rows};
 /// Checked before anything is allocated, so every cache size below is computed without overflow.
 pub const MAX_CONTEXT: usize = 1 << 20;
 
-/// Largest prefill chunk, in tokens per command buffer.
-pub const MAX_BATCH: usize = 1 << 16;
+/// Largest prefill chunk, in tokens per command buffer: 2^16 − 1, the most workgroups WebGPU's
+/// default limits give a grid dimension (the embedding's grid has a row of workgroups per token).
+pub const MAX_BATCH: usize = (1 << 16) - 1;
 
 /// Session sizes.
 #[derive(Clone, Debug)]
@@ -225,7 +226,7 @@ impl Session {
             return Err(RunError::BadParam {
                 name: "max_batch",
                 value: opts.max_batch.to_string(),
-                expected: "at most 2^16 tokens (MAX_BATCH)",
+                expected: "at most 65,535 tokens (MAX_BATCH)",
             });
         }
         model.check().map_err(|e| RunError::ModelConfig(Box::new(e)))?;
