@@ -351,6 +351,36 @@ fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
     assert!(rel <= common::tolerance::PATHS_REL, "vs a full prefill: rel {rel:.3e}");
 }
 
+/// An adapter set changed on the session itself, with no `PromptCache::clear` after it: the cache
+/// serves nothing computed under the set before (neither its held tokens nor its snapshots), and
+/// the request prefills from scratch under the new set.
+#[test]
+fn an_adapter_set_changed_without_clearing_the_cache_is_not_served_from_it() {
+    let Some((model, opts, tok)) = demo_model(64) else { return };
+    let ids = |text: &str| tok.encode_prompt(text).expect("encode");
+    let french = std::sync::Arc::new(
+        qwen35_wgpu::LoraAdapter::load(&model, &demo_dir().join("adapters/french")).expect("french"),
+    );
+    let mut s = qwen35_wgpu::Session::new(model.clone(), opts.clone()).expect("session");
+    let mut cache = qwen35_wgpu::runtime::PromptCache::default();
+    let first = ids("What color is the sky?");
+    let fed = cache.prepare(&mut s, &first, None).expect("prepare");
+    s.feed(&first[fed..]).expect("prompt");
+    cache.finish(&mut s, &first, &[]);
+    assert!(cache.snapshot_count() > 0, "the request left snapshots");
+    s.set_adapter(Some((french.clone(), 1.0))).expect("french");
+    let mut second = first.clone();
+    second.extend(ids(" The sky is"));
+    let fed = cache.prepare(&mut s, &second, None).expect("prepare after the change");
+    assert_eq!(fed, 0, "nothing of the base model's states is reused");
+    let got = s.feed(&second).expect("the whole prompt");
+    let mut fresh = qwen35_wgpu::Session::new(model, opts).expect("session");
+    fresh.set_adapter(Some((french, 1.0))).expect("french");
+    let want = fresh.feed(&second).expect("full prefill");
+    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    assert!(rel <= common::tolerance::PATHS_REL, "vs a fresh session under the adapter: rel {rel:.3e}");
+}
+
 /// The snapshots of all sessions stay within the backend's budget, freed from the least recently
 /// used session first (the request's own last), and the replies do not change.
 #[test]

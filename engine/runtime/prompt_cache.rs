@@ -8,10 +8,12 @@
 //! re-renders the previous assistant turn without its reasoning) and before the prompt's last
 //! token. The request's own steps take them on their way ([`Session::snapshot_at`]: the GDN
 //! dispatches split at those rows), so a new turn runs as one step, not one per snapshot point.
-//! A new prompt continues from the session's state when it extends the tokens held, else from
-//! the longest snapshot that is a prefix of it, else from scratch. Anything that changes what
-//! the tokens computed (another adapter or scale, a learning step, direct use of the session)
-//! clears the cache; the owner calls [`PromptCache::clear`].
+//! A new prompt continues from the session's state when it extends the tokens held (used only
+//! while nothing else ran on the session), else from the longest snapshot that is a prefix of it
+//! and that the session can still restore ([`Session::restorable`]: none taken before an adapter
+//! set was bound on it), else from scratch. A learning step changes a bound adapter's weights
+//! without the session knowing: after one the owner calls [`PromptCache::clear`], as the
+//! backend does.
 
 use crate::error::RunError;
 use crate::runtime::session::{Session, StateSnapshot};
@@ -123,7 +125,9 @@ impl PromptCache {
                     .snapshots
                     .iter()
                     .enumerate()
-                    .filter(|(_, (t, _))| t.len() <= limit && common_prefix(t, prompt) == t.len())
+                    .filter(|(_, (t, snap))| {
+                        t.len() <= limit && common_prefix(t, prompt) == t.len() && session.restorable(snap)
+                    })
                     .max_by_key(|(_, (t, _))| t.len())
                     .map(|(i, _)| i);
                 match best {

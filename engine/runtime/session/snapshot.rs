@@ -210,18 +210,22 @@ impl Session {
         self.taps.fired = None;
     }
 
-    /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
-    /// (nothing changes) unless it was taken from this session, at or before its position,
-    /// under the adapters bound now (no set bound since), and the session has not been below
-    /// that position since (a reset, or a restore of an earlier snapshot, followed by other
+    /// Whether [`Session::restore`] takes `snap`: it was taken from this session, at or before its
+    /// position, under the adapters bound now (no set bound since), and the session has not been
+    /// below that position since (a reset, or a restore of an earlier snapshot, followed by other
     /// tokens, rewrote the KV cache it relies on).
+    pub fn restorable(&self, snap: &StateSnapshot) -> bool {
+        snap.session == self.uid
+            && snap.adapters == self.adapters_version
+            && snap.pos <= self.pos
+            && snap.buffers.len() == self.gdn_states().count()
+            && self.holds_since(snap.rewinds, snap.pos)
+    }
+
+    /// Go back to `snap`: the next step runs at its position with its GDN states. Refused
+    /// (nothing changes) unless [`Session::restorable`].
     pub fn restore(&mut self, snap: &StateSnapshot) -> Result<(), RunError> {
-        if snap.session != self.uid
-            || snap.adapters != self.adapters_version
-            || snap.pos > self.pos
-            || snap.buffers.len() != self.gdn_states().count()
-            || !self.holds_since(snap.rewinds, snap.pos)
-        {
+        if !self.restorable(snap) {
             return Err(RunError::BadParam {
                 name: "snapshot",
                 value: format!("position {} of session {} (this is session {})", snap.pos, snap.session, self.uid),
