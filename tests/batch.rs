@@ -113,6 +113,37 @@ fn a_batched_step_equals_each_session_stepped_alone() {
     }
 }
 
+/// A snapshot a session's run-ahead step took, the step then discarded (its generation stopped
+/// after one token), is not handed over by the batched step that next runs at that position with
+/// another token: every snapshot the session hands over restores the states of the tokens it
+/// holds.
+#[test]
+fn a_batched_step_after_a_discarded_run_ahead_keeps_none_of_its_snapshots() {
+    let Some(f) = fixture() else { return };
+    let prompt = &f.ids[..6];
+    let mut s = session(&f, &[]);
+    s.set_run_ahead(true);
+    s.snapshot_at(prompt.len() + 1, None).expect("a snapshot after the first generated token");
+    let params = GenerateParams { max_tokens: 4, stop_at_eos: false, ..Default::default() };
+    let out = s.generate(prompt, &params, |_| false).expect("one token");
+    assert_eq!((out.len(), s.position()), (1, prompt.len()), "the run-ahead step is discarded");
+    let other = (out[0] + 1) % f.model.config.vocab_size as u32;
+    let mut t = session(&f, &[]);
+    t.feed(&f.ids[..3]).expect("another session");
+    let mut batch = Batch::new(f.model.clone(), 2).expect("batch");
+    batch.step(&mut [&mut s, &mut t], &[other, f.ids[3]]).expect("batched step");
+    let mut held = prompt.to_vec();
+    held.push(other);
+    let next = f.ids[7];
+    for snap in s.take_snapshots() {
+        s.restore(&snap).expect("restore");
+        let got = s.feed(&[next]).expect("after the snapshot");
+        let want = session(&f, &[]).feed(&[&held[..snap.position()], &[next][..]].concat()).expect("fresh");
+        let (rel, _) = rel_and_max(got.last(), want.last());
+        assert!(rel <= PATHS_REL, "snapshot at {}: rel {rel:.2e} against the tokens held", snap.position());
+    }
+}
+
 #[test]
 fn batched_generation_equals_each_session_generating_alone() {
     let Some(f) = fixture() else { return };

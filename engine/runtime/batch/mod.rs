@@ -337,6 +337,9 @@ impl Batch {
             }
         }
         self.bind_lora(sessions)?;
+        for s in sessions.iter_mut() {
+            s.forget_fired_taps();
+        }
         let pooled = pool.map(|(slots, held)| {
             let gdn = self.pool.as_ref().filter(|_| held.gdn).map(|pool| {
                 let parity = match (sessions.first(), slots.first()) {

@@ -194,6 +194,13 @@ impl Session {
         }
     }
 
+    /// A step the session did not record itself (a batch's) is about to run at its position: the
+    /// snapshots an earlier step of its own took there (a discarded run-ahead) are not that
+    /// step's, and its commit must not keep them.
+    pub(crate) fn forget_fired_taps(&mut self) {
+        self.taps.fired = None;
+    }
+
     /// A step at the session's position (before the commit moves it) was committed: so are its
     /// snapshots, if it is the step that took them.
     pub(super) fn commit_taps(&mut self) {
