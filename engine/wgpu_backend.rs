@@ -12,7 +12,7 @@ use crate::gpu::GpuContext;
 use crate::learn::{
     export_peft, init_adapter, FeedbackEvent, LearnOptions, LearnReport, ModuleGrad, TokenEvent, TrainSpec, Trainer,
 };
-use crate::lora::{AdapterInfo, LoraAdapter};
+use crate::lora::{AdapterInfo, LoraAdapter, MAX_SET};
 use crate::model::{LoadOptions, Model};
 use crate::runtime::{ActiveAdapter, Batch, GenerateParams, PromptCache, Session, SessionOptions};
 use crate::text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, ReplyParser, TextTokenizer};
@@ -264,6 +264,10 @@ impl WgpuBackend {
     /// them; see [`Batch`]). Each session's prompt cache applies as in
     /// [`LlmBackend::generate_tokens`]. Token ids only: `params.stop` must be empty (stop strings
     /// need the text, a typed error otherwise). Returns each request's new tokens, in order.
+    /// Every request is checked before any runs. One step binds at most
+    /// [`crate::lora::MAX_SET`] distinct adapters: sessions applying more together run as
+    /// consecutive batches, each of as many requests, in order, as stay within that (this and
+    /// every other batch call).
     pub fn generate_batch(
         &mut self,
         requests: &[(SessionId, &[u32])],
@@ -373,13 +377,15 @@ impl WgpuBackend {
     }
 
     /// [`WgpuBackend::generate_batch_with`] for requests whose stop strings the caller applies.
+    /// Every request is checked before any runs. Requests whose sessions apply more than
+    /// [`MAX_SET`] distinct adapters together (one step binds at most that many) run as several
+    /// batches one after the other, each of as many requests, in order, as stay within it.
     fn batch_ids(
         &mut self,
         requests: &[(SessionId, &[u32])],
         params: &GenerateParams,
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
-        let budget = self.snapshot_budget;
         let loaded = self.loaded()?;
         for (i, (id, _)) in requests.iter().enumerate() {
             loaded.index(*id)?;
@@ -387,22 +393,41 @@ impl WgpuBackend {
                 return Err(BackendError::Sessions { why: format!("session {id} is asked for twice in one batch") });
             }
         }
-        if requests.is_empty() {
-            return Ok(Vec::new());
+        let using = requests.iter().map(|(id, _)| loaded.index(*id)).collect::<Result<Vec<_>, _>>()?;
+        for (&s, (_, prompt)) in using.iter().zip(requests) {
+            loaded.sessions[s].session.check_request(prompt, params)?;
         }
+        if requests.is_empty() || params.max_tokens == 0 {
+            // Nothing runs: the prompt caches keep what they hold.
+            return Ok(vec![Vec::new(); requests.len()]);
+        }
+        let mut out = vec![Vec::new(); requests.len()];
+        for group in adapter_groups(using.iter().map(|&s| loaded.sessions[s].session.adapters())) {
+            let part: Vec<(SessionId, &[u32])> = group.iter().map(|&i| requests[i]).collect();
+            let got = self.batch_group(&part, params, &mut |k, token| on_token(group[k], token))?;
+            for (&i, tokens) in group.iter().zip(got) {
+                out[i] = tokens;
+            }
+        }
+        Ok(out)
+    }
+
+    /// One batch of [`WgpuBackend::batch_ids`]: checked requests of distinct sessions whose
+    /// adapters fit one step.
+    fn batch_group(
+        &mut self,
+        requests: &[(SessionId, &[u32])],
+        params: &GenerateParams,
+        on_token: &mut dyn FnMut(usize, u32) -> bool,
+    ) -> Result<Vec<Vec<u32>>, BackendError> {
+        let budget = self.snapshot_budget;
+        let loaded = self.loaded()?;
         let n = requests.len();
         if loaded.batch.as_ref().is_none_or(|b| b.rows() < n) {
             loaded.batch = Some(Batch::new(loaded.model.clone(), n)?);
         }
         let turn_start = loaded.turn_start;
         let using = requests.iter().map(|(id, _)| loaded.index(*id)).collect::<Result<Vec<_>, _>>()?;
-        for (&s, (_, prompt)) in using.iter().zip(requests) {
-            loaded.sessions[s].session.check_request(prompt, params)?;
-        }
-        if params.max_tokens == 0 {
-            // Nothing runs: the prompt caches keep what they hold.
-            return Ok(vec![Vec::new(); n]);
-        }
         loaded.touch(&using);
         let mut fed = Vec::with_capacity(n);
         for (&s, (_, prompt)) in using.iter().zip(requests) {
@@ -893,4 +918,30 @@ impl LlmBackend for WgpuBackend {
         let weights = trainer.weights()?;
         Ok(export_peft(dir, &model.config, &trainer.adapter, &weights)?)
     }
+}
+
+/// Requests (by index, in order) grouped into batches whose sessions apply at most [`MAX_SET`]
+/// distinct adapters (scale ≠ 0) together: each request joins the current group unless its
+/// adapters would take the group past that, then it starts the next.
+fn adapter_groups<'a>(sets: impl Iterator<Item = &'a [ActiveAdapter]>) -> Vec<Vec<usize>> {
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut held: Vec<&Arc<LoraAdapter>> = Vec::new();
+    for (i, set) in sets.enumerate() {
+        let live: Vec<&Arc<LoraAdapter>> = set.iter().filter(|a| a.scale != 0.0).map(|a| &a.adapter).collect();
+        let new = live.iter().filter(|a| !held.iter().any(|h| Arc::ptr_eq(h, a))).count();
+        let fits = held.len() + new <= MAX_SET;
+        if !fits {
+            held.clear();
+        }
+        for a in live {
+            if !held.iter().any(|h| Arc::ptr_eq(h, a)) {
+                held.push(a);
+            }
+        }
+        match groups.last_mut() {
+            Some(group) if fits => group.push(i),
+            _ => groups.push(vec![i]),
+        }
+    }
+    groups
 }

@@ -742,6 +742,47 @@ fn the_backend_decodes_its_sessions_together_with_their_prompt_caches() {
     );
 }
 
+/// Sessions applying more distinct adapters together than one step binds (`MAX_SET`) still run in
+/// one call: as consecutive batches, each request generating what it generates alone, its tokens
+/// handed to the callback under its own index.
+#[test]
+fn a_batch_of_more_adapters_than_one_step_binds_runs_as_several() {
+    use qwen35_wgpu::{AdapterWeight, LlmBackend};
+    let Some(ctx) = gpu() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let n = qwen35_wgpu::lora::MAX_SET + 3;
+    let path = root().join("tests/fixtures/adapters/all12_r8");
+    let scale = |k: usize| 0.25 + 0.1 * k as f32;
+    let prompt = |k: usize| &ids[..2 + k % 5];
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    let mut alone = fixture_backend(&ctx, &["all12_r8"]);
+    let want: Vec<Vec<u32>> = (0..n)
+        .map(|k| {
+            alone.set_adapters(&[AdapterWeight::new("all12_r8", scale(k))]).expect("set");
+            alone.generate_ids(prompt(k), &params).expect("alone")
+        })
+        .collect();
+    let mut b = fixture_backend(&ctx, &[]);
+    let mut sids = vec![b.current_session().expect("session")];
+    sids.extend((1..n).map(|_| b.create_session().expect("session")));
+    for (k, sid) in sids.iter().enumerate() {
+        // Each session its own resident copy: n distinct adapters in all.
+        let id = b.preload_adapter(&path, Some(&format!("copy{k}"))).expect("copy");
+        b.select_session(*sid).expect("select");
+        b.set_adapters(&[AdapterWeight::new(&id, scale(k))]).expect("set");
+    }
+    let requests: Vec<_> = sids.iter().enumerate().map(|(k, &sid)| (sid, prompt(k))).collect();
+    let mut streamed = vec![Vec::new(); n];
+    let got = b
+        .generate_batch_with(&requests, &params, &mut |i, token| {
+            streamed[i].push(token);
+            true
+        })
+        .expect("a batch past MAX_SET adapters");
+    assert_eq!(got, want, "each request as alone");
+    assert_eq!(streamed, want, "the callback's tokens under each request's index");
+}
+
 /// A request its callback stopped early leaves its session's prompt cache holding what it
 /// generated: the next batch, whose prompt extends that prompt and its tokens, prefills only the
 /// new tokens and generates what a fresh backend generates from the whole prompt.
