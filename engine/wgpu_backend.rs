@@ -60,7 +60,6 @@ struct Loaded {
     /// The open sessions; `current` is the one the [`LlmBackend`] calls use.
     sessions: Vec<Conversation>,
     current: usize,
-    next_id: SessionId,
     /// The buffers of batched steps ([`WgpuBackend::generate_batch`]), made on first use.
     batch: Option<Batch>,
     /// Requests served (the clock of `Conversation::last_used`).
@@ -76,13 +75,15 @@ impl Loaded {
         &self.sessions[self.current]
     }
 
-    fn open(&mut self, opts: &SessionOptions) -> Result<SessionId, BackendError> {
+    /// Open a session under the id `*next` and move `next` on (ids are the backend's, across
+    /// models: an id from before a model change names no session of the new one).
+    fn open(&mut self, opts: &SessionOptions, next: &mut SessionId) -> Result<SessionId, BackendError> {
         if self.sessions.len() >= MAX_SESSIONS {
             return Err(BackendError::Sessions { why: format!("at most {MAX_SESSIONS} sessions are open at once") });
         }
         let session = Session::new(self.model.clone(), opts.clone())?;
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = *next;
+        *next += 1;
         self.sessions.push(Conversation {
             id,
             session,
@@ -136,6 +137,8 @@ pub struct WgpuBackend {
     opts: SessionOptions,
     snapshot_budget: u64,
     loaded: Option<Loaded>,
+    /// The next session's id (never reused while the backend lives, across models).
+    next_session: SessionId,
     resident: Vec<(AdapterId, Arc<LoraAdapter>)>,
     trainer: Option<(AdapterId, Trainer)>,
 }
@@ -148,7 +151,15 @@ impl WgpuBackend {
 
     /// A backend on an existing context.
     pub fn with_context(ctx: Arc<GpuContext>, opts: SessionOptions) -> Self {
-        Self { ctx, opts, snapshot_budget: DEFAULT_SNAPSHOT_BUDGET, loaded: None, resident: Vec::new(), trainer: None }
+        Self {
+            ctx,
+            opts,
+            snapshot_budget: DEFAULT_SNAPSHOT_BUDGET,
+            loaded: None,
+            next_session: 1,
+            resident: Vec::new(),
+            trainer: None,
+        }
     }
 
     /// The GPU context (e.g. to read [`GpuContext::bytes_uploaded`]).
@@ -230,8 +241,10 @@ impl WgpuBackend {
     /// adapter set; no adapter active). The current session stays current. Nothing changes on
     /// error (at most [`MAX_SESSIONS`] open, or the GPU out of memory for its caches).
     pub fn create_session(&mut self) -> Result<SessionId, BackendError> {
-        let opts = self.opts.clone();
-        self.loaded()?.open(&opts)
+        let (opts, mut next) = (self.opts.clone(), self.next_session);
+        let id = self.loaded()?.open(&opts, &mut next)?;
+        self.next_session = next;
+        Ok(id)
     }
 
     /// Make session `id` the one the [`LlmBackend`] calls (generation, chat, adapters, learning,
@@ -571,11 +584,10 @@ impl WgpuBackend {
             turn_start,
             sessions: Vec::new(),
             current: 0,
-            next_id: 1,
             batch: None,
             requests: 0,
         };
-        loaded.open(&self.opts)?;
+        loaded.open(&self.opts, &mut self.next_session)?;
         self.resident.clear();
         self.trainer = None;
         self.loaded = Some(loaded);

@@ -326,6 +326,19 @@ fn session_ids_and_limits_are_typed_errors() {
     }
     assert_eq!(b.sessions(), opened, "a refused session changes nothing");
     assert_eq!(b.current_session(), Some(first));
+    // A model loaded again (or after an unload) opens its sessions under new ids: an id kept from
+    // before names none of them.
+    let dir = b.model_info().expect("a model").path;
+    for reload in [false, true] {
+        if reload {
+            b.unload_model();
+        }
+        b.load_model(&dir).expect("load again");
+        let now = b.current_session().expect("a session");
+        assert!(!opened.contains(&now), "session {now} was an id of the earlier model");
+        assert!(matches!(b.select_session(first), Err(BackendError::UnknownSession { .. })));
+        opened.push(now);
+    }
 }
 
 /// The thread-safety README documents, checked by the compiler: the backend and a session move
