@@ -195,13 +195,15 @@ impl WgpuBackend {
     /// Drop resident adapter `id` (and its trainer, if it was the trainable one). It must be in
     /// no session's active set.
     fn forget(&mut self, id: &str) {
+        let gone = find_in(&self.resident, id).ok().cloned();
         self.resident.retain(|(i, _)| i != id);
-        if let Some(l) = self.loaded.as_mut() {
-            for c in &mut l.sessions {
-                // The cached stack may hold it.
+        if let (Some(l), Some(gone)) = (self.loaded.as_mut(), gone) {
+            // Stacks that hold it let it go; the other sessions keep theirs (and their snapshots:
+            // dropping a stack counts as an adapter change for the session's snapshots).
+            for c in l.sessions.iter_mut().filter(|c| c.session.stack_holds(&gone)) {
                 c.session.forget_stack();
             }
-            if let Some(batch) = l.batch.as_mut() {
+            if let Some(batch) = l.batch.as_mut().filter(|b| b.holds(&gone)) {
                 batch.forget_stack();
             }
         }

@@ -155,6 +155,37 @@ fn another_adapter_scale_or_a_learning_step_starts_over() {
     assert_eq!(after.reused_tokens, before.reused_tokens, "a learning step invalidates the cache");
 }
 
+/// Adapters loaded into and removed from another session leave this session's prompt cache as it
+/// was: its next turn goes on from its snapshots (the app edited the reply, so the held tokens
+/// do not lead into the new prompt).
+#[test]
+fn another_sessions_adapters_coming_and_going_keep_this_sessions_snapshots() {
+    let Some(mut b) = backend(true) else { return };
+    let q1 = vec![ChatMessage::new("user", QUESTIONS[0])];
+    let reply = b.chat(&ChatRequest::new(q1.clone()), &params(), &mut |_| true).expect("turn 1");
+    let mut m = q1;
+    m.push(ChatMessage::new("assistant", &format!("Edited. {}", reply.content)));
+    m.push(ChatMessage::new("user", QUESTIONS[1]));
+    let this = b.current_session().expect("session");
+    let other = b.create_session().expect("another session");
+    b.select_session(other).expect("select");
+    let shout = demo_dir().join("adapters/shout");
+    b.load_adapter(&shout, 1.0).expect("load in the other session");
+    b.unload_adapter().expect("unload");
+    let id = b.preload_adapter(&shout, Some("shout")).expect("preload");
+    b.set_adapters(&[qwen35_wgpu::AdapterWeight::new(&id, 0.5)]).expect("set");
+    b.set_adapters(&[]).expect("none");
+    b.remove_adapter(&id).expect("remove");
+    b.select_session(this).expect("back");
+    let before = b.prompt_cache().expect("loaded").stats();
+    let cached = b.chat(&ChatRequest::new(m.clone()), &params(), &mut |_| true).expect("turn 2");
+    let after = b.prompt_cache().expect("loaded").stats();
+    assert!(after.reused_tokens > before.reused_tokens, "turn 2 goes on from turn 1: {before:?} -> {after:?}");
+    let mut fresh = backend(true).expect("backend");
+    let want = fresh.chat(&ChatRequest::new(m), &params(), &mut |_| true).expect("without the cache");
+    assert_eq!(cached.text, want.text);
+}
+
 /// A backend on a context of its own (its counters count only this test's work).
 fn backend_on_own_context(cache: bool) -> Option<WgpuBackend> {
     gpu()?;
