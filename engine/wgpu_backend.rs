@@ -796,6 +796,8 @@ impl LlmBackend for WgpuBackend {
 
     fn embeddings_ids(&mut self, ids: &[u32]) -> Result<Vec<f32>, BackendError> {
         let conv = self.loaded()?.cur();
+        // Refused ids leave the conversation's state and cache as they are.
+        conv.session.check_at(ids, 0)?;
         conv.cache.clear();
         let session = &mut conv.session;
         session.reset();

@@ -321,3 +321,46 @@ fn sampling_from_gpu_candidates_draws_what_the_whole_row_draws() {
         }
     }
 }
+
+/// `embeddings_ids` is the mean over the prompt's positions of the final norm's output: here
+/// transformers' last hidden states through the checkpoint's final RMSNorm (the CPU reference).
+/// Ids it refuses leave the conversation's prompt cache as it was.
+#[test]
+fn embeddings_are_the_mean_of_the_final_norm_of_transformers_states() {
+    use qwen35_wgpu::{LlmBackend, WgpuBackend};
+    let Some(ctx) = gpu() else { return };
+    for name in FIXTURES {
+        let dir = fixture_model(name);
+        let mut b = WgpuBackend::with_context(ctx.clone(), SessionOptions { max_context: 64, max_batch: 16 });
+        b.load_model(&dir).expect("model");
+        let r = Reference::load(name);
+        let c = qwen35_wgpu::TextConfig::from_dir(&dir).expect("config");
+        let ckpt = qwen35_wgpu::model::Checkpoint::open_dir(&dir).expect("checkpoint");
+        let h = c.hidden_size;
+        let norm = ckpt.read_f32(&format!("{}norm.weight", ckpt.text_prefix()), &[h]).expect("final norm");
+        for p in 0..PROMPTS {
+            let ids = r.ids(&format!("prompt{p}.ids"));
+            let (_, hidden) = r.f32(&format!("prompt{p}.hidden"));
+            let t = ids.len();
+            let normed = qwen35_wgpu::reference::rms_norm(&hidden[hidden.len() - t * h..], &norm, h, c.rms_norm_eps);
+            let want: Vec<f32> = (0..h).map(|j| (0..t).map(|i| normed[i * h + j]).sum::<f32>() / t as f32).collect();
+            let got = b.embeddings_ids(&ids).expect("embedding");
+            let (rel, max) = rel_and_max(&got, &want);
+            assert!(rel <= HIDDEN_REL, "{name} prompt {p} ({t} tokens): rel {rel:.3e}, max abs {max:.3e}");
+        }
+        let ids = r.ids("prompt1.ids");
+        assert!(ids.len() >= 6, "{name}: a prompt of {} tokens", ids.len());
+        let params = GenerateParams { max_tokens: 2, stop_at_eos: false, ..Default::default() };
+        let first = &ids[..4];
+        let reply = b.generate_ids(first, &params).expect("request 1");
+        for bad in [&[][..], &[u32::MAX][..]] {
+            assert!(b.embeddings_ids(bad).is_err(), "{name}: {bad:?} refused");
+        }
+        let mut next = [first, &reply[..]].concat();
+        next.extend(&ids[4..6]);
+        let before = b.prompt_cache().expect("cache").stats();
+        b.generate_ids(&next, &params).expect("request 2");
+        let reused = b.prompt_cache().expect("cache").stats().reused_tokens - before.reused_tokens;
+        assert!(reused >= first.len() as u64, "{name}: request 2 reused {reused} tokens after refused embeddings");
+    }
+}
