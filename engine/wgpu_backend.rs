@@ -199,9 +199,14 @@ impl WgpuBackend {
         self.resident.retain(|(i, _)| i != id);
         if let (Some(l), Some(gone)) = (self.loaded.as_mut(), gone) {
             // Stacks that hold it let it go; the other sessions keep theirs (and their snapshots:
-            // dropping a stack counts as an adapter change for the session's snapshots).
-            for c in l.sessions.iter_mut().filter(|c| c.session.stack_holds(&gone)) {
-                c.session.forget_stack();
+            // dropping a stack counts as an adapter change for the session's snapshots). No
+            // bind group a session cached keeps its buffers alive (a batch caches none of an
+            // adapter's).
+            for c in &mut l.sessions {
+                if c.session.stack_holds(&gone) {
+                    c.session.forget_stack();
+                }
+                c.session.forget_adapter(&gone);
             }
             if let Some(batch) = l.batch.as_mut().filter(|b| b.holds(&gone)) {
                 batch.forget_stack();

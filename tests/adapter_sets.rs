@@ -353,3 +353,35 @@ fn thread_safety_is_as_documented() {
     send_sync::<qwen35_wgpu::LoraAdapter>();
     send_sync::<qwen35_wgpu::GpuContext>();
 }
+
+/// A removed adapter's GPU memory is not kept alive by the bind groups a session cached for it,
+/// nor a replaced stack's by the groups cached for the stack: those groups go with them (the
+/// rest stay, so nothing is rebuilt for the adapters still in use).
+#[test]
+fn removed_adapters_and_replaced_stacks_leave_no_bind_group_behind() {
+    let Some(mut b) = backend() else { return };
+    let ids = Reference::load("adapter_sets").ids("ids");
+    let params = GenerateParams { max_tokens: 3, stop_at_eos: false, ..Default::default() };
+    let groups = |b: &mut WgpuBackend| b.session().expect("session").cached_bind_groups();
+    // A stack of two, decoded with; then another pair: the first stack goes.
+    b.set_adapters(&[AdapterWeight::new(ADAPTERS[0], 1.0), AdapterWeight::new(ADAPTERS[1], 0.5)]).expect("pair");
+    b.generate_ids(&ids[..4], &params).expect("with the stack");
+    let with_stack = groups(&mut b);
+    b.set_adapters(&[AdapterWeight::new(ADAPTERS[0], 1.0), AdapterWeight::new(ADAPTERS[2], 0.5)]).expect("pair");
+    let replaced = groups(&mut b);
+    assert!(replaced < with_stack, "the first stack's bind groups go: {with_stack} -> {replaced}");
+    // One adapter, decoded with, then switched off and removed.
+    b.set_adapters(&[AdapterWeight::new(ADAPTERS[3], 1.0)]).expect("one");
+    b.generate_ids(&ids[..4], &params).expect("with the adapter");
+    b.set_adapters(&[]).expect("none");
+    let with_adapter = groups(&mut b);
+    b.remove_adapter(ADAPTERS[3]).expect("remove");
+    let removed = groups(&mut b);
+    assert!(removed < with_adapter, "the removed adapter's bind groups go: {with_adapter} -> {removed}");
+    // What stays still decodes as a fresh backend does.
+    b.set_adapters(&[AdapterWeight::new(ADAPTERS[0], 1.0), AdapterWeight::new(ADAPTERS[2], 0.5)]).expect("pair");
+    let got = b.generate_ids(&ids[..5], &params).expect("after");
+    let mut fresh = backend().expect("backend");
+    fresh.set_adapters(&[AdapterWeight::new(ADAPTERS[0], 1.0), AdapterWeight::new(ADAPTERS[2], 0.5)]).expect("pair");
+    assert_eq!(got, fresh.generate_ids(&ids[..5], &params).expect("fresh"));
+}

@@ -387,6 +387,13 @@ impl LoraAdapter {
         self.layers.get(layer).and_then(|g| g[group as usize].as_ref())
     }
 
+    /// Every GPU buffer of the adapter (each group's A chunks and B): what a cache of bind
+    /// groups must let go of for the adapter's memory to be freed with it.
+    pub fn buffers(&self) -> Vec<&wgpu::Buffer> {
+        let groups = self.layers.iter().flatten().flatten();
+        groups.flat_map(|g| g.a.chunks.iter().map(|c| &c.buffer).chain(std::iter::once(&g.b))).collect()
+    }
+
     /// The largest Σr of any group (sizes a session's t scratch).
     pub fn max_group_rank(&self) -> usize {
         self.layers.iter().flatten().flatten().map(|g| g.rank_total).max().unwrap_or(0)

@@ -61,6 +61,13 @@ impl LoraState {
         self.stack = None;
     }
 
+    /// The GPU buffers this state owns (the cached stack's and the t scratch; the adapters of a
+    /// set are their owner's), as handles to compare after a change.
+    pub(crate) fn own_buffers(&self) -> Vec<wgpu::Buffer> {
+        let stack = self.stack.iter().flat_map(|(_, st)| st.buffers());
+        stack.chain(self.t.iter().map(|(t, _)| t)).cloned().collect()
+    }
+
     /// Whether the cached stack (bound or not) holds `adapter`.
     pub(crate) fn stack_holds(&self, adapter: &Arc<LoraAdapter>) -> bool {
         self.stack.as_ref().is_some_and(|(sources, _)| sources.iter().any(|s| Arc::ptr_eq(s, adapter)))

@@ -327,17 +327,38 @@ impl Session {
     /// (switching between tokens of one generation). Call [`Session::reset`] to start a
     /// request cleanly under the new set. On error nothing changes.
     pub fn set_adapters(&mut self, set: Vec<ActiveAdapter>) -> Result<(), AdapterError> {
+        let before = self.lora.own_buffers();
         self.lora.bind(&self.model, self.opts.max_batch, set)?;
         self.epoch += 1;
         self.adapters_version += 1;
+        self.forget_dropped(before);
         Ok(())
     }
 
     /// Forget the stack built for the current set, so that the next [`Session::set_adapters`]
     /// rebuilds it from its members' current weights (after a learning step).
     pub fn forget_stack(&mut self) {
+        let before = self.lora.own_buffers();
         self.lora.forget_stack();
         self.adapters_version += 1;
+        self.forget_dropped(before);
+    }
+
+    /// Let go of the cached bind groups that bind `adapter`'s buffers, so that its GPU memory is
+    /// freed when its owner drops it (call it for an adapter this session applied that is being
+    /// dropped; the backend does this when it removes a resident adapter).
+    pub fn forget_adapter(&mut self, adapter: &LoraAdapter) {
+        self.io.forget_buffers(&adapter.buffers());
+    }
+
+    /// Let go of the cached bind groups of the buffers of `before` (this session's own adapter
+    /// buffers before a change) that it no longer holds: a replaced stack or t scratch.
+    fn forget_dropped(&mut self, before: Vec<wgpu::Buffer>) {
+        let now = self.lora.own_buffers();
+        let gone: Vec<&wgpu::Buffer> = before.iter().filter(|b| !now.contains(b)).collect();
+        if !gone.is_empty() {
+            self.io.forget_buffers(&gone);
+        }
     }
 
     /// Whether the stack this session keeps (bound or not) holds `adapter`.
