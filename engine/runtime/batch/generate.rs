@@ -138,9 +138,10 @@ impl Batch {
         pooled
     }
 
-    /// Drop the pools of GDN states and KV caches (and the bind groups holding them): the next
-    /// generation of several sessions allocates them again. They are kept between generations
-    /// otherwise, sized for the most sessions and the furthest position seen.
+    /// Drop the pools of GDN states and KV caches and every cached bind group (those hold the
+    /// pools and the buffers of the sessions stepped so far): the next generation of several
+    /// sessions allocates the pools again. They are kept between generations otherwise, sized for
+    /// the most sessions and the furthest position seen.
     pub fn release_pools(&mut self) {
         self.io.forget_groups();
         self.pool = None;

@@ -47,7 +47,11 @@ struct BatchLora {
 }
 
 /// What batched steps reuse: scratch for `rows` tokens, the ids and logits buffers, the bind
-/// groups, the LoRA stack and tables of the last set of rows.
+/// groups, the LoRA stack and tables of the last set of rows. The cached bind groups hold the
+/// buffers of the sessions it stepped (their caches, states and RoPE tables), so a session's GPU
+/// memory is freed only once the batch lets go of them too: drop the batch or call
+/// [`Batch::release_pools`] after dropping sessions it stepped (the backend drops its batch when
+/// a session closes).
 pub struct Batch {
     model: Arc<Model>,
     rows: usize,
