@@ -39,6 +39,6 @@ pub use gpu::{GpuContext, GpuOptions, Subgroups};
 pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, TrainSpec};
 pub use lora::{AdapterInfo, LayerScales, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
-pub use runtime::{ActiveAdapter, Batch, GenerateParams, Logits, Sampler, Session, SessionOptions};
+pub use runtime::{ActiveAdapter, Batch, CancelFlag, GenerateParams, Logits, Sampler, Session, SessionOptions};
 pub use text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
 pub use wgpu_backend::{SessionId, WgpuBackend, DEFAULT_SNAPSHOT_BUDGET, MAX_SESSIONS};

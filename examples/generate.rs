@@ -106,6 +106,7 @@ fn main() -> Result<()> {
         repetition_penalty: args.repetition_penalty,
         stop: args.stop.clone(),
         stop_at_eos: true,
+        cancel: None,
     };
     let t = Instant::now();
     let mut deltas = 0;

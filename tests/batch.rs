@@ -852,3 +852,67 @@ fn a_learning_step_between_batches_reaches_the_next_batch() {
     let got = b.generate_batch(&[(learner, prompt), (other, prompt)], &params).expect("batch 2");
     assert_eq!(got[0], want, "the batch decodes with the stepped weights");
 }
+
+/// A `CancelFlag` in the params stops a generation at the next token it chooses (handed to the
+/// callback, and the last), whoever raises it and whether or not a callback would stop: a
+/// session's greedy (run-ahead off and on) and sampled generation, every row of a batch, and
+/// the backend's token generation.
+#[test]
+fn a_raised_cancel_flag_ends_generation_at_its_next_token() {
+    use qwen35_wgpu::{CancelFlag, LlmBackend};
+    let Some(f) = fixture() else { return };
+    let prompt = &f.ids[..5];
+    let flagged = |flag: &CancelFlag, sampled: bool| GenerateParams {
+        max_tokens: 8,
+        stop_at_eos: false,
+        temperature: if sampled { 0.8 } else { 0.0 },
+        top_k: if sampled { 20 } else { 0 },
+        seed: 3,
+        cancel: Some(flag.clone()),
+        ..Default::default()
+    };
+    for (run_ahead, sampled) in [(false, false), (true, false), (false, true)] {
+        let flag = CancelFlag::new();
+        let mut s = session(&f, &sets(&f)[0]);
+        s.set_run_ahead(run_ahead);
+        let mut seen = 0;
+        let out = s
+            .generate(prompt, &flagged(&flag, sampled), |_| {
+                seen += 1;
+                if seen == 2 {
+                    flag.raise();
+                }
+                true
+            })
+            .expect("generate");
+        assert_eq!((out.len(), seen), (2, 2), "run-ahead {run_ahead}, sampled {sampled}");
+        assert_eq!(s.position(), prompt.len() + 1, "the session holds the tokens before the last");
+        // A clone armed after the raise counts only later raises.
+        let again = s.generate(&[out[1]], &flagged(&flag.armed(), sampled), |_| true).expect("armed");
+        assert_eq!(again.len(), 8, "an armed clone runs to max_tokens");
+    }
+    // A batch: raised at row 0's first token, every row ends at its next one.
+    let flag = CancelFlag::new();
+    let sets = sets(&f);
+    let mut rows: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+    let prompts: Vec<&[u32]> = (0..rows.len()).map(|k| &f.ids[..3 + k]).collect();
+    let mut batch = Batch::new(f.model.clone(), rows.len()).expect("batch");
+    let mut refs: Vec<&mut Session> = rows.iter_mut().collect();
+    let fed = vec![0; prompts.len()];
+    let out = batch
+        .generate_with(&mut refs, &prompts, &fed, &flagged(&flag, false), &mut |i, _| {
+            if i == 0 {
+                flag.raise();
+            }
+            true
+        })
+        .expect("batch");
+    assert!(out.iter().all(|o| !o.is_empty() && o.len() <= 2), "rows end at their next token: {out:?}");
+    // The backend: a flag raised before the call gives the first token only.
+    let Some(ctx) = gpu() else { return };
+    let mut b = fixture_backend(&ctx, &[]);
+    let flag = CancelFlag::new();
+    flag.raise();
+    let got = b.generate_ids(prompt, &flagged(&flag.clone(), false)).expect("backend");
+    assert_eq!(got.len(), 1, "raised before the call: one token");
+}

@@ -24,6 +24,8 @@
 //! that still overflow (an adapter and scale at their bounds, say) are caught this way.
 
 use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::error::RunError;
 use crate::kernels::misc::topk_max;
@@ -52,6 +54,39 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Stop at the model's EOS ids (the EOS token is returned, as transformers does).
     pub stop_at_eos: bool,
+    /// Stop once this flag is raised (from any thread): checked at every generated token, which
+    /// is handed to the callback and is the last, as when the callback returns false.
+    pub cancel: Option<CancelFlag>,
+}
+
+/// Stops generations from another thread ([`GenerateParams::cancel`]). Clones share the flag;
+/// each counts the raises since it was made or [`CancelFlag::armed`].
+#[derive(Clone, Debug, Default)]
+pub struct CancelFlag {
+    raises: Arc<AtomicU64>,
+    at: u64,
+}
+
+impl CancelFlag {
+    /// A flag not raised.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Stop every generation holding a clone of this flag.
+    pub fn raise(&self) {
+        self.raises.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Whether the flag was raised since this clone was made or armed.
+    pub fn is_raised(&self) -> bool {
+        self.raises.load(Ordering::SeqCst) != self.at
+    }
+
+    /// A clone that counts only the raises from now on (a flag reused for the next request).
+    pub fn armed(&self) -> Self {
+        Self { raises: self.raises.clone(), at: self.raises.load(Ordering::SeqCst) }
+    }
 }
 
 impl Default for GenerateParams {
@@ -65,6 +100,7 @@ impl Default for GenerateParams {
             repetition_penalty: 1.0,
             stop: Vec::new(),
             stop_at_eos: true,
+            cancel: None,
         }
     }
 }
@@ -102,6 +138,10 @@ impl Session {
         params: &GenerateParams,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
+        let cancel = params.cancel.clone();
+        let mut on_token = move |token: u32, s: &mut Session| -> Result<bool, E> {
+            Ok(on_token(token, s)? && !cancel.as_ref().is_some_and(CancelFlag::is_raised))
+        };
         if fed >= prompt.len().max(1) || fed > self.pos {
             return Err(RunError::BadParam {
                 name: "fed",

@@ -12,7 +12,7 @@ pub(crate) mod session;
 pub use adapters::ActiveAdapter;
 pub use batch::{Batch, MAX_BATCH_SESSIONS};
 pub use cache::rope_table;
-pub use generate::GenerateParams;
+pub use generate::{CancelFlag, GenerateParams};
 pub use prompt_cache::{PromptCache, PromptCacheStats, MAX_SNAPSHOTS};
 pub(crate) use sampler::SplitMix64;
 pub use sampler::{argmax, Sampler, MIN_TEMPERATURE};

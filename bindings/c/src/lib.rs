@@ -26,9 +26,9 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use qwen35_wgpu::learn::LEARNABLE;
 use qwen35_wgpu::{
-    AdapterError, AdapterWeight, BackendError, ChatMessage, ChatRequest, FeedbackEvent, GenerateParams, LayerScales,
-    LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionId, SessionOptions, Signal, TrainSpec,
-    WgpuBackend,
+    AdapterError, AdapterWeight, BackendError, CancelFlag, ChatMessage, ChatRequest, FeedbackEvent, GenerateParams,
+    LayerScales, LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionId, SessionOptions, Signal,
+    TrainSpec, WgpuBackend,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -93,10 +93,10 @@ pub const QE_ABI_VERSION: u32 = 3;
 struct Engine {
     id: qe_engine,
     state: Mutex<State>,
-    /// Bumped by qe_cancel (and qe_engine_free): a generation stops when it differs from the
-    /// value it read when it was called, so a cancel reaches a call that is still waiting for
-    /// the lock, and never one made after it.
-    cancels: AtomicU64,
+    /// Raised by qe_cancel (and qe_engine_free): a call arms a clone when it is made, so a
+    /// cancel reaches a call that is still waiting for the lock, and never one made after it;
+    /// its generation checks it at every token.
+    cancel: CancelFlag,
 }
 
 /// An engine's backend and the sessions the caller opened on it.
@@ -245,21 +245,27 @@ impl State {
     }
 }
 
-/// The engine a call runs on and its cancel count when the call was made (before its lock).
+/// The engine a call runs on and its cancel flag, armed when the call was made (before its lock).
 struct Entry<'a> {
     engine: &'a Engine,
-    cancels: u64,
+    cancel: CancelFlag,
 }
 
 impl<'a> Entry<'a> {
     /// A call made on `engine` now.
     fn new(engine: &'a Engine) -> Self {
-        Self { engine, cancels: engine.cancels.load(Ordering::SeqCst) }
+        Self { engine, cancel: engine.cancel.armed() }
     }
 
     /// Whether the engine was cancelled (qe_cancel, qe_engine_free) since the call was made.
     fn cancelled(&self) -> bool {
-        self.engine.cancels.load(Ordering::SeqCst) != self.cancels
+        self.cancel.is_raised()
+    }
+
+    /// `params` with the call's cancel flag: a cancel stops the generation at its next token,
+    /// also where no text is streamed (a tool call being gathered, special tokens).
+    fn params(&self, params: &GenerateParams) -> GenerateParams {
+        GenerateParams { cancel: Some(self.cancel.clone()), ..params.clone() }
     }
 
     /// Run the caller's callback `call`, this thread marked as running one of the engine's (a
@@ -430,7 +436,7 @@ pub unsafe extern "C" fn qe_engine_load(
         }
         let spare = backend.current_session();
         let state = State { backend, sessions: BTreeMap::new(), next_serial: 1, spare };
-        let e = Arc::new(Engine { id, state: Mutex::new(state), cancels: AtomicU64::new(0) });
+        let e = Arc::new(Engine { id, state: Mutex::new(state), cancel: CancelFlag::new() });
         engines().insert(id, e);
         // SAFETY: checked non-null by `need`; the caller's contract.
         unsafe { put(out, id, "out") }
@@ -445,7 +451,7 @@ pub extern "C" fn qe_engine_free(engine: qe_engine) -> qe_status {
     guard(|| {
         // Out of the table first: the teardown runs after the table's lock is released.
         let e = engines().remove(&engine).ok_or_else(|| not_open(engine))?;
-        e.cancels.fetch_add(1, Ordering::SeqCst);
+        e.cancel.raise();
         drop(e);
         Ok(())
     })
@@ -457,7 +463,7 @@ pub extern "C" fn qe_engine_free(engine: qe_engine) -> qe_status {
 #[no_mangle]
 pub extern "C" fn qe_cancel(engine: qe_engine) -> qe_status {
     guard(|| {
-        self::engine(engine)?.cancels.fetch_add(1, Ordering::SeqCst);
+        self::engine(engine)?.cancel.raise();
         Ok(())
     })
 }
@@ -798,6 +804,7 @@ impl From<Params> for GenerateParams {
             repetition_penalty: p.repetition_penalty,
             stop: p.stop,
             stop_at_eos: p.stop_at_eos,
+            cancel: None,
         }
     }
 }
@@ -839,7 +846,8 @@ impl<'a> Sink<'a> {
 fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<()> {
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
-    if sink.cancelled {
+    // Also a generation the cancel stopped at a token that streamed nothing.
+    if sink.cancelled || sink.entry.cancelled() {
         return Err(cancelled());
     }
     Ok(())
@@ -873,8 +881,9 @@ pub unsafe extern "C" fn qe_generate(
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         need(text_out, "text_out")?;
         with_session(engine, session, |b, entry| {
+            let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
-            let text = b.generate_stream(prompt, &params.into(), &mut |d| sink.push(d))?;
+            let text = b.generate_stream(prompt, &params, &mut |d| sink.push(d))?;
             finish(&sink, text_out, text, "text_out")
         })
     })
@@ -963,7 +972,7 @@ unsafe fn run_batch<'a, T>(
         // SAFETY: element i < n of the caller's array, valid for a write by the contract.
         unsafe { put_string(out.add(i), text, out_name) }?;
     }
-    if sink.cancelled {
+    if sink.cancelled || sink.entry.cancelled() {
         return Err(cancelled());
     }
     Ok(())
@@ -1008,7 +1017,10 @@ pub unsafe extern "C" fn qe_generate_batch(
                 |_, prompt| Ok(prompt),
                 (on_delta, user),
                 (texts_out, "texts_out"),
-                |b, r, sink| Ok(b.generate_batch_stream(&r, &params, &mut |i, delta| sink.push(i, delta))?),
+                |b, r, sink| {
+                    let params = sink.entry.params(&params);
+                    Ok(b.generate_batch_stream(&r, &params, &mut |i, delta| sink.push(i, delta))?)
+                },
             )
         }
     })
@@ -1067,8 +1079,9 @@ pub unsafe extern "C" fn qe_chat(
         need(reply_out, "reply_out")?;
         let request = chat.request();
         with_session(engine, session, |b, entry| {
+            let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
-            let reply = b.chat(&request, &params.into(), &mut |d| match d {
+            let reply = b.chat(&request, &params, &mut |d| match d {
                 qwen35_wgpu::ChatDelta::Content(c) => sink.push(c),
                 _ => sink.tick(),
             })?;
@@ -1129,6 +1142,7 @@ pub unsafe extern "C" fn qe_chat_batch(
                 io,
                 |b, r, sink| {
                     let asks: Vec<_> = r.iter().map(|(id, request)| (*id, request)).collect();
+                    let params = sink.entry.params(&params);
                     let replies = b.chat_batch(&asks, &params, &mut |i, d| match d {
                         qwen35_wgpu::ChatDelta::Content(c) => sink.push(i, c),
                         _ => sink.tick(i),

@@ -462,6 +462,34 @@ int main(int argc, char **argv) {
     CHECK(strcmp(after_cancel, shout) == 0, "a cancel does not leak into the next call: %s", after_cancel);
     free(after_cancel);
 
+    /* A cancel reaches a generation that streams nothing (a stop string longer than its whole
+       text holds all of it back): it stops at its next token, not at max_tokens. */
+    {
+        char quiet_params[1200];
+        char never[1001];
+        memset(never, 'z', 1000);
+        never[1000] = 0;
+        snprintf(quiet_params, sizeof quiet_params, "{\"max_tokens\": 64, \"stop_at_eos\": false, \"stop\": [\"%s\"]}",
+                 never);
+        counter none = {0, 0, 0};
+        char *whole = NULL;
+        MUST(qe_generate(e, s2, "The sky", quiet_params, count_deltas, &none, &whole));
+        CHECK(none.deltas <= 1 && whole && strlen(whole) > 0, "%d deltas before the end, text %s", none.deltas,
+              whole ? whole : "(null)");
+        canceller quiet = {e, 0};
+        pthread_t qt;
+        pthread_create(&qt, NULL, cancel_loop, &quiet);
+        char *cut = NULL;
+        qe_status qs = qe_generate(e, s2, "The sky", quiet_params, NULL, NULL, &cut);
+        quiet.done = 1;
+        pthread_join(qt, NULL);
+        CHECK(qs == QE_CANCELLED, "a cancelled quiet generation: status %d", (int)qs);
+        CHECK(cut && whole && strlen(cut) < strlen(whole), "cancelled quiet text %s, whole %s", cut ? cut : "(null)",
+              whole ? whole : "(null)");
+        qe_string_free(whole);
+        qe_string_free(cut);
+    }
+
     /* A corrupt adapter: QE_ADAPTER, the message names the problem, the active adapter stays. */
     snprintf(path, sizeof path, "%s/corrupt", scratch);
     mkdir(path, 0755);

@@ -11,7 +11,7 @@ use crate::kernels::misc::topk_max;
 use crate::runtime::forward::gdn_step_fits;
 use crate::runtime::sampler::Sampler;
 use crate::runtime::session::Session;
-use crate::runtime::GenerateParams;
+use crate::runtime::{CancelFlag, GenerateParams};
 
 use super::pool::{GdnPool, KvPool, Pooled};
 use super::{commit_rows, pick, Batch, Head, StepIds, StepOut};
@@ -58,6 +58,9 @@ impl Batch {
         params: &GenerateParams,
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<Vec<u32>>, RunError> {
+        let cancel = params.cancel.clone();
+        let on_token =
+            &mut |i: usize, token: u32| on_token(i, token) && !cancel.as_ref().is_some_and(CancelFlag::is_raised);
         let n = sessions.len();
         self.check_rows(sessions)?;
         if prompts.len() != n || fed.len() != n {
