@@ -242,6 +242,14 @@ impl<'a> TextOut<'a> {
         if let Some(e) = self.failure {
             return Err(e);
         }
+        // What the decoder still held (an unfinished character at the end) goes through the
+        // filter like any delta, unless the text already ended.
+        if !self.caller_stopped && !self.filter.stopped {
+            if let Some(rest) = self.stream.finish()? {
+                let safe = self.filter.push(&rest);
+                self.caller_stopped = !safe.is_empty() && !on_text(safe);
+            }
+        }
         let tail = self.filter.finish().to_string();
         if !tail.is_empty() && !self.caller_stopped {
             on_text(&tail);
@@ -475,6 +483,46 @@ mod tests {
         }
         streamed.push_str(f.finish());
         (streamed, f.text.clone(), f.stopped)
+    }
+
+    /// The demo model's tokenizer (a byte-level BPE, as Qwen's).
+    fn demo() -> crate::TextTokenizer {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/assets/demo");
+        crate::TextTokenizer::from_dir(&dir).expect("demo tokenizer")
+    }
+
+    /// Deltas and text of `ids` through a `TextOut` with no stop strings.
+    fn streamed(tok: &crate::TextTokenizer, ids: &[u32]) -> (String, String) {
+        let mut out = super::TextOut::new(tok, &[]);
+        let mut deltas = String::new();
+        for &id in ids {
+            assert!(out.token(id, &mut |d| {
+                deltas.push_str(d);
+                true
+            }));
+        }
+        let text = out
+            .finish(&mut |d| {
+                deltas.push_str(d);
+                true
+            })
+            .expect("finish");
+        (deltas, text)
+    }
+
+    #[test]
+    fn a_character_left_unfinished_at_the_end_comes_out_as_decoding_gives_it() {
+        let tok = demo();
+        let id = |t: &str| tok.token_id(t).unwrap_or_else(|| panic!("token {t}"));
+        // "a", then the first byte of a three-byte character (byte-level token "ä" is 0xE4), and
+        // a literal U+FFFD (bytes EF BF BD) at the very end.
+        let unfinished = [id("a"), id("ä")];
+        let replacement = [id("a"), id("ï"), id("¿"), id("½")];
+        for ids in [&unfinished[..], &replacement[..]] {
+            let whole = tok.decode(ids).expect("decode");
+            assert!(whole.ends_with('\u{FFFD}'), "{whole:?}");
+            assert_eq!(streamed(&tok, ids), (whole.clone(), whole), "{ids:?}");
+        }
     }
 
     #[test]

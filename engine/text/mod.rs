@@ -259,6 +259,18 @@ impl TextStream<'_> {
         )
         .map_err(|e| TextError::Tokenizer { during: "stream decoding", message: e.to_string() })
     }
+
+    /// The generation ended: the text `step` held back (bytes of a character that never
+    /// completed, decoded as U+FFFD, or a final U+FFFD of the text itself), so that the deltas
+    /// add up to what decoding all the ids at once gives.
+    pub fn finish(&self) -> Result<Option<String>, TextError> {
+        let text = self
+            .tokenizer
+            .inner
+            .decode(&self.ids, true)
+            .map_err(|e| TextError::Tokenizer { during: "stream decoding", message: e.to_string() })?;
+        Ok(text.strip_prefix(self.prefix.as_str()).filter(|rest| !rest.is_empty()).map(str::to_string))
+    }
 }
 
 /// The stages of tokenizer.json screened before tokenizers reads the file.
