@@ -354,10 +354,14 @@ impl ReplyParser {
             let close = after.find('>')?;
             let pname = after[..close].trim().to_string();
             let value_start = &after[close + 1..];
-            // The template writes `\n</parameter>`: prefer that end, so a value may contain the tag.
+            // The template writes `\n</parameter>`: prefer that end, so a value may contain the
+            // tag, unless it comes after the next parameter and another `</parameter>` ends this
+            // one first (a model that left out the newline once).
+            let plain = value_start.find("</parameter>")?;
+            let next = value_start.find("\n<parameter=");
             let (stop, tag) = match value_start.find("\n</parameter>") {
-                Some(at) => (at, "\n</parameter>".len()),
-                None => (value_start.find("</parameter>")?, "</parameter>".len()),
+                Some(at) if at + 1 == plain || next.is_none_or(|n| at < n) => (at, "\n</parameter>".len()),
+                _ => (plain, "</parameter>".len()),
             };
             let value = &value_start[..stop];
             let value = value.strip_prefix('\n').unwrap_or(value);
@@ -524,6 +528,18 @@ mod tests {
             "<tool_call>\n<function=say>\n<parameter=s>\nsay </parameter> x\n</parameter>\n</function>\n</tool_call>",
         );
         assert_eq!(r.tool_calls, vec![ToolCall::new("say", json!({"s": "say </parameter> x"}))]);
+        // A parameter whose end tag lacks the newline ends there, not at the next one's.
+        let r = parse_every_split(
+            "",
+            "<tool_call>\n<function=f>\n<parameter=a>\n1</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>",
+        );
+        assert_eq!(r.tool_calls, vec![ToolCall::new("f", json!({"a": 1, "b": 2}))]);
+        // A value holding a parameter tag, ended as the template ends it.
+        let r = parse_every_split(
+            "",
+            "<tool_call>\n<function=f>\n<parameter=code>\nx\n<parameter=y>\n</parameter>\n</function>\n</tool_call>",
+        );
+        assert_eq!(r.tool_calls, vec![ToolCall::new("f", json!({"code": "x\n<parameter=y>"}))]);
         // Schemas that allow a string keep the text.
         let tools =
             [json!({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
