@@ -240,7 +240,8 @@ qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const 
 
 // One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
 // "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...}}` (OpenAI / transformers
-// message dicts; the model's chat template renders them). `params_json` and `on_delta` as in
+// message dicts, tool-call arguments as an object or, as OpenAI sends them, a JSON string; the
+// model's chat template renders them). `params_json` and `on_delta` as in
 // qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 // Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 // "text"}` (free with qe_string_free). A conversation that grows turn by turn prefills only

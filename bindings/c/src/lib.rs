@@ -1039,9 +1039,10 @@ struct Chat {
 }
 
 impl Chat {
-    /// The request the backend renders.
+    /// The request the backend renders: tool-call arguments sent as a JSON string (OpenAI's
+    /// form) parsed into the object Qwen's templates iterate, as vLLM does.
     fn request(self) -> ChatRequest {
-        let mut request = ChatRequest::new(self.messages);
+        let mut request = ChatRequest::new(self.messages).parse_tool_arguments();
         request.tools = self.tools;
         request.vars = self.vars;
         if let Some(on) = self.enable_thinking {
@@ -1053,7 +1054,8 @@ impl Chat {
 
 /// One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
 /// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...}}` (OpenAI / transformers
-/// message dicts; the model's chat template renders them). `params_json` and `on_delta` as in
+/// message dicts, tool-call arguments as an object or, as OpenAI sends them, a JSON string; the
+/// model's chat template renders them). `params_json` and `on_delta` as in
 /// qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 /// Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 /// "text"}` (free with qe_string_free). A conversation that grows turn by turn prefills only
@@ -1359,4 +1361,21 @@ pub unsafe extern "C" fn qe_trainable_export(engine: qe_engine, dir: *const c_ch
         lock(&e)?.backend.export_trainable_adapter(Path::new(dir))?;
         Ok(())
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Chat;
+
+    #[test]
+    fn openai_tool_call_arguments_reach_the_template_as_objects() {
+        let json = r#"{"messages": [{"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+            {"role": "tool", "content": "sunny"}]}"#;
+        let chat: Chat = serde_json::from_str(json).expect("request");
+        let request = chat.request();
+        let calls = request.messages[1].tool_calls.as_ref().expect("the assistant's calls");
+        assert_eq!(calls[0].function.arguments, serde_json::json!({"city": "Paris"}));
+    }
 }
