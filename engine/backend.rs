@@ -162,7 +162,11 @@ impl<'a> StopFilter<'a> {
     fn push(&mut self, delta: &str) -> &str {
         let start = self.emitted;
         self.text.push_str(delta);
-        let hit = self.stop.iter().filter(|s| !s.is_empty()).filter_map(|s| self.text.find(s.as_str())).min();
+        // No stop string starts before what was emitted (the hold-back covers every start that
+        // could still complete), so only the rest is searched: linear in the text, not quadratic.
+        let rest = &self.text[start..];
+        let hit =
+            self.stop.iter().filter(|s| !s.is_empty()).filter_map(|s| rest.find(s.as_str())).min().map(|at| start + at);
         let safe = match hit {
             Some(at) => {
                 self.stopped = true;
@@ -531,5 +535,27 @@ mod tests {
         assert_eq!(run(&["xx", "END"], &["aEN", "Xb"]), ("aENXb".into(), "aENXb".into(), false));
         assert_eq!(run(&[], &["é", "ü"]), ("éü".into(), "éü".into(), false));
         assert_eq!(run(&["ü!"], &["aé", "ü", "!"]), ("aé".into(), "aé".into(), true));
+    }
+
+    /// Split into one-character deltas and into two deltas at every boundary, each text gives
+    /// what cutting the whole text at its first stop string gives.
+    #[test]
+    fn stop_strings_are_found_however_the_text_is_split() {
+        let stops: &[&[&str]] = &[&["abcab"], &["ab", "bca"], &["é!é", "zz"], &["cabx"]];
+        for text in ["xxabcabcabx", "abcab", "zé!é!éz", "ababcabca", "no stop here"] {
+            for stop in stops {
+                let want = stop.iter().filter_map(|s| text.find(s)).min().map_or(text, |at| &text[..at]);
+                let chars: Vec<String> = text.chars().map(String::from).collect();
+                let one: Vec<&str> = chars.iter().map(String::as_str).collect();
+                assert_eq!(run(stop, &one).0, want, "{text:?} by characters, stops {stop:?}");
+                for (at, _) in text.char_indices() {
+                    assert_eq!(
+                        run(stop, &[&text[..at], &text[at..]]).0,
+                        want,
+                        "{text:?} split at {at}, stops {stop:?}"
+                    );
+                }
+            }
+        }
     }
 }
