@@ -559,6 +559,16 @@ pub enum LearnError {
     /// No trainable adapter was created or imported.
     #[error("no trainable adapter: create or import one first")]
     NoTrainableAdapter,
+    /// The step's loss or gradient was infinite or NaN (an adapter scale or learning rate the
+    /// model overflows under): the step was not taken, the adapter and the optimiser's state are
+    /// unchanged.
+    #[error("the learning step's {what} is not finite ({value}): nothing was updated")]
+    NonFinite {
+        /// `"loss of event N"` or `"gradient norm"`.
+        what: String,
+        /// The value.
+        value: f32,
+    },
     /// Writing the exported adapter failed.
     #[error("cannot write {path}: {message}")]
     Export {

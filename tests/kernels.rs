@@ -2275,3 +2275,46 @@ fn the_uniform_arena_grows_to_what_a_recording_needs() {
     let want: Vec<f32> = cpu::linear(&x, &w, 1, n, k).iter().map(|v| v * 600.0).collect();
     assert_close("600 accumulated matvecs", &read(&ctx, &yb, n), &want, ACCUMULATED_ATOL, ACCUMULATED_RTOL);
 }
+
+/// AdamW after a gradient with an infinite or NaN element updates nothing (its squares' sum,
+/// which the clip reads, is not finite); the same step with that element finite updates every
+/// weight and both moments.
+#[test]
+fn adamw_takes_no_step_on_a_non_finite_gradient() {
+    use qwen35_wgpu::kernels::learn::{adamw, sum_squares, AdamParams, AdamTensor};
+    let Some(ctx) = gpu() else { return };
+    let n = 300;
+    let (w0, m0, v0) = (rand(n, 1, 1.0), rand(n, 2, 0.1), rand(n, 3, 0.1).iter().map(|x| x.abs()).collect::<Vec<_>>());
+    for bad in [f32::NAN, f32::INFINITY, 1.0] {
+        let mut g = rand(n, 4, 1.0);
+        g[123] = bad;
+        let (grad, param, m, v, anchor) =
+            (upload(&ctx, &g), upload(&ctx, &w0), upload(&ctx, &m0), upload(&ctx, &v0), upload(&ctx, &w0));
+        let norms = upload(&ctx, &[0.0]);
+        let params = AdamParams {
+            n: n as u32,
+            slot: 0,
+            slots: 1,
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            bc1: 0.1,
+            bc2: 0.01,
+            max_norm: 1.0,
+            ..Default::default()
+        };
+        let t = AdamTensor { grad: &grad, param: &param, m: &m, v: &v, anchor: &anchor };
+        run(&ctx, |rec| {
+            sum_squares(rec, &grad, &norms, n, 0)?;
+            adamw(rec, &t, &norms, &params)
+        });
+        let (w, m1, m2) = (read(&ctx, &param, n), read(&ctx, &m, n), read(&ctx, &v, n));
+        if bad.is_finite() {
+            assert!(w.iter().zip(&w0).all(|(a, b)| a != b), "a finite gradient moves every weight");
+            assert!(m1 != m0 && m2 != v0, "and both moments");
+        } else {
+            assert_eq!((w, m1, m2), (w0.clone(), m0.clone(), v0.clone()), "a {bad} gradient element changes nothing");
+        }
+    }
+}

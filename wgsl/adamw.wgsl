@@ -58,6 +58,12 @@ fn adamw(@builtin(global_invocation_id) gid: vec3<u32>, @builtin(num_workgroups)
     for (var s = 0u; s < p.slots; s++) {
         total += norms[s];
     }
+    // A gradient with an infinite or NaN element (its squares' sum is then not finite) updates
+    // nothing: weights and moments stay as they were (the host reports the step as failed). The
+    // exponent bits, not a comparison: fast-math compilers may fold a NaN test away.
+    if ((bitcast<u32>(total) & 0x7f800000u) == 0x7f800000u) {
+        return;
+    }
     var clip = 1.0;
     if (p.max_norm > 0.0) {
         clip = min(1.0, p.max_norm / (sqrt(total) + 1e-6));

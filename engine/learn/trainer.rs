@@ -524,6 +524,9 @@ impl Trainer {
     ) -> Result<LearnReport, LearnError> {
         opts.validate()?;
         let event_ce = self.accumulate(session, events, scale)?;
+        if let Some((i, &ce)) = event_ce.iter().enumerate().find(|(_, ce)| !ce.is_finite()) {
+            return Err(LearnError::NonFinite { what: format!("loss of event {i}"), value: ce });
+        }
         let t = (self.step + 1) as i32;
         let ctx = self.model.ctx.clone();
         let mut rec = Recorder::new(&ctx, &mut self.io);
@@ -551,20 +554,20 @@ impl Trainer {
             adamw(&mut rec, &tensor, &self.norms, &params)?;
         }
         rec.submit()?;
-        self.step += 1;
         let norms = read_f32(&ctx, &self.norms, 0, self.tensors.len())?;
+        let total: f32 = norms.iter().sum();
+        if !total.is_finite() {
+            // adamw.wgsl updated nothing.
+            return Err(LearnError::NonFinite { what: "gradient norm".into(), value: total.sqrt() });
+        }
+        self.step += 1;
         let scores: Vec<f32> =
             events.iter().filter_map(|e| if let Signal::Score(s) = e.signal { Some(s) } else { None }).collect();
         if !scores.is_empty() {
             let mean = scores.iter().sum::<f32>() / scores.len() as f32;
             self.baseline = opts.baseline_momentum * self.baseline + (1.0 - opts.baseline_momentum) * mean;
         }
-        Ok(LearnReport {
-            step: self.step,
-            event_ce,
-            grad_norm: norms.iter().sum::<f32>().sqrt(),
-            baseline: self.baseline,
-        })
+        Ok(LearnReport { step: self.step, event_ce, grad_norm: total.sqrt(), baseline: self.baseline })
     }
 }
 
