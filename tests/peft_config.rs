@@ -398,3 +398,22 @@ fn committed_fixture_adapters_parse_on_the_cpu() {
         assert_eq!(covered[name], common::lora_a_tensors(&dir.join(name)), "{name}: the modules peft saved");
     }
 }
+
+/// An `init_lora_weights` under which peft rewrites the base weights when it loads the adapter
+/// (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA) is refused by name: applied to the original weights the
+/// adapter would give other numbers than peft without a word. The others load.
+#[test]
+fn adapters_trained_against_rewritten_base_weights_are_refused() {
+    let base = json!({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]});
+    for init in ["pissa", "pissa_niter_4", "olora", "loftq", "corda", "lora_ga"] {
+        let mut cfg = base.clone();
+        cfg["init_lora_weights"] = json!(init);
+        let e = PeftConfig::from_json(&cfg).expect_err(init);
+        assert!(matches!(&e, AdapterError::Unsupported { key, .. } if key == "init_lora_weights"), "{init}: {e}");
+    }
+    for init in [json!(true), json!(false), json!("gaussian"), json!("eva"), json!("orthogonal")] {
+        let mut cfg = base.clone();
+        cfg["init_lora_weights"] = init.clone();
+        assert!(PeftConfig::from_json(&cfg).is_ok(), "{init}");
+    }
+}

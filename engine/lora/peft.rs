@@ -16,8 +16,12 @@
 //! (first key in file order with `re.match(rf"(.*\.)?({key})$", name)`), Python `re` syntax
 //! with look-around ([`crate::lora::pattern`]). Fields that do not change the math are ignored.
 //!
+//! A missing `r` or `lora_alpha` in `adapter_config.json` is `LoraConfig`'s default, 8.
+//!
 //! Typed errors: DoRA, `lora_bias`, embedding / lm_head LoRA, `modules_to_save`,
-//! `fan_in_fan_out`, pickle `.bin` files, keys that match no module, untargeted modules, a
+//! `fan_in_fan_out`, an `init_lora_weights` that makes peft rewrite the base weights on load
+//! (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA: the adapter was trained against residual weights this
+//! engine does not have), pickle `.bin` files, keys that match no module, untargeted modules, a
 //! module present twice (both prefixes), wrong shapes or ranks, layers out of range, NaN/Inf,
 //! and the bounds of [`crate::lora`] (rank, alpha / r, weight magnitude, pattern-map size).
 //! Vision-tower keys (`model.visual.*`, which `all-linear` adapters saved from the VLM class can
@@ -164,6 +168,16 @@ fn too_many(field: &str, n: usize) -> AdapterError {
     }
 }
 
+/// `LoraConfig`'s `r` and `lora_alpha` when `adapter_config.json` leaves them out.
+const PEFT_DEFAULT_R: usize = 8;
+const PEFT_DEFAULT_ALPHA: f64 = 8.0;
+
+/// Whether an `init_lora_weights` value makes peft change the base layer's weights when it
+/// creates the adapter, also when loading a saved one (`LoraLayer.update_layer`).
+fn rewrites_base(init: &str) -> bool {
+    ["pissa", "corda", "lora_ga"].iter().any(|p| init.starts_with(p)) || init == "olora" || init == "loftq"
+}
+
 /// A rank from a config: a positive integer up to [`MAX_RANK`].
 fn rank_value(field: &str, v: &serde_json::Value) -> Result<usize, AdapterError> {
     v.as_u64()
@@ -238,12 +252,22 @@ impl PeftConfig {
                 return Err(AdapterError::Unsupported { feature: feature.into(), key: field.into() });
             }
         }
+        if let Some(init) = get("init_lora_weights").as_str().filter(|i| rewrites_base(i)) {
+            return Err(AdapterError::Unsupported {
+                feature: format!(
+                    "init_lora_weights = {init:?} (peft rewrites the base weights when it loads this adapter: \
+                     convert it to a plain LoRA with peft's path_initial_model_for_weight_conversion)"
+                ),
+                key: "init_lora_weights".into(),
+            });
+        }
+        // LoraConfig's defaults where the file leaves them out.
         let r = match get("r") {
-            serde_json::Value::Null => None,
+            serde_json::Value::Null => Some(PEFT_DEFAULT_R),
             x => Some(rank_value("r", x)?),
         };
         let lora_alpha = match get("lora_alpha") {
-            serde_json::Value::Null => None,
+            serde_json::Value::Null => Some(PEFT_DEFAULT_ALPHA),
             x => Some(alpha_value("lora_alpha", x)?),
         };
         let use_rslora = get("use_rslora").as_bool().unwrap_or(false);

@@ -64,6 +64,9 @@ CASES = {
         "rank_pattern": {"layers.1.mlp.up_proj": 5, "ayers.3.self_attn.q_proj": 7, "^model.layers.0.*": 9},
         "alpha_pattern": {r"layers\.11\..*|q_proj": 3},
     },
+    # LoraConfig's defaults where the file leaves r or lora_alpha out.
+    "default_alpha": {"r": 16, "target_modules": ["q_proj", "up_proj"]},
+    "default_r_and_alpha": {"target_modules": ["q_proj"], "rank_pattern": {"layers.1.self_attn.q_proj": 4}},
     "error_str_target_with_layers": {"r": 4, "target_modules": r".*q_proj", "layers_to_transform": [0]},
     "error_all_linear_with_layers": {"r": 4, "target_modules": "all-linear", "layers_to_transform": [0]},
     "error_layers_pattern_alone": {"r": 4, "target_modules": ["q_proj"], "layers_pattern": "layers"},
