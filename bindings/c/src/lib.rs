@@ -809,26 +809,24 @@ impl From<Params> for GenerateParams {
     }
 }
 
-/// A streaming sink over the C callback and the engine's cancel count; `cancelled` tells whether
-/// a cancel stopped it, `stopped` whether the callback did (it is not called again).
+/// A streaming sink over the C callback and the call's cancel flag (once raised it stays raised);
+/// `stopped` tells whether the callback stopped it (it is not called again).
 struct Sink<'a> {
     cb: qe_delta_fn,
     user: *mut c_void,
     entry: Entry<'a>,
-    cancelled: bool,
     stopped: bool,
 }
 
 impl<'a> Sink<'a> {
     fn new(cb: qe_delta_fn, user: *mut c_void, entry: Entry<'a>) -> Self {
-        Self { cb, user, entry, cancelled: false, stopped: false }
+        Self { cb, user, entry, stopped: false }
     }
 
     /// Whether to go on (false once the engine was cancelled after the call was made, or the
     /// callback asked to stop).
-    fn tick(&mut self) -> bool {
-        self.cancelled = self.cancelled || self.entry.cancelled();
-        !self.cancelled && !self.stopped
+    fn tick(&self) -> bool {
+        !self.entry.cancelled() && !self.stopped
     }
 
     fn push(&mut self, delta: &str) -> bool {
@@ -847,7 +845,7 @@ fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<(
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
     // Also a generation the cancel stopped at a token that streamed nothing.
-    if sink.cancelled || sink.entry.cancelled() {
+    if sink.entry.cancelled() {
         return Err(cancelled());
     }
     Ok(())
@@ -893,23 +891,21 @@ pub unsafe extern "C" fn qe_generate(
 const MAX_BATCH: usize = qwen35_wgpu::MAX_SESSIONS;
 const _: () = assert!(MAX_BATCH <= qwen35_wgpu::runtime::MAX_BATCH_SESSIONS, "a batch call's sessions fit one Batch");
 
-/// A batch call's streaming sink over the C callback and the engine's cancel count: `cancelled`
-/// tells whether a cancel stopped the call, `stopped[i]` whether the callback stopped request
-/// `i` (it is not called for it again).
+/// A batch call's streaming sink over the C callback and the call's cancel flag (once raised it
+/// stays raised): `stopped[i]` tells whether the callback stopped request `i` (it is not called
+/// for it again).
 struct BatchSink<'a> {
     cb: qe_batch_delta_fn,
     user: *mut c_void,
     entry: Entry<'a>,
-    cancelled: bool,
     stopped: Vec<bool>,
 }
 
 impl BatchSink<'_> {
     /// Whether request `i` goes on (false once the engine was cancelled after the call was
     /// made, or the callback stopped it).
-    fn tick(&mut self, i: usize) -> bool {
-        self.cancelled = self.cancelled || self.entry.cancelled();
-        !self.cancelled && !self.stopped[i]
+    fn tick(&self, i: usize) -> bool {
+        !self.entry.cancelled() && !self.stopped[i]
     }
 
     fn push(&mut self, i: usize, delta: &str) -> bool {
@@ -966,13 +962,13 @@ unsafe fn run_batch<'a, T>(
     for (&handle, request) in handles.iter().zip(parsed) {
         requests.push((st.session(engine, handle)?.1, request));
     }
-    let mut sink = BatchSink { cb, user, entry, cancelled: false, stopped: vec![false; n] };
+    let mut sink = BatchSink { cb, user, entry, stopped: vec![false; n] };
     let results = run(&mut st.backend, requests, &mut sink)?;
     for (i, text) in results.into_iter().enumerate().take(n) {
         // SAFETY: element i < n of the caller's array, valid for a write by the contract.
         unsafe { put_string(out.add(i), text, out_name) }?;
     }
-    if sink.cancelled || sink.entry.cancelled() {
+    if sink.entry.cancelled() {
         return Err(cancelled());
     }
     Ok(())
