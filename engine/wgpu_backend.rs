@@ -407,13 +407,13 @@ impl WgpuBackend {
         on_token: &mut dyn FnMut(usize, u32) -> bool,
     ) -> Result<Vec<Vec<u32>>, BackendError> {
         let loaded = self.loaded()?;
+        let mut using = Vec::with_capacity(requests.len());
         for (i, (id, _)) in requests.iter().enumerate() {
-            loaded.index(*id)?;
+            using.push(loaded.index(*id)?);
             if requests[..i].iter().any(|(other, _)| other == id) {
                 return Err(BackendError::Sessions { why: format!("session {id} is asked for twice in one batch") });
             }
         }
-        let using = requests.iter().map(|(id, _)| loaded.index(*id)).collect::<Result<Vec<_>, _>>()?;
         for (&s, (_, prompt)) in using.iter().zip(requests) {
             loaded.sessions[s].session.check_request(prompt, params)?;
         }
