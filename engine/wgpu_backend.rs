@@ -937,7 +937,7 @@ impl LlmBackend for WgpuBackend {
         let (_, trainer) = self.trainer.as_ref().ok_or(LearnError::NoTrainableAdapter)?;
         let model = self.loaded.as_ref().ok_or(BackendError::NoModel)?.model.clone();
         let weights = trainer.weights()?;
-        Ok(export_peft(dir, &model.config, &trainer.adapter, &weights)?)
+        Ok(export_peft(dir, &model, &trainer.adapter, &weights)?)
     }
 }
 

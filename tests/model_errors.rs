@@ -615,12 +615,13 @@ fn hand_edited_models_are_refused_before_a_step() {
     assert!(Batch::new(good.clone(), 2).is_ok());
     assert!(LoraAdapter::upload(&good, &adapter).is_ok());
     type Edit = fn(&mut Model);
-    let cases: [(Edit, &str); 5] = [
+    let cases: [(Edit, &str); 6] = [
         (|m| _ = m.config.layer_types.pop(), "num_hidden_layers"),
         (|m| m.config.conv_kernel = 0, "linear_conv_kernel_dim"),
         (|m| m.config.layer_types[1] = LayerType::Linear, "layer_types[1]"),
         (|m| m.layers[2].mlp.down_proj.rows -= 1, "layers.2.mlp.down_proj"),
         (|m| m.embed.chunks[0].row_start = 1, "embed_tokens.weight"),
+        (|m| m.module_prefix = "language_model.model.", "module_prefix"),
     ];
     for (edit, name) in cases {
         let mut model = load();

@@ -1,6 +1,8 @@
 //! Writing a trained adapter as a standard PEFT directory (`adapter_config.json` +
-//! `adapter_model.safetensors`, f32, keys `base_model.model.model.layers.{i}.{module}.lora_{A,B}.weight`),
-//! loadable by `PeftModel.from_pretrained` on the text model and by this engine's `load_adapter`.
+//! `adapter_model.safetensors`, f32, keys `base_model.model.{prefix}layers.{i}.{module}.lora_{A,B}.weight`
+//! with the model's [`Model::module_prefix`](crate::model::Model::module_prefix):
+//! `model.language_model.` on a VLM save, else `model.`), loadable by `PeftModel.from_pretrained` on
+//! the checkpoint's own class and by this engine's `load_adapter`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -10,7 +12,7 @@ use safetensors::tensor::{Dtype as StDtype, TensorView};
 use crate::error::LearnError;
 use crate::learn::ModuleGrad;
 use crate::lora::LoraAdapter;
-use crate::model::TextConfig;
+use crate::model::Model;
 
 fn path_of(dir: &Path) -> std::path::PathBuf {
     dir.join("adapter_model.safetensors")
@@ -25,7 +27,7 @@ fn export_err(path: &Path, message: impl ToString) -> LearnError {
 /// its exact scaling.
 pub(crate) fn export_peft(
     dir: &Path,
-    config: &TextConfig,
+    model: &Model,
     adapter: &LoraAdapter,
     weights: &[ModuleGrad],
 ) -> Result<(), LearnError> {
@@ -34,13 +36,13 @@ pub(crate) fn export_peft(
     let mut ranks = BTreeMap::new();
     let mut alphas = BTreeMap::new();
     for w in weights {
-        let (fan_in, fan_out) = w.proj.dims(config);
+        let (fan_in, fan_out) = w.proj.dims(&model.config);
         let rank = w.b.len() / fan_out;
         let scaling =
             adapter.group(w.layer, w.proj.group()).and_then(|g| g.member(w.proj)).map(|m| m.scaling).ok_or_else(
                 || export_err(dir, format!("layers.{}.{} is not in the adapter", w.layer, w.proj.path())),
             )?;
-        let name = format!("model.layers.{}.{}", w.layer, w.proj.path());
+        let name = format!("{}layers.{}.{}", model.module_prefix, w.layer, w.proj.path());
         ranks.insert(name.clone(), rank);
         alphas.insert(name.clone(), scaling as f64 * rank as f64);
         let key = format!("base_model.model.{name}");

@@ -134,6 +134,10 @@ pub struct Model {
     pub norm: GpuVector,
     /// The decoder layers.
     pub layers: Vec<Layer>,
+    /// The decoder layers' module prefix inside a PEFT model of the checkpoint's class:
+    /// `model.language_model.` for a Hugging Face VLM save, `model.` for a text-only save or an
+    /// MLX checkpoint. An adapter the engine exports names its modules with it, as peft would.
+    pub module_prefix: &'static str,
 }
 
 struct Loader<'a> {
@@ -518,7 +522,8 @@ impl Model {
                 },
             });
         }
-        Ok(Self { ctx, config, eos_token_ids, embed, lm_head, norm, layers })
+        let module_prefix = if prefix == "model.language_model." { prefix } else { "model." };
+        Ok(Self { ctx, config, eos_token_ids, embed, lm_head, norm, layers, module_prefix })
     }
 
     /// Whether the model is one the engine can run: its config within [`TextConfig::check`]'s
@@ -529,6 +534,13 @@ impl Model {
     pub fn check(&self) -> Result<(), ModelError> {
         let c = &self.config;
         c.check()?;
+        if !["model.", "model.language_model."].contains(&self.module_prefix) {
+            return Err(ModelError::BadConfig {
+                field: "module_prefix".into(),
+                expected: "\"model.\" or \"model.language_model.\"".into(),
+                found: format!("{:?}", self.module_prefix),
+            });
+        }
         if self.layers.len() != c.num_layers() {
             return Err(ModelError::BadConfig {
                 field: "num_hidden_layers".into(),

@@ -6,18 +6,20 @@
   target/fixtures-venv/bin/python xtask/python/check_export.py --model examples/assets/demo \
       --adapter /tmp/fb-export --logits /tmp/fb-logits.safetensors --ids 1,282,201,287,300,270,273,393,33,2,201,1,283,201
 
-Loads the base model with transformers, the exported directory with `PeftModel.from_pretrained`,
+Loads the base model with transformers (the class its config.json names), the exported directory with `PeftModel.from_pretrained`,
 and compares its logits with the engine's (per position ‖ours − peft‖ / ‖peft‖ ≤ 1e-4, the
 suite's LOGITS_REL). Exits non-zero on a mismatch.
 """
 
 import argparse
+import json
+import os
 import sys
 
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import Qwen3_5ForCausalLM
+from transformers import Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration
 
 
 def main():
@@ -29,7 +31,11 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     ids = torch.tensor([[int(x) for x in args.ids.split(",")]])
-    model = Qwen3_5ForCausalLM.from_pretrained(args.model, dtype=torch.float32).eval()
+    # The checkpoint's own class: an export from a VLM save names its modules model.language_model.
+    with open(os.path.join(args.model, "config.json")) as f:
+        vlm = json.load(f).get("architectures") == ["Qwen3_5ForConditionalGeneration"]
+    cls = Qwen3_5ForConditionalGeneration if vlm else Qwen3_5ForCausalLM
+    model = cls.from_pretrained(args.model, dtype=torch.float32).eval()
     model = PeftModel.from_pretrained(model, args.adapter).eval()
     with torch.no_grad():
         ref = model(input_ids=ids).logits[0]
