@@ -417,3 +417,42 @@ fn adapters_trained_against_rewritten_base_weights_are_refused() {
         assert!(PeftConfig::from_json(&cfg).is_ok(), "{init}");
     }
 }
+
+/// `fan_in_fan_out: true` on an `nn.Linear` (every Qwen 3.5 projection): peft warns, sets the
+/// flag to false and applies A and B as saved (semantics.json records its layer's flag and the
+/// output change it computes). The engine loads such an adapter with the same numbers as with
+/// the flag false.
+#[test]
+fn fan_in_fan_out_on_linear_layers_is_what_peft_makes_of_it() {
+    let text = std::fs::read_to_string(root().join("tests/fixtures/peft/semantics.json")).expect("semantics.json");
+    let all: Value = serde_json::from_str(&text).expect("json");
+    let rec = &all["fan_in_fan_out_on_linear"];
+    assert_eq!(rec["config"]["fan_in_fan_out"], json!(true));
+    assert_eq!(rec["layer_fan_in_fan_out"], json!(false), "peft keeps the flag on a Linear");
+    let config = PeftConfig::from_json(&rec["config"]).expect("peft loads this config, so do we");
+    let matrix = |v: &Value| -> Vec<Vec<f64>> {
+        v.as_array()
+            .expect("rows")
+            .iter()
+            .map(|r| r.as_array().expect("row").iter().map(|x| x.as_f64().expect("number")).collect())
+            .collect()
+    };
+    let (a, b, x) = (matrix(&rec["lora_A"]), matrix(&rec["lora_B"]), matrix(&rec["x"]));
+    let scaling = f64::from(config.scaling("q_proj", a.len()).expect("scaling"));
+    // scaling · B · (A · x): A and B as saved, not transposed.
+    let ax: Vec<f64> = a.iter().map(|row| row.iter().zip(&x[0]).map(|(w, v)| w * v).sum()).collect();
+    let ours: Vec<f64> = b.iter().map(|row| scaling * row.iter().zip(&ax).map(|(w, v)| w * v).sum::<f64>()).collect();
+    assert_eq!(vec![ours], matrix(&rec["delta"]), "peft's output change");
+
+    let fixture = root().join("tests/fixtures/adapters/all12_r8");
+    let dir = common::scratch_copy(&fixture, "fan_in_fan_out");
+    let path = dir.join("adapter_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("read")).expect("json");
+    cfg["fan_in_fan_out"] = json!(true);
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    let key = |d: &peft::ModuleDelta| (d.layer, d.proj.path(), d.rank, d.scaling, d.a.clone(), d.b.clone());
+    let with = peft::parse(&dir, &model()).expect("fan_in_fan_out: true loads");
+    let without = peft::parse(&fixture, &model()).expect("fixture");
+    assert_eq!(with.deltas.len(), without.deltas.len());
+    assert!(with.deltas.iter().map(key).eq(without.deltas.iter().map(key)), "the same deltas as with false");
+}

@@ -17,9 +17,11 @@
 //! with look-around ([`crate::lora::pattern`]). Fields that do not change the math are ignored.
 //!
 //! A missing `r` or `lora_alpha` in `adapter_config.json` is `LoraConfig`'s default, 8.
+//! `fan_in_fan_out: true` is what peft makes of it on an `nn.Linear` (every Qwen 3.5 projection):
+//! it warns, sets the flag to false and applies A and B as saved; so does the engine.
 //!
 //! Typed errors: DoRA, `lora_bias`, embedding / lm_head LoRA, `modules_to_save`,
-//! `fan_in_fan_out`, an `init_lora_weights` that makes peft rewrite the base weights on load
+//! an `init_lora_weights` that makes peft rewrite the base weights on load
 //! (PiSSA, OLoRA, LoftQ, CorDA, LoRA-GA: the adapter was trained against residual weights this
 //! engine does not have), pickle `.bin` files, keys that match no module, untargeted modules, a
 //! module present twice (both prefixes), wrong shapes or ranks, layers out of range, NaN/Inf,
@@ -227,12 +229,7 @@ impl PeftConfig {
         if !peft_type.is_null() && peft_type.as_str() != Some("LORA") {
             return Err(bad("peft_type", "\"LORA\"", peft_type));
         }
-        for (field, feature) in [
-            ("use_dora", "DoRA"),
-            ("lora_bias", "lora_bias"),
-            ("fan_in_fan_out", "fan_in_fan_out"),
-            ("use_qalora", "QA-LoRA"),
-        ] {
+        for (field, feature) in [("use_dora", "DoRA"), ("lora_bias", "lora_bias"), ("use_qalora", "QA-LoRA")] {
             if get(field).as_bool() == Some(true) {
                 return Err(AdapterError::Unsupported { feature: feature.into(), key: field.into() });
             }

@@ -7,6 +7,11 @@ VLM class), whether the module is targeted (`check_target_module_exists`, after 
 gets (`get_pattern_key` over `rank_pattern` / `alpha_pattern`, as `LoraModel._create_and_replace`
 does). A config `LoraConfig` refuses is recorded as an error.
 
+`fan_in_fan_out_on_linear` records what `PeftModel.from_pretrained` makes of an adapter whose
+saved config says `fan_in_fan_out: true` on an `nn.Linear` (every Qwen 3.5 projection): the flag
+the layer keeps, and the output change `(y_with - y_without)` for a fixed input, with the A and B
+it loaded.
+
 Run: `python xtask/python/make_peft_semantics.py --root .` (no model, no GPU; a few seconds).
 Output: tests/fixtures/peft/semantics.json, committed, read by tests/peft_config.rs.
 """
@@ -14,9 +19,13 @@ Output: tests/fixtures/peft/semantics.json, committed, read by tests/peft_config
 import argparse
 import json
 import os
+import tempfile
+import warnings
 
 import peft
-from peft import LoraConfig
+import torch
+from peft import LoraConfig, PeftModel
+from safetensors.torch import save_file
 from peft.tuners.tuners_utils import _ExcludedModule, check_target_module_exists
 from peft.utils.other import get_pattern_key
 
@@ -92,11 +101,45 @@ def decide(cfg: dict) -> dict:
     return {"config": cfg, "modules": modules}
 
 
+def fan_in_fan_out_on_linear() -> dict:
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(3, 2, bias=False)
+
+        def forward(self, x):
+            return self.q_proj(x)
+
+    torch.manual_seed(0)
+    base = Tiny()
+    a = [[0.5, -1.0, 2.0]]  # lora_A [r = 1, in = 3]
+    b = [[1.5], [-0.25]]  # lora_B [out = 2, r = 1]
+    x = [[1.0, 2.0, -3.0]]
+    with torch.no_grad():
+        y_base = base(torch.tensor(x))
+    with tempfile.TemporaryDirectory() as d:
+        cfg = {"peft_type": "LORA", "r": 1, "lora_alpha": 2, "target_modules": ["q_proj"], "fan_in_fan_out": True}
+        with open(os.path.join(d, "adapter_config.json"), "w") as f:
+            json.dump(cfg, f)
+        save_file({"base_model.model.q_proj.lora_A.weight": torch.tensor(a),
+                   "base_model.model.q_proj.lora_B.weight": torch.tensor(b)},
+                  os.path.join(d, "adapter_model.safetensors"))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = PeftModel.from_pretrained(base, d).eval()
+        with torch.no_grad():
+            delta = (model(torch.tensor(x)) - y_base).tolist()
+    return {"config": cfg, "lora_A": a, "lora_B": b, "x": x, "delta": delta,
+            "layer_fan_in_fan_out": model.base_model.model.q_proj.fan_in_fan_out,
+            "warnings": sorted({str(w.message) for w in caught if "fan_in_fan_out" in str(w.message)})}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", default=".")
     args = ap.parse_args()
-    out = {"peft_version": peft.__version__, "cases": {k: decide(v) for k, v in CASES.items()}}
+    out = {"peft_version": peft.__version__, "cases": {k: decide(v) for k, v in CASES.items()},
+           "fan_in_fan_out_on_linear": fan_in_fan_out_on_linear()}
     path = os.path.join(args.root, "tests/fixtures/peft/semantics.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
