@@ -553,7 +553,7 @@ fn main() -> Result<()> {
                 if swap {
                     s.set_adapter(Some((if i % 2 == 0 { second.clone() } else { adapter.clone() }, 1.0)))?;
                 }
-                *logits = s.feed(&[argmax(logits.last())])?;
+                *logits = s.feed(&[argmax(logits.last().ok_or(qwen35_wgpu::RunError::EmptyInput)?)])?;
             }
             Ok((steps as f64 / t.elapsed().as_secs_f64(), (ctx.bytes_uploaded() - b0) / steps as u64))
         };

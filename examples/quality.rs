@@ -79,7 +79,7 @@ fn main() -> Result<()> {
             let all: Vec<u32> = ids.iter().chain(answer).copied().collect();
             let got = Session::new(q.clone(), opts.clone())?.feed_all(&all[..all.len() - 1])?;
             for pos in ids.len() - 1..all.len() - 1 {
-                let d = kl(want.row(pos), got.row(pos));
+                let d = kl(want.row(pos).context("a reference row")?, got.row(pos).context("a row")?);
                 sum += d;
                 max = max.max(d);
                 tokens += 1;

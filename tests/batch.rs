@@ -104,7 +104,7 @@ fn a_batched_step_equals_each_session_stepped_alone() {
         let mut rows: Vec<&mut Session> = together.iter_mut().collect();
         let got = batch.step(&mut rows, &last).expect("batched step");
         for (k, want) in alone.iter().enumerate() {
-            let (rel, _) = rel_and_max(got.row(k), want);
+            let (rel, _) = rel_and_max(got.row(k).expect("a row"), want);
             assert!(rel <= PATHS_REL, "n {n}, session {k}: rel {rel:.2e}");
         }
         for (k, s) in together.iter().enumerate() {
@@ -139,7 +139,7 @@ fn a_batched_step_after_a_discarded_run_ahead_keeps_none_of_its_snapshots() {
         s.restore(&snap).expect("restore");
         let got = s.feed(&[next]).expect("after the snapshot");
         let want = session(&f, &[]).feed(&[&held[..snap.position()], &[next][..]].concat()).expect("fresh");
-        let (rel, _) = rel_and_max(got.last(), want.last());
+        let (rel, _) = rel_and_max(got.last().expect("a row"), want.last().expect("a row"));
         assert!(rel <= PATHS_REL, "snapshot at {}: rel {rel:.2e} against the tokens held", snap.position());
     }
 }

@@ -106,7 +106,7 @@ fn outputs() -> Option<&'static Outputs> {
             let mut logits = session.feed(&prompt).expect("prompt");
             let mut out = Vec::new();
             loop {
-                let next = argmax(logits.last());
+                let next = argmax(logits.last().expect("a row"));
                 out.push(next);
                 if out.len() == N {
                     return out;

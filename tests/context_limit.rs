@@ -73,7 +73,7 @@ fn decode_to_the_limit(limit: usize) {
             worst = (rel, pos);
         }
     }
-    let (last, _) = rel_and_max(&decoded[(limit - 1) * vocab..], full.last());
+    let (last, _) = rel_and_max(&decoded[(limit - 1) * vocab..], full.last().expect("a row"));
     eprintln!(
         "{limit} tokens: decode {decode_s:.1} s, total {:.1} s; decode vs prefill rel: last {last:.2e}, worst {:.2e} at {}",
         started.elapsed().as_secs_f32(),

@@ -432,7 +432,7 @@ fn switching_between_tokens_applies_from_the_next_token() {
     let mut by_hand = base[..3].to_vec();
     let mut logits = s.feed(&base[2..3]).expect("third token under the adapter");
     while by_hand.len() < 6 {
-        let next = qwen35_wgpu::runtime::argmax(logits.last());
+        let next = qwen35_wgpu::runtime::argmax(logits.last().expect("a row"));
         by_hand.push(next);
         logits = s.feed(&[next]).expect("step");
     }

@@ -209,10 +209,10 @@ fn gpu_greedy_runs_ahead_without_leaking_state() {
     let mut by_hand = session(&model);
     let mut logits = by_hand.feed(&prompt).expect("prompt");
     for &id in &out[..3] {
-        assert_eq!(qwen35_wgpu::runtime::argmax(logits.last()), id, "GPU and CPU greedy agree");
+        assert_eq!(qwen35_wgpu::runtime::argmax(logits.last().expect("a row")), id, "GPU and CPU greedy agree");
         logits = by_hand.feed(&[id]).expect("step");
     }
-    assert_eq!(qwen35_wgpu::runtime::argmax(logits.last()), out[3]);
+    assert_eq!(qwen35_wgpu::runtime::argmax(logits.last().expect("a row")), out[3]);
     let want = by_hand.feed(&out[3..]).expect("continue");
     assert_eq!(after.data, want.data, "logits after a discarded run-ahead step");
 }
@@ -251,7 +251,7 @@ fn sample_by_hand(model: &Arc<Model>, prompt: &[u32], params: &GenerateParams) -
     let mut logits = s.feed(prompt).expect("prompt");
     let mut out = Vec::new();
     while out.len() < params.max_tokens {
-        let next = sampler.sample_after(logits.last(), &history).expect("a row");
+        let next = sampler.sample_after(logits.last().expect("a row"), &history).expect("a row");
         history.push(next);
         out.push(next);
         logits = s.feed(&[next]).expect("step");

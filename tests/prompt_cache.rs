@@ -284,7 +284,7 @@ fn a_restored_snapshot_gives_the_logits_of_a_full_prefill() {
     let got = s.feed(&second[fed..]).expect("rest");
     let mut full = qwen35_wgpu::Session::new(model, opts).expect("session");
     let want = full.feed(&second).expect("full prefill");
-    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    let (rel, _) = common::rel_and_max(got.last().expect("a row"), want.last().expect("a row"));
     assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
 }
 
@@ -353,7 +353,7 @@ fn snapshots_taken_inside_steps_leave_no_bind_group_behind() {
     assert_eq!(fed, prompt.len() - 1, "back to the snapshot before the last token");
     let got = s.feed(&prompt[fed..]).expect("the last token");
     let want = qwen35_wgpu::Session::new(model, opts).expect("session").feed(&prompt).expect("full prefill");
-    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    let (rel, _) = common::rel_and_max(got.last().expect("a row"), want.last().expect("a row"));
     assert!(rel <= common::tolerance::PATHS_REL, "restored vs full prefill: rel {rel:.3e}");
 }
 
@@ -378,7 +378,7 @@ fn held_tokens_are_reused_only_while_nothing_else_ran_on_the_session() {
     assert!(reused < first.len() as u64, "reused {reused} of the {} recorded tokens", first.len());
     let got = s.feed(&second[fed..]).expect("rest");
     let want = qwen35_wgpu::Session::new(model, opts).expect("session").feed(&second).expect("full prefill");
-    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    let (rel, _) = common::rel_and_max(got.last().expect("a row"), want.last().expect("a row"));
     assert!(rel <= common::tolerance::PATHS_REL, "vs a full prefill: rel {rel:.3e}");
 }
 
@@ -408,7 +408,7 @@ fn an_adapter_set_changed_without_clearing_the_cache_is_not_served_from_it() {
     let mut fresh = qwen35_wgpu::Session::new(model, opts).expect("session");
     fresh.set_adapter(Some((french, 1.0))).expect("french");
     let want = fresh.feed(&second).expect("full prefill");
-    let (rel, _) = common::rel_and_max(got.last(), want.last());
+    let (rel, _) = common::rel_and_max(got.last().expect("a row"), want.last().expect("a row"));
     assert!(rel <= common::tolerance::PATHS_REL, "vs a fresh session under the adapter: rel {rel:.3e}");
 }
 

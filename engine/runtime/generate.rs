@@ -169,7 +169,7 @@ impl Session {
         let mut history = history_prompt.to_vec();
         let mut logits = self.feed(prompt)?;
         loop {
-            let row = logits.last();
+            let row = logits.last().ok_or(RunError::EmptyInput)?;
             if !row.iter().all(|l| l.is_finite()) {
                 return Err(RunError::NonFiniteLogits { position: self.pos - 1 }.into());
             }

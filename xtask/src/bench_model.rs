@@ -343,7 +343,7 @@ mod tests {
             if let Some(a) = lora {
                 s.set_adapters(vec![qwen35_wgpu::ActiveAdapter::new(a, 1.0)]).expect("active");
             }
-            s.feed(&[1, 5, 9]).expect("forward").last().to_vec()
+            s.feed(&[1, 5, 9]).expect("forward").last().expect("a row").to_vec()
         };
         let base = logits(None);
         let with = logits(Some(Arc::new(adapter)));

@@ -202,7 +202,7 @@ impl Batch {
             for (r, &i) in live.iter().enumerate() {
                 let (id, finite) = match &step {
                     StepOut::Logits(logits) => {
-                        let row = logits.row(r);
+                        let row = logits.row(r).ok_or(RunError::EmptyInput)?;
                         let finite = row.iter().all(|l| l.is_finite());
                         (if finite { samplers[i].sample_after(row, &history[i])? } else { 0 }, finite)
                     }

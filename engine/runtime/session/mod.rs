@@ -56,21 +56,19 @@ pub struct Logits {
 }
 
 impl Logits {
-    /// The logits of row `i`.
-    ///
-    /// # Panics
-    /// When `i >= rows` (like slice indexing; the rows a step returns are the ones it was asked
-    /// for).
-    pub fn row(&self, i: usize) -> &[f32] {
-        &self.data[i * self.vocab..(i + 1) * self.vocab]
+    /// The logits of row `i`; `None` when `i >= rows` or `data` is shorter than `rows · vocab`
+    /// (every field is public).
+    pub fn row(&self, i: usize) -> Option<&[f32]> {
+        if i >= self.rows {
+            return None;
+        }
+        let start = i.checked_mul(self.vocab)?;
+        self.data.get(start..start.checked_add(self.vocab)?)
     }
 
-    /// The last row.
-    ///
-    /// # Panics
-    /// When `rows` is 0 (a step returns at least one row).
-    pub fn last(&self) -> &[f32] {
-        self.row(self.rows - 1)
+    /// The last row; `None` when there are no rows (a step returns at least one).
+    pub fn last(&self) -> Option<&[f32]> {
+        self.row(self.rows.checked_sub(1)?)
     }
 }
 
@@ -650,5 +648,23 @@ impl Session {
             return Err(RunError::NonFiniteLogits { position });
         }
         Ok(words[0])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Logits;
+
+    #[test]
+    fn rows_outside_the_data_are_none_not_a_panic() {
+        let l = Logits { rows: 2, vocab: 3, data: vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0] };
+        assert_eq!(l.row(0), Some(&[1.0, 2.0, 3.0][..]));
+        assert_eq!(l.last(), Some(&[4.0, 5.0, 6.0][..]));
+        assert_eq!(l.row(2), None);
+        // Fields edited by hand: fewer values than rows · vocab, no rows, an overflowing width.
+        let short = Logits { rows: 2, vocab: 3, data: vec![0.0; 4] };
+        assert_eq!((short.row(0).map(<[f32]>::len), short.row(1), short.last()), (Some(3), None, None));
+        assert_eq!(Logits { rows: 0, vocab: 3, data: vec![] }.last(), None);
+        assert_eq!(Logits { rows: 3, vocab: usize::MAX, data: vec![0.0; 4] }.row(2), None);
     }
 }

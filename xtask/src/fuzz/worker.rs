@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use qwen35_wgpu::{BackendError, GpuContext, LlmBackend, SessionOptions, WgpuBackend};
+use qwen35_wgpu::{BackendError, GpuContext, LlmBackend, RunError, SessionOptions, WgpuBackend};
 use serde_json::{json, Value};
 
 use super::alloc;
@@ -142,7 +142,7 @@ fn logits(b: &mut WgpuBackend) -> Result<Vec<f32>, BackendError> {
     s.reset();
     let l = s.feed(&PROMPT)?;
     s.reset();
-    Ok(l.last().to_vec())
+    l.last().map(<[f32]>::to_vec).ok_or_else(|| RunError::EmptyInput.into())
 }
 
 fn bits(v: &[f32]) -> Vec<u32> {
