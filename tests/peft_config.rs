@@ -349,8 +349,12 @@ fn oversized_or_special_config_files_are_refused_without_reading_them() {
 
 /// An MLX adapter directory: `adapters.safetensors` + `adapter_config.json`.
 fn mlx_dir(tag: &str, params: Value, tensors: &[T]) -> PathBuf {
+    mlx_dir_with(tag, json!({"fine_tune_type": "lora", "num_layers": 8, "lora_parameters": params}), tensors)
+}
+
+/// An MLX adapter directory with the whole `adapter_config.json` given.
+fn mlx_dir_with(tag: &str, config: Value, tensors: &[T]) -> PathBuf {
     let dir = scratch(tag);
-    let config = json!({"fine_tune_type": "lora", "num_layers": 8, "lora_parameters": params});
     std::fs::write(dir.join("adapter_config.json"), config.to_string()).expect("config");
     write_st(&dir.join("adapters.safetensors"), tensors, None);
     dir
@@ -378,6 +382,50 @@ fn mlx_adapters_parse_and_refuse_without_a_gpu() {
         let e = peft::parse(&dir, &model).expect_err("absurd MLX config");
         assert!(bad_config(&e), "{params}: {e}");
     }
+    // mlx-lm 0.32's load_adapters: num_layers, lora_parameters, its scale and rank are required
+    // (it raises without them); LoRA layers are the last num_layers of the model's 8 (all when
+    // num_layers ≤ 0), and a tensor of another layer is "not an adapter parameter in the model".
+    let params = json!({"rank": 4, "scale": 10.0, "dropout": 0.0});
+    let config = |num_layers: Value, params: Value| {
+        let mut c = json!({"fine_tune_type": "lora", "lora_parameters": params});
+        if !num_layers.is_null() {
+            c["num_layers"] = num_layers;
+        }
+        c
+    };
+    let q3_pair = mlx_pair("", 4);
+    let q3 = refs(&q3_pair);
+    for (num_layers, loads) in [(json!(5), true), (json!(0), true), (json!(-1), true), (json!(4), false)] {
+        let dir = mlx_dir_with("mlx_num_layers", config(num_layers.clone(), params.clone()), &q3);
+        match peft::parse(&dir, &model) {
+            Ok(p) => assert!(loads && p.deltas.len() == 1, "num_layers {num_layers}: layer 3 loaded"),
+            Err(e) => assert!(
+                !loads && matches!(&e, AdapterError::NotTargeted { why, .. } if why.contains("num_layers")),
+                "num_layers {num_layers}: {e}"
+            ),
+        }
+    }
+    let without = |field: &str| {
+        let mut p = params.clone();
+        p.as_object_mut().expect("object").remove(field);
+        p
+    };
+    let mut alpha = without("scale");
+    alpha["alpha"] = json!(16);
+    for (cfg, field) in [
+        (config(Value::Null, params.clone()), "num_layers"),
+        (config(json!(8), Value::Null), "lora_parameters"),
+        (config(json!(8), without("scale")), "lora_parameters.scale"),
+        (config(json!(8), alpha), "lora_parameters.scale"),
+        (config(json!(8), without("rank")), "lora_parameters.rank"),
+    ] {
+        let dir = mlx_dir_with("mlx_required", cfg.clone(), &q3);
+        let e = peft::parse(&dir, &model).expect_err("mlx-lm refuses it");
+        assert!(matches!(&e, AdapterError::BadConfig { field: f, .. } if f == field), "{cfg}: {e}");
+    }
+    let dir = mlx_dir_with("mlx_no_dropout", config(json!(8), without("dropout")), &q3);
+    assert!(peft::parse(&dir, &model).is_ok(), "dropout does not change inference");
+
     let mut both = mlx_pair("", 4).to_vec();
     both.extend(mlx_pair("language_model.", 4));
     let dir = mlx_dir("mlx_both", json!({"rank": 4, "scale": 1.0}), &refs(&both));

@@ -4,6 +4,13 @@
 //! `[r, out]` (transposed against PEFT), and `scale` multiplies `B·A` as it is (not alpha / r).
 //! They become the same [`ParsedAdapter`] a PEFT adapter does, with the same checks and typed
 //! errors; DoRA (`fine_tune_type: "dora"`, `.m` magnitudes) and full fine-tunes are refused.
+//!
+//! The config is read as mlx-lm 0.32's `load_adapters` reads it: `num_layers`,
+//! `lora_parameters`, its `scale` and `rank` are required (mlx-lm raises without them; `dropout`,
+//! which it also requires, does not change inference and may be left out); LoRA layers exist only
+//! in the last `num_layers` layers (all of them when `num_layers` ≤ 0, as `layers[-0:]`), and a
+//! tensor outside them, like one outside `keys`, is refused (mlx-lm: "not an adapter parameter in
+//! the model").
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -30,11 +37,26 @@ pub fn is_mlx(path: &Path) -> bool {
     }
 }
 
-/// `lora_parameters` of the config.
+/// What the config decides.
 struct MlxConfig {
-    rank: Option<usize>,
+    /// `lora_parameters.rank`.
+    rank: usize,
+    /// `lora_parameters.scale`.
     scale: f32,
+    /// `lora_parameters.keys`: the module paths (within a layer) that get LoRA; `None` is all.
     keys: Option<Vec<String>>,
+    /// `num_layers`: LoRA layers are the last ones (all when ≤ 0).
+    num_layers: i64,
+}
+
+impl MlxConfig {
+    /// The first layer mlx-lm gives LoRA layers: `model.layers[-max(num_layers, 0):]`.
+    fn first_layer(&self, layers: usize) -> usize {
+        match usize::try_from(self.num_layers) {
+            Ok(n) if n > 0 => layers.saturating_sub(n),
+            _ => 0,
+        }
+    }
 }
 
 fn bad(field: &str, expected: &str, found: &serde_json::Value) -> AdapterError {
@@ -55,26 +77,30 @@ fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
         }
     }
     let null = serde_json::Value::Null;
+    let num_layers = json.get("num_layers").unwrap_or(&null);
+    let num_layers =
+        num_layers.as_i64().ok_or_else(|| bad("num_layers", "an integer (mlx-lm requires it)", num_layers))?;
     let params = json.get("lora_parameters").unwrap_or(&null);
+    if !params.is_object() {
+        return Err(bad("lora_parameters", "an object with rank and scale (mlx-lm requires it)", params));
+    }
     let get = |k: &str| params.get(k).unwrap_or(&null);
-    let rank = match get("rank") {
-        serde_json::Value::Null => None,
-        x => Some(
-            x.as_u64()
-                .filter(|&r| r > 0 && r <= MAX_RANK as u64)
-                .ok_or_else(|| bad("lora_parameters.rank", &format!("a positive integer ≤ {MAX_RANK}"), x))?
-                as usize,
-        ),
+    let rank = get("rank");
+    let rank = rank
+        .as_u64()
+        .filter(|&r| r > 0 && r <= MAX_RANK as u64)
+        .ok_or_else(|| bad("lora_parameters.rank", &format!("a positive integer ≤ {MAX_RANK}"), rank))?
+        as usize;
+    let scale = get("scale");
+    let expected = if scale.is_null() && !get("alpha").is_null() {
+        format!("a number of magnitude ≤ {MAX_SCALING} (mlx-lm's LoRA config has scale, not alpha)")
+    } else {
+        format!("a number of magnitude ≤ {MAX_SCALING}")
     };
-    // mlx-lm's default scale.
-    let scale = match get("scale") {
-        serde_json::Value::Null => 20.0,
-        x => x
-            .as_f64()
-            .filter(|s| s.is_finite() && s.abs() <= MAX_SCALING)
-            .ok_or_else(|| bad("lora_parameters.scale", &format!("a number of magnitude ≤ {MAX_SCALING}"), x))?
-            as f32,
-    };
+    let scale = scale
+        .as_f64()
+        .filter(|s| s.is_finite() && s.abs() <= MAX_SCALING)
+        .ok_or_else(|| bad("lora_parameters.scale", &expected, scale))? as f32;
     let keys = match get("keys") {
         serde_json::Value::Null => None,
         x => Some(
@@ -84,7 +110,7 @@ fn read_config(path: &Path) -> Result<MlxConfig, AdapterError> {
                 .ok_or_else(|| bad("lora_parameters.keys", "a list of module paths", x))?,
         ),
     };
-    Ok(MlxConfig { rank, scale, keys })
+    Ok(MlxConfig { rank, scale, keys, num_layers })
 }
 
 fn key_regex() -> Regex {
@@ -132,6 +158,12 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         };
         let path = &cap["path"];
         let (layer, proj) = layer_projection(key, &cap["layer"], path, model)?;
+        if layer < config.first_layer(model.num_layers()) {
+            return Err(AdapterError::NotTargeted {
+                key: key.into(),
+                why: format!("num_layers {} (LoRA layers are the last ones)", config.num_layers),
+            });
+        }
         if let Some(keys) = &config.keys {
             if !keys.iter().any(|k| k == path) {
                 return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
@@ -151,14 +183,12 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         if a_shape.len() != 2 || a_shape[0] != fan_in || rank == 0 {
             return Err(AdapterError::ShapeMismatch {
                 key: a_key,
-                expected: vec![fan_in, config.rank.unwrap_or(rank.max(1))],
+                expected: vec![fan_in, config.rank],
                 found: a_shape,
             });
         }
-        if let Some(want) = config.rank {
-            if want != rank {
-                return Err(AdapterError::RankMismatch { key: a_key, expected: want, found: rank });
-            }
+        if config.rank != rank {
+            return Err(AdapterError::RankMismatch { key: a_key, expected: config.rank, found: rank });
         }
         if shape(&b_key) != [rank, fan_out] {
             return Err(AdapterError::ShapeMismatch {
