@@ -359,8 +359,24 @@ fn export_writes_what_peft_itself_saves() {
             serde_json::from_str(&std::fs::read_to_string(p).expect("config")).expect("json")
         };
         let (o, t) = (json(dir.join("adapter_config.json")), json(src.join("adapter_config.json")));
-        for field in ["peft_type", "layers_to_transform", "use_rslora", "use_dora"] {
+        for field in ["peft_type", "r", "layers_to_transform", "use_rslora", "use_dora"] {
             assert_eq!(o[field], t[field], "{case}: {field}");
+        }
+        assert_eq!(o["lora_alpha"].as_f64(), t["lora_alpha"].as_f64(), "{case}: lora_alpha");
+        // Pattern maps: ours names each module in full where peft may have written a suffix; the
+        // same values, each key of one a `.`-suffix (or the whole) of a key of the other.
+        for field in ["rank_pattern", "alpha_pattern"] {
+            let map = |v: &serde_json::Value| -> Vec<(String, f64)> {
+                v.as_object().expect("map").iter().map(|(k, x)| (k.clone(), x.as_f64().expect("number"))).collect()
+            };
+            let (ours, theirs) = (map(&o[field]), map(&t[field]));
+            let suffix = |full: &str, key: &str| full == key || full.ends_with(&format!(".{key}"));
+            for (k, v) in &ours {
+                assert!(theirs.iter().any(|(tk, tv)| suffix(k, tk) && tv == v), "{case}: {field} {k}: {v}");
+            }
+            for (tk, tv) in &theirs {
+                assert!(ours.iter().any(|(k, v)| suffix(k, tk) && tv == v), "{case}: {field} {tk}: {tv}");
+            }
         }
         // Each module's rank and scaling as peft's rules give them (`rank_pattern` may name a
         // module by its full name where peft wrote a suffix).
@@ -483,5 +499,32 @@ fn adamw_with_clipping_and_anchor_matches_a_cpu_reference() {
             let (_, max) = rel_and_max(&gpu[key], want);
             assert!(max <= OPTIM_ABS, "step {t}, {key}: max |gpu − cpu| {max:.2e} (≤ {OPTIM_ABS})");
         }
+    }
+}
+
+/// An MLX conversion exports with the module names of the class its `config.json` names: an
+/// adapter learned on the conversion of a VLM save loads in peft on `Qwen3_5ForConditionalGeneration`
+/// (`model.language_model.layers.N`), one on a text-class conversion on `Qwen3_5ForCausalLM`.
+#[test]
+fn mlx_conversions_export_the_module_names_of_their_source_class() {
+    let Some(ctx) = gpu() else { return };
+    for (architecture, prefix) in [
+        ("Qwen3_5ForCausalLM", "base_model.model.model.layers."),
+        ("Qwen3_5ForConditionalGeneration", "base_model.model.model.language_model.layers."),
+    ] {
+        let dir = common::scratch_copy(&fixture_model("mlx_q4_g64"), &format!("mlx-class-{architecture}"));
+        let path = dir.join("config.json");
+        let mut cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+        cfg["architectures"] = serde_json::json!([architecture]);
+        std::fs::write(&path, cfg.to_string()).expect("write");
+        let mut b = WgpuBackend::with_context(ctx.clone(), SessionOptions { max_context: 64, max_batch: 16 });
+        b.load_model_with(&dir, &LoadOptions::default()).expect("model");
+        b.import_trainable_adapter(&root().join("tests/fixtures/learn/q4_last")).expect("import");
+        let out = dir.join("export");
+        b.export_trainable_adapter(&out).expect("export");
+        let keys: Vec<String> = read_tensors(&out.join("adapter_model.safetensors")).into_keys().collect();
+        assert!(!keys.is_empty() && keys.iter().all(|k| k.starts_with(prefix)), "{architecture}: {keys:?}");
+        std::fs::remove_dir_all(&dir).ok();
     }
 }

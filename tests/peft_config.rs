@@ -423,6 +423,14 @@ fn mlx_adapters_parse_and_refuse_without_a_gpu() {
         let e = peft::parse(&dir, &model).expect_err("mlx-lm refuses it");
         assert!(matches!(&e, AdapterError::BadConfig { field: f, .. } if f == field), "{cfg}: {e}");
     }
+    // mlx-lm's model-level pass: a full module path in `keys` gets LoRA in any layer.
+    let mut full = params.clone();
+    full["keys"] = json!(["model.layers.3.self_attn.q_proj"]);
+    let dir = mlx_dir_with("mlx_full_key", config(json!(1), full.clone()), &q3);
+    assert_eq!(peft::parse(&dir, &model).map(|p| p.deltas.len()).ok(), Some(1), "layer 3 named in full");
+    full["keys"] = json!(["model.layers.2.self_attn.q_proj"]);
+    let dir = mlx_dir_with("mlx_other_full_key", config(json!(1), full), &q3);
+    assert!(matches!(peft::parse(&dir, &model), Err(AdapterError::NotTargeted { .. })), "another module named");
     let dir = mlx_dir_with("mlx_no_dropout", config(json!(8), without("dropout")), &q3);
     assert!(peft::parse(&dir, &model).is_ok(), "dropout does not change inference");
 
@@ -477,6 +485,8 @@ fn fan_in_fan_out_on_linear_layers_is_what_peft_makes_of_it() {
     let rec = &all["fan_in_fan_out_on_linear"];
     assert_eq!(rec["config"]["fan_in_fan_out"], json!(true));
     assert_eq!(rec["layer_fan_in_fan_out"], json!(false), "peft keeps the flag on a Linear");
+    let warned = rec["warnings"].as_array().expect("warnings");
+    assert!(warned.iter().any(|w| w.as_str().is_some_and(|w| w.contains("Setting fan_in_fan_out to False"))));
     let config = PeftConfig::from_json(&rec["config"]).expect("peft loads this config, so do we");
     let matrix = |v: &Value| -> Vec<Vec<f64>> {
         v.as_array()

@@ -1,8 +1,8 @@
 //! Writing a trained adapter as a standard PEFT directory (`adapter_config.json` +
 //! `adapter_model.safetensors`, f32, keys `base_model.model.{prefix}layers.{i}.{module}.lora_{A,B}.weight`
 //! with the model's [`Model::module_prefix`](crate::model::Model::module_prefix):
-//! `model.language_model.` on a VLM save, else `model.`), loadable by `PeftModel.from_pretrained` on
-//! the checkpoint's own class and by this engine's `load_adapter`.
+//! `model.language_model.` on a VLM save or an MLX conversion of one, else `model.`), loadable by
+//! `PeftModel.from_pretrained` on the checkpoint's class and by this engine's `load_adapter`.
 
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -8,9 +8,11 @@
 //! The config is read as mlx-lm 0.32's `load_adapters` reads it: `num_layers`,
 //! `lora_parameters`, its `scale` and `rank` are required (mlx-lm raises without them; `dropout`,
 //! which it also requires, does not change inference and may be left out); LoRA layers exist only
-//! in the last `num_layers` layers (all of them when `num_layers` ≤ 0, as `layers[-0:]`), and a
-//! tensor outside them, like one outside `keys`, is refused (mlx-lm: "not an adapter parameter in
-//! the model").
+//! in the last `num_layers` layers (all of them when `num_layers` ≤ 0, as `layers[-0:]`) on the
+//! module paths `keys` names within a layer, or on any layer's module whose full path `keys`
+//! names (mlx-lm's model-level pass); a tensor of another module is refused (mlx-lm: "not an
+//! adapter parameter in the model"). Unlike mlx-lm, either key prefix (`model.layers.N` or
+//! `language_model.model.layers.N`) is read on any base, as for PEFT adapters.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -135,7 +137,7 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
     if !config_path.is_file() {
         return Err(AdapterError::NotPeft {
             path: path.to_path_buf(),
-            reason: "an MLX adapter needs its adapter_config.json (lora_parameters.scale)".into(),
+            reason: "an MLX adapter needs its adapter_config.json (num_layers, lora_parameters.rank and .scale)".into(),
         });
     }
     let config = read_config(&config_path)?;
@@ -158,15 +160,19 @@ pub fn parse(path: &Path, model: &TextConfig) -> Result<ParsedAdapter, AdapterEr
         };
         let path = &cap["path"];
         let (layer, proj) = layer_projection(key, &cap["layer"], path, model)?;
-        if layer < config.first_layer(model.num_layers()) {
-            return Err(AdapterError::NotTargeted {
-                key: key.into(),
-                why: format!("num_layers {} (LoRA layers are the last ones)", config.num_layers),
-            });
-        }
-        if let Some(keys) = &config.keys {
-            if !keys.iter().any(|k| k == path) {
-                return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
+        // mlx-lm's model-level pass converts a module whose full path `keys` names, in any layer.
+        let named_in_full = config.keys.as_ref().is_some_and(|keys| keys.iter().any(|k| k == &cap["module"]));
+        if !named_in_full {
+            if layer < config.first_layer(model.num_layers()) {
+                return Err(AdapterError::NotTargeted {
+                    key: key.into(),
+                    why: format!("num_layers {} (LoRA layers are the last ones)", config.num_layers),
+                });
+            }
+            if let Some(keys) = &config.keys {
+                if !keys.iter().any(|k| k == path) {
+                    return Err(AdapterError::NotTargeted { key: key.into(), why: "lora_parameters.keys".into() });
+                }
             }
         }
         record_pair(&mut pairs, (layer, proj), &cap["module"], usize::from(&cap["ab"] == "b"), key)?;

@@ -23,8 +23,8 @@ pub use target::{InputGroup, Proj};
 /// Largest LoRA rank accepted (config `r`, `rank_pattern`, metadata, tensor shapes, trainable
 /// adapters): 256× the ranks real adapters use; [`MAX_ADAPTER_ELEMENTS`] bounds the whole file.
 pub const MAX_RANK: usize = 1 << 16;
-/// Largest `|alpha / r|` (`|alpha / √r|` with rsLoRA, an MLX `scale`): real adapters use 0.5–16,
-/// 128 at the extreme (alpha 128 at rank 1 with rsLoRA).
+/// Largest `|alpha / r|` (`|alpha / √r|` with rsLoRA, an MLX `scale`): real PEFT adapters use
+/// 0.5–16, 128 at the extreme (alpha 128 at rank 1 with rsLoRA); mlx-lm trains at scale 20.
 pub const MAX_SCALING: f64 = 1e3;
 /// Largest `|scale|` a session applies an adapter with (1 is the trained strength; ±a few is the
 /// useful range).

@@ -135,8 +135,10 @@ pub struct Model {
     /// The decoder layers.
     pub layers: Vec<Layer>,
     /// The decoder layers' module prefix inside a PEFT model of the checkpoint's class:
-    /// `model.language_model.` for a Hugging Face VLM save, `model.` for a text-only save or an
-    /// MLX checkpoint. An adapter the engine exports names its modules with it, as peft would.
+    /// `model.language_model.` for a Hugging Face VLM save (and an MLX conversion whose
+    /// `config.json` `architectures` names `Qwen3_5ForConditionalGeneration`), `model.` for a
+    /// text-only save or another MLX checkpoint. An adapter the engine exports names its modules
+    /// with it, as peft would on that class.
     pub module_prefix: &'static str,
 }
 
@@ -522,7 +524,16 @@ impl Model {
                 },
             });
         }
-        let module_prefix = if prefix == "model.language_model." { prefix } else { "model." };
+        // A Hugging Face save's tensors show its class; an MLX conversion keeps the source's
+        // `architectures`, which names the class peft would load the adapter on.
+        let vlm_source = top["architectures"]
+            .as_array()
+            .is_some_and(|a| a.first().and_then(serde_json::Value::as_str) == Some("Qwen3_5ForConditionalGeneration"));
+        let module_prefix = match prefix {
+            "model.language_model." => prefix,
+            "language_model.model." if vlm_source => "model.language_model.",
+            _ => "model.",
+        };
         Ok(Self { ctx, config, eos_token_ids, embed, lm_head, norm, layers, module_prefix })
     }
 
