@@ -23,8 +23,8 @@
 #include <stdlib.h>
 
 // The ABI version: bumped whenever a function's signature or meaning changes or functions are
-// added (3: qe_generate_batch and qe_chat_batch).
-#define QE_ABI_VERSION 3
+// added (3: qe_generate_batch and qe_chat_batch; 4: QE_BUSY).
+#define QE_ABI_VERSION 4
 
 // What a call did: one of the `QE_*` codes (plain `int32_t` constants, so C, C++ and Swift
 // compare them with `==` alike).
@@ -44,7 +44,10 @@ typedef uint64_t qe_session;
 // again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
 // engines may be made: a call on an engine whose callback this thread is running, the same
 // engine or one further out when callbacks nest, returns QE_INVALID_ARGUMENT (it would wait
-// for the very call that runs that callback).
+// for the very call that runs that callback), and a call on another engine that is busy
+// returns QE_BUSY instead of waiting. The callback must return: it must not throw (C++,
+// Objective-C, Swift errors) or longjmp through the library, and must not wait for another
+// thread that is calling the same engine (that thread waits for this call).
 typedef int32_t (*qe_delta_fn)(const char *text, size_t len, void *user);
 
 // Streaming callback of qe_generate_batch and qe_chat_batch: request `index`'s text (for a
@@ -88,6 +91,11 @@ typedef int32_t (*qe_batch_delta_fn)(size_t index, const char *text, size_t len,
 // A panic inside the library (a bug): caught at the boundary.
 #define QE_PANIC 10
 
+// The engine is running another call and this thread is inside a streaming callback, where
+// waiting for it could wait forever (the call holding it may wait for this one): retry after
+// the callback has returned.
+#define QE_BUSY 11
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -105,7 +113,8 @@ uint32_t qe_abi_version(void);
 // Free a string the library returned (null: nothing).
 //
 // # Safety
-// `s` is null or a string returned through a `char **` of this library, not freed before.
+// `s` is null or a string returned through a `char **` of this library, not freed before and
+// not modified (a NUL written into it would make the free use the wrong size: copy it to edit).
 void qe_string_free(char *s);
 
 // Load the model in `model_dir` (a Hugging Face or MLX directory) on the default GPU and open
@@ -144,7 +153,9 @@ qe_status qe_set_snapshot_budget(qe_engine engine, uint64_t bytes, uint64_t *byt
 // `out` is null or valid for a write.
 qe_status qe_session_create(qe_engine engine, qe_session *out);
 
-// Close a session and free its caches. The handle is invalid afterwards.
+// Close a session and free its caches. The handle is invalid afterwards. (The engine keeps one
+// backend session: when the last open handle is freed its memory stays, emptied, for the next
+// qe_session_create.)
 qe_status qe_session_free(qe_engine engine, qe_session session);
 
 // Forget a session's context (its adapter set stays).
@@ -211,8 +222,11 @@ qe_status qe_session_adapters(qe_engine engine, qe_session session, char **json_
 // (may be null): `{"max_tokens", "temperature", "top_k", "top_p", "seed",
 // "repetition_penalty", "stop": [...], "stop_at_eos"}`. `on_delta` (may be null) gets the text
 // as it is generated; returning 0 stops. Writes the whole text to `text_out` (free with
-// qe_string_free; a NUL character the model generates comes back as U+FFFD there), also after
-// QE_CANCELLED.
+// qe_string_free), also after QE_CANCELLED (empty when the cancel came before the call got the
+// engine: nothing ran). `text_out` can differ from the streamed text: a NUL character the
+// model generates streams as is but comes back as U+FFFD there, and when the callback stops a
+// generation with stop strings it also holds the text that was held back (not yet streamed)
+// while a stop string could still match.
 //
 // # Safety
 // `prompt` and `params_json` are null or NUL-terminated strings; `text_out` is null or valid
@@ -244,7 +258,7 @@ qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const 
 // model's chat template renders them). `params_json` and `on_delta` as in
 // qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 // Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
-// "text"}` (free with qe_string_free). A conversation that grows turn by turn prefills only
+// "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only
 // the new turn (the session's prompt cache).
 //
 // # Safety
@@ -266,8 +280,8 @@ qe_status qe_chat_batch(qe_engine engine, const qe_session *sessions, const char
 
 // An embedding of `text` (the mean of the final hidden states; uses and resets `session`):
 // writes up to `capacity` floats to `out` and their number to `len_out`. When `capacity` is
-// too small nothing is written to `out`, `len_out` gets the size needed and the call returns
-// QE_INVALID_ARGUMENT.
+// too small or `out` is null, nothing runs (the session is left as it was), `len_out` gets the
+// size needed and the call returns QE_INVALID_ARGUMENT.
 //
 // # Safety
 // `text` is null or a NUL-terminated string; `out` is null or valid for `capacity` floats;

@@ -11,8 +11,11 @@
 //!   global state, and it lives here, at the boundary: the engine library has none.
 //! - Null pointers, invalid UTF-8 and malformed JSON are [`QE_INVALID_ARGUMENT`]
 //!   errors naming the argument.
-//! - Calls on one engine take its lock in turn; [`qe_cancel`] never takes it. A call on an engine
-//!   from inside that engine's streaming callback is refused instead of waiting forever.
+//! - Calls on one engine take its lock in turn (a call waits while another runs, a whole
+//!   generation included); [`qe_cancel`] never takes it. A call on an engine from inside that
+//!   engine's streaming callback is refused instead of waiting forever, and one on another, busy
+//!   engine from inside a callback is [`QE_BUSY`] (two callbacks calling each other's engine
+//!   would wait for each other).
 
 #![allow(non_camel_case_types)]
 
@@ -21,14 +24,14 @@ use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CStr, CString};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError, TryLockError};
 
 use qwen35_wgpu::learn::LEARNABLE;
 use qwen35_wgpu::{
     AdapterError, AdapterWeight, BackendError, CancelFlag, ChatMessage, ChatRequest, FeedbackEvent, GenerateParams,
-    LayerScales, LearnOptions, LlmBackend, LoadOptions, Proj, QuantizeRecipe, SessionId, SessionOptions, Signal,
-    TrainSpec, WgpuBackend,
+    LayerScales, LearnError, LearnOptions, LlmBackend, LoadOptions, ModelError, Proj, QuantizeRecipe, RunError,
+    SessionId, SessionOptions, Signal, TrainSpec, WgpuBackend,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -61,6 +64,10 @@ pub const QE_TEXT: qe_status = 8;
 pub const QE_CANCELLED: qe_status = 9;
 /// A panic inside the library (a bug): caught at the boundary.
 pub const QE_PANIC: qe_status = 10;
+/// The engine is running another call and this thread is inside a streaming callback, where
+/// waiting for it could wait forever (the call holding it may wait for this one): retry after
+/// the callback has returned.
+pub const QE_BUSY: qe_status = 11;
 
 /// An engine: one loaded model on the GPU, its resident adapters and its sessions. 0 is never a
 /// valid handle.
@@ -76,7 +83,10 @@ pub type qe_session = u64;
 /// again). Inside the callback only qe_cancel, qe_last_error, qe_string_free and calls on other
 /// engines may be made: a call on an engine whose callback this thread is running, the same
 /// engine or one further out when callbacks nest, returns QE_INVALID_ARGUMENT (it would wait
-/// for the very call that runs that callback).
+/// for the very call that runs that callback), and a call on another engine that is busy
+/// returns QE_BUSY instead of waiting. The callback must return: it must not throw (C++,
+/// Objective-C, Swift errors) or longjmp through the library, and must not wait for another
+/// thread that is calling the same engine (that thread waits for this call).
 pub type qe_delta_fn = Option<unsafe extern "C" fn(text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
 /// Streaming callback of qe_generate_batch and qe_chat_batch: request `index`'s text (for a
@@ -87,8 +97,8 @@ pub type qe_batch_delta_fn =
     Option<unsafe extern "C" fn(index: usize, text: *const c_char, len: usize, user: *mut c_void) -> i32>;
 
 /// The ABI version: bumped whenever a function's signature or meaning changes or functions are
-/// added (3: qe_generate_batch and qe_chat_batch).
-pub const QE_ABI_VERSION: u32 = 3;
+/// added (3: qe_generate_batch and qe_chat_batch; 4: QE_BUSY).
+pub const QE_ABI_VERSION: u32 = 4;
 
 struct Engine {
     id: qe_engine,
@@ -97,6 +107,8 @@ struct Engine {
     /// cancel reaches a call that is still waiting for the lock, and never one made after it;
     /// its generation checks it at every token.
     cancel: CancelFlag,
+    /// Set by qe_engine_free: a call still waiting for the lock then finds the handle closed.
+    closed: AtomicBool,
 }
 
 /// An engine's backend and the sessions the caller opened on it.
@@ -142,9 +154,33 @@ impl Fail {
     }
 }
 
+/// Whether `e` is a GPU failure, also where a model, run, adapter or learning error wraps it.
+fn is_gpu(e: &BackendError) -> bool {
+    fn adapter(e: &AdapterError) -> bool {
+        matches!(e, AdapterError::Gpu(_))
+    }
+    fn run(e: &RunError) -> bool {
+        matches!(e, RunError::Gpu(_)) || matches!(e, RunError::Adapter(a) if adapter(a))
+    }
+    match e {
+        BackendError::Gpu(_) => true,
+        BackendError::Model(m) => matches!(m, ModelError::Gpu(_)),
+        BackendError::Adapter(a) => adapter(a),
+        BackendError::Run(r) => run(r),
+        BackendError::Learn(l) => match l {
+            LearnError::Gpu(_) => true,
+            LearnError::Adapter(a) => adapter(a),
+            LearnError::Run(r) => run(r),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
 impl From<BackendError> for Fail {
     fn from(e: BackendError) -> Self {
         let status = match &e {
+            e if is_gpu(e) => QE_GPU,
             BackendError::NoModel | BackendError::Model(_) => QE_MODEL,
             BackendError::UnknownSession { .. } => QE_INVALID_HANDLE,
             BackendError::Sessions { .. } => QE_INVALID_ARGUMENT,
@@ -195,20 +231,46 @@ fn engine(handle: qe_engine) -> Res<Arc<Engine>> {
 }
 
 /// The engine's state, refused from inside its own streaming callback, at any depth of nested
-/// callbacks (the lock is held by the call running it: waiting would never end).
+/// callbacks (the lock is held by the call running it: waiting would never end); from inside
+/// another engine's callback, refused with QE_BUSY when another call holds it (two threads whose
+/// callbacks call each other's engine would wait for each other). A call that waited while the
+/// engine was freed finds the handle closed.
 fn lock(e: &Engine) -> Res<MutexGuard<'_, State>> {
     // A thread whose locals are being torn down runs no callback (`in_callback` marks it there).
-    if IN_CALLBACK.try_with(|c| c.borrow().contains(&e.id)).unwrap_or(false) {
+    let inside = IN_CALLBACK.try_with(|c| c.borrow().clone()).unwrap_or_default();
+    if inside.contains(&e.id) {
         return Err(Fail::arg(format!(
             "engine {} is running a streaming callback on this thread: only qe_cancel, qe_last_error, \
              qe_string_free and engines not running one here may be called from it",
             e.id
         )));
     }
-    e.state.lock().map_err(|_| Fail {
+    let poisoned = || Fail {
         status: QE_PANIC,
         message: "this engine is unusable after an earlier panic; free it and load the model again".into(),
-    })
+    };
+    let guard = if inside.is_empty() {
+        e.state.lock().map_err(|_| poisoned())?
+    } else {
+        match e.state.try_lock() {
+            Ok(g) => g,
+            Err(TryLockError::Poisoned(_)) => return Err(poisoned()),
+            Err(TryLockError::WouldBlock) => {
+                return Err(Fail {
+                    status: QE_BUSY,
+                    message: format!(
+                        "engine {} is running another call, and this thread is inside a streaming callback \
+                         (of engine {:?}), where waiting for it could wait forever: retry after the callback",
+                        e.id, inside
+                    ),
+                })
+            }
+        }
+    };
+    if e.closed.load(Ordering::SeqCst) {
+        return Err(not_open(e.id));
+    }
+    Ok(guard)
 }
 
 fn bad_session(engine: qe_engine, session: qe_session) -> Fail {
@@ -380,7 +442,8 @@ pub extern "C" fn qe_abi_version() -> u32 {
 /// Free a string the library returned (null: nothing).
 ///
 /// # Safety
-/// `s` is null or a string returned through a `char **` of this library, not freed before.
+/// `s` is null or a string returned through a `char **` of this library, not freed before and
+/// not modified (a NUL written into it would make the free use the wrong size: copy it to edit).
 #[no_mangle]
 pub unsafe extern "C" fn qe_string_free(s: *mut c_char) {
     if !s.is_null() {
@@ -436,7 +499,12 @@ pub unsafe extern "C" fn qe_engine_load(
         }
         let spare = backend.current_session();
         let state = State { backend, sessions: BTreeMap::new(), next_serial: 1, spare };
-        let e = Arc::new(Engine { id, state: Mutex::new(state), cancel: CancelFlag::new() });
+        let e = Arc::new(Engine {
+            id,
+            state: Mutex::new(state),
+            cancel: CancelFlag::new(),
+            closed: AtomicBool::new(false),
+        });
         engines().insert(id, e);
         // SAFETY: checked non-null by `need`; the caller's contract.
         unsafe { put(out, id, "out") }
@@ -451,6 +519,7 @@ pub extern "C" fn qe_engine_free(engine: qe_engine) -> qe_status {
     guard(|| {
         // Out of the table first: the teardown runs after the table's lock is released.
         let e = engines().remove(&engine).ok_or_else(|| not_open(engine))?;
+        e.closed.store(true, Ordering::SeqCst);
         e.cancel.raise();
         drop(e);
         Ok(())
@@ -517,7 +586,9 @@ pub unsafe extern "C" fn qe_session_create(engine: qe_engine, out: *mut qe_sessi
     })
 }
 
-/// Close a session and free its caches. The handle is invalid afterwards.
+/// Close a session and free its caches. The handle is invalid afterwards. (The engine keeps one
+/// backend session: when the last open handle is freed its memory stays, emptied, for the next
+/// qe_session_create.)
 #[no_mangle]
 pub extern "C" fn qe_session_free(engine: qe_engine, session: qe_session) -> qe_status {
     guard(|| {
@@ -841,6 +912,12 @@ impl<'a> Sink<'a> {
     }
 }
 
+/// Whether a generation call was cancelled before it got the engine (it then runs nothing and
+/// returns QE_CANCELLED with empty text).
+fn cancelled_before_start(sink: &Sink) -> bool {
+    sink.entry.cancelled()
+}
+
 fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<()> {
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
@@ -855,8 +932,11 @@ fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<(
 /// (may be null): `{"max_tokens", "temperature", "top_k", "top_p", "seed",
 /// "repetition_penalty", "stop": [...], "stop_at_eos"}`. `on_delta` (may be null) gets the text
 /// as it is generated; returning 0 stops. Writes the whole text to `text_out` (free with
-/// qe_string_free; a NUL character the model generates comes back as U+FFFD there), also after
-/// QE_CANCELLED.
+/// qe_string_free), also after QE_CANCELLED (empty when the cancel came before the call got the
+/// engine: nothing ran). `text_out` can differ from the streamed text: a NUL character the
+/// model generates streams as is but comes back as U+FFFD there, and when the callback stops a
+/// generation with stop strings it also holds the text that was held back (not yet streamed)
+/// while a stop string could still match.
 ///
 /// # Safety
 /// `prompt` and `params_json` are null or NUL-terminated strings; `text_out` is null or valid
@@ -881,6 +961,9 @@ pub unsafe extern "C" fn qe_generate(
         with_session(engine, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
+            if cancelled_before_start(&sink) {
+                return finish(&sink, text_out, String::new(), "text_out");
+            }
             let text = b.generate_stream(prompt, &params, &mut |d| sink.push(d))?;
             finish(&sink, text_out, text, "text_out")
         })
@@ -924,7 +1007,7 @@ impl BatchSink<'_> {
 /// at `inputs` (named `input` in errors, `input[i]`) checked and each made a request by `parse`,
 /// then under the engine's lock the sessions' backend ids found, `run` over them with a sink on
 /// the callback, and the `n` texts it returns written to `out` (also after a cancel, which then
-/// is the status).
+/// is the status; `empty` for each when the cancel came before the engine was free).
 ///
 /// # Safety
 /// `sessions` and `inputs` are null or valid for `n` reads, each input null or a NUL-terminated
@@ -935,7 +1018,7 @@ unsafe fn run_batch<'a, T>(
     (sessions, inputs, n, input): (*const qe_session, *const *const c_char, usize, &str),
     parse: impl Fn(usize, &'a str) -> Res<T>,
     (cb, user): (qe_batch_delta_fn, *mut c_void),
-    (out, out_name): (*mut *mut c_char, &str),
+    (out, out_name, empty): (*mut *mut c_char, &str, String),
     run: impl FnOnce(&mut WgpuBackend, Vec<(SessionId, T)>, &mut BatchSink) -> Res<Vec<String>>,
 ) -> Res<()> {
     let e = self::engine(engine)?;
@@ -963,7 +1046,8 @@ unsafe fn run_batch<'a, T>(
         requests.push((st.session(engine, handle)?.1, request));
     }
     let mut sink = BatchSink { cb, user, entry, stopped: vec![false; n] };
-    let results = run(&mut st.backend, requests, &mut sink)?;
+    // Cancelled while waiting for the engine: nothing runs, each output is the empty one.
+    let results = if sink.entry.cancelled() { vec![empty; n] } else { run(&mut st.backend, requests, &mut sink)? };
     for (i, text) in results.into_iter().enumerate().take(n) {
         // SAFETY: element i < n of the caller's array, valid for a write by the contract.
         unsafe { put_string(out.add(i), text, out_name) }?;
@@ -1012,7 +1096,7 @@ pub unsafe extern "C" fn qe_generate_batch(
                 (sessions, prompts, n, "prompts"),
                 |_, prompt| Ok(prompt),
                 (on_delta, user),
-                (texts_out, "texts_out"),
+                (texts_out, "texts_out", String::new()),
                 |b, r, sink| {
                     let params = sink.entry.params(&params);
                     Ok(b.generate_batch_stream(&r, &params, &mut |i, delta| sink.push(i, delta))?)
@@ -1054,7 +1138,7 @@ impl Chat {
 /// model's chat template renders them). `params_json` and `on_delta` as in
 /// qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 /// Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
-/// "text"}` (free with qe_string_free). A conversation that grows turn by turn prefills only
+/// "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only
 /// the new turn (the session's prompt cache).
 ///
 /// # Safety
@@ -1079,6 +1163,10 @@ pub unsafe extern "C" fn qe_chat(
         with_session(engine, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
+            if cancelled_before_start(&sink) {
+                let empty = qwen35_wgpu::ChatReply::default();
+                return finish(&sink, reply_out, reply_json(&empty), "reply_out");
+            }
             let reply = b.chat(&request, &params, &mut |d| match d {
                 qwen35_wgpu::ChatDelta::Content(c) => sink.push(c),
                 _ => sink.tick(),
@@ -1125,7 +1213,7 @@ pub unsafe extern "C" fn qe_chat_batch(
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         let params = params.into();
-        let io = (replies_out, "replies_out");
+        let io = (replies_out, "replies_out", reply_json(&qwen35_wgpu::ChatReply::default()));
         let parse = |i: usize, json: &str| -> Res<ChatRequest> {
             let chat: Chat = serde_json::from_str(json).map_err(|e| Fail::arg(format!("requests_json[{i}]: {e}")))?;
             Ok(chat.request())
@@ -1154,8 +1242,8 @@ pub unsafe extern "C" fn qe_chat_batch(
 
 /// An embedding of `text` (the mean of the final hidden states; uses and resets `session`):
 /// writes up to `capacity` floats to `out` and their number to `len_out`. When `capacity` is
-/// too small nothing is written to `out`, `len_out` gets the size needed and the call returns
-/// QE_INVALID_ARGUMENT.
+/// too small or `out` is null, nothing runs (the session is left as it was), `len_out` gets the
+/// size needed and the call returns QE_INVALID_ARGUMENT.
 ///
 /// # Safety
 /// `text` is null or a NUL-terminated string; `out` is null or valid for `capacity` floats;
@@ -1173,15 +1261,23 @@ pub unsafe extern "C" fn qe_embeddings(
         // SAFETY: the caller's contract.
         let text = unsafe { self::text(text, "text") }?;
         need(len_out, "len_out")?;
-        let v = with_session(engine, session, |b, _| Ok(b.embeddings(text)?))?;
-        // SAFETY: checked non-null; the caller's contract.
-        unsafe { put(len_out, v.len(), "len_out") }?;
-        if v.len() > capacity || out.is_null() {
-            return Err(Fail::arg(format!("out: {} floats needed, capacity {capacity}", v.len())));
-        }
-        // SAFETY: out is valid for `capacity` ≥ v.len() floats by the caller's contract.
-        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len()) };
-        Ok(())
+        with_session(engine, session, |b, _| {
+            // The size is known before the forward: a size query runs nothing and keeps the
+            // session as it is.
+            let needed = b.model_info().ok_or(BackendError::NoModel)?.config.hidden_size;
+            // SAFETY: checked non-null; the caller's contract.
+            unsafe { put(len_out, needed, "len_out") }?;
+            if needed > capacity || out.is_null() {
+                return Err(Fail::arg(format!("out: {needed} floats needed, capacity {capacity}")));
+            }
+            let v = b.embeddings(text)?;
+            if v.len() != needed {
+                return Err(Fail::arg(format!("out: {} floats made, {needed} expected", v.len())));
+            }
+            // SAFETY: out is valid for `capacity` ≥ v.len() floats by the caller's contract.
+            unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len()) };
+            Ok(())
+        })
     })
 }
 
@@ -1373,5 +1469,34 @@ mod tests {
         let request = chat.request();
         let calls = request.messages[1].tool_calls.as_ref().expect("the assistant's calls");
         assert_eq!(calls[0].function.arguments, serde_json::json!({"city": "Paris"}));
+    }
+}
+
+#[cfg(test)]
+mod status_tests {
+    use super::*;
+    use qwen35_wgpu::GpuError;
+
+    /// Out of memory and device errors are QE_GPU also where a model, run, adapter or learning
+    /// error wraps them; the other errors keep their own codes.
+    #[test]
+    fn gpu_errors_are_qe_gpu_at_any_depth() {
+        let gpu = || GpuError::RequestDevice("out of memory".into());
+        let cases: Vec<(BackendError, qe_status)> = vec![
+            (BackendError::Gpu(gpu()), QE_GPU),
+            (BackendError::Model(ModelError::Gpu(gpu())), QE_GPU),
+            (BackendError::Run(RunError::Gpu(gpu())), QE_GPU),
+            (BackendError::Run(RunError::Adapter(Box::new(AdapterError::Gpu(gpu())))), QE_GPU),
+            (BackendError::Adapter(AdapterError::Gpu(gpu())), QE_GPU),
+            (BackendError::Learn(LearnError::Gpu(gpu())), QE_GPU),
+            (BackendError::Learn(LearnError::Run(RunError::Gpu(gpu()))), QE_GPU),
+            (BackendError::Run(RunError::EmptyInput), QE_RUN),
+            (BackendError::Learn(LearnError::Run(RunError::EmptyInput)), QE_LEARN),
+            (BackendError::NoModel, QE_MODEL),
+        ];
+        for (e, want) in cases {
+            let text = e.to_string();
+            assert_eq!(Fail::from(e).status, want, "{text}");
+        }
     }
 }

@@ -217,6 +217,73 @@ static void *long_generation(void *arg) {
     return NULL;
 }
 
+/* A generation on a second thread whose callback holds the engine until released (at most 20 s),
+   then stops it. */
+typedef struct {
+    qe_engine engine;
+    qe_session session;
+    volatile int started;
+    volatile int release;
+    qe_status status;
+    char *text;
+} holder;
+
+static int32_t hold_until_released(const char *text, size_t len, void *user) {
+    holder *h = (holder *)user;
+    (void)text;
+    (void)len;
+    h->started = 1;
+    for (int i = 0; i < 20000 && !h->release; i++) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    return 0;
+}
+
+static void *held_generation(void *arg) {
+    holder *h = (holder *)arg;
+    h->status = qe_generate(h->engine, h->session, "Once upon a time", "{\"max_tokens\": 400, \"stop_at_eos\": false}",
+                            hold_until_released, h, &h->text);
+    return NULL;
+}
+
+static void wait_started(volatile int *started) {
+    while (!*started) nanosleep(&(struct timespec){0, 1000000}, NULL);
+}
+
+/* From inside a callback: another engine's adapter list (its status kept). */
+typedef struct {
+    qe_engine other;
+    qe_status status;
+} busy_probe;
+
+static int32_t probe_other_engine(const char *text, size_t len, void *user) {
+    busy_probe *b = (busy_probe *)user;
+    (void)text;
+    (void)len;
+    char *json = NULL;
+    b->status = qe_adapters_list(b->other, &json);
+    qe_string_free(json);
+    return 0;
+}
+
+/* A call that waits for an engine another thread holds. */
+typedef struct {
+    qe_engine engine;
+    qe_session session;
+    qe_status status;
+    char *text;
+} waiter;
+
+static void *queued_generation(void *arg) {
+    waiter *w = (waiter *)arg;
+    w->status = qe_generate(w->engine, w->session, "Once upon a time", PARAMS, NULL, NULL, &w->text);
+    return NULL;
+}
+
+static void *queued_session_create(void *arg) {
+    waiter *w = (waiter *)arg;
+    w->status = qe_session_create(w->engine, &w->session);
+    return NULL;
+}
+
 static void write_file(const char *path, const char *data, size_t len) {
     FILE *f = fopen(path, "wb");
     if (!f || fwrite(data, 1, len, f) != len) {
@@ -636,14 +703,54 @@ int main(int argc, char **argv) {
     CHECK(strstr(list, "u0000") == NULL, "no adapter made: %s", list);
     qe_string_free(list);
 
-    /* Freeing an engine stops the generation running on it. */
+    /* A callback's call on another engine that is busy returns QE_BUSY instead of waiting (two
+       threads whose callbacks call each other's engine would wait for each other). */
+    holder hold = {e2, t2, 0, 0, QE_OK, NULL};
+    pthread_t holding;
+    pthread_create(&holding, NULL, held_generation, &hold);
+    wait_started(&hold.started);
+    busy_probe probe = {e2, QE_OK};
+    reply = NULL;
+    st = qe_generate(e, s, "Hello", "{\"max_tokens\": 4}", probe_other_engine, &probe, &reply);
+    qe_string_free(reply);
+    hold.release = 1;
+    pthread_join(holding, NULL);
+    qe_string_free(hold.text);
+    CHECK(st == QE_OK && probe.status == QE_BUSY, "a busy engine from a callback: %d, %d", (int)st, (int)probe.status);
+
+    /* A generation cancelled while it waits for the engine runs nothing: empty text, QE_CANCELLED. */
+    holder first = {e2, t2, 0, 0, QE_OK, NULL};
+    waiter queued = {e2, t2, QE_OK, NULL};
+    pthread_t first_th, queued_th;
+    pthread_create(&first_th, NULL, held_generation, &first);
+    wait_started(&first.started);
+    pthread_create(&queued_th, NULL, queued_generation, &queued);
+    nanosleep(&(struct timespec){0, 300000000}, NULL);
+    MUST(qe_cancel(e2));
+    first.release = 1;
+    pthread_join(first_th, NULL);
+    pthread_join(queued_th, NULL);
+    CHECK(first.status == QE_CANCELLED, "the running generation: %d", (int)first.status);
+    CHECK(queued.status == QE_CANCELLED && queued.text != NULL && queued.text[0] == '\0',
+          "the queued generation: %d, \"%s\"", (int)queued.status, queued.text ? queued.text : "(null)");
+    qe_string_free(first.text);
+    qe_string_free(queued.text);
+
+    /* Freeing an engine stops the generation running on it, and a call waiting for the engine
+       finds the handle closed. */
     runner run = {e2, t2, 0, QE_OK};
-    pthread_t gen;
+    pthread_t gen, create_th;
     pthread_create(&gen, NULL, long_generation, &run);
     while (!run.started) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    waiter creating = {e2, 0, QE_OK, NULL};
+    pthread_create(&create_th, NULL, queued_session_create, &creating);
+    nanosleep(&(struct timespec){0, 300000000}, NULL);
     MUST(qe_engine_free(e2));
     pthread_join(gen, NULL);
+    pthread_join(create_th, NULL);
     CHECK(run.status == QE_CANCELLED, "a generation on a freed engine: status %d", (int)run.status);
+    CHECK(creating.status == QE_INVALID_HANDLE, "a session create that waited on a freed engine: %d",
+          (int)creating.status);
     CHECK(qe_session_reset(e2, t2) == QE_INVALID_HANDLE, "a session of a freed engine");
 
     free(base);
