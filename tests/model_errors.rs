@@ -46,6 +46,51 @@ fn config_errors_are_typed() {
     assert!(matches!(e, ModelError::BadJson { .. }), "{e}");
 }
 
+/// Config fields transformers reads with a meaning the engine does not run are refused, never
+/// dropped: q/k/v/o biases, a legacy `rope_scaling` other than plain RoPE (transformers lets it
+/// replace `rope_parameters`), an interval of 0; a `rope_parameters` with both `type` and
+/// `rope_type` (transformers re-saves mlx-lm's `type` so) loads when they agree.
+#[test]
+fn config_fields_that_change_the_math_are_refused_not_dropped() {
+    let e = config_error(|c| c["attention_bias"] = true.into());
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("attention_bias")), "{e}");
+    let e = config_error(|c| c["rope_scaling"] = serde_json::json!({"rope_type": "yarn", "factor": 4.0}));
+    assert_eq!(bad_config(&e).0, "rope_scaling");
+    let e = config_error(|c| c["rope_scaling"] = serde_json::json!({"type": "linear", "factor": 2.0}));
+    assert_eq!(bad_config(&e).0, "rope_scaling");
+    let e = config_error(|c| {
+        c.as_object_mut().expect("object").remove("layer_types");
+        c["full_attention_interval"] = 0.into();
+    });
+    assert_eq!(bad_config(&e).0, "full_attention_interval");
+    let e = config_error(|c| c["rope_parameters"]["type"] = "yarn".into());
+    assert_eq!(bad_config(&e).0, "rope_parameters.type");
+    let edited = |edit: &dyn Fn(&mut serde_json::Value)| {
+        let mut cfg = base_config();
+        edit(&mut cfg);
+        TextConfig::from_json(&cfg.to_string())
+    };
+    for (what, edit) in [
+        ("attention_bias false", &(|c: &mut serde_json::Value| c["attention_bias"] = false.into()) as &dyn Fn(&mut _)),
+        ("rope_scaling null", &|c: &mut serde_json::Value| c["rope_scaling"] = serde_json::Value::Null),
+        ("rope_scaling default", &|c: &mut serde_json::Value| {
+            c["rope_scaling"] = serde_json::json!({"rope_type": "default"})
+        }),
+        ("type beside rope_type", &|c: &mut serde_json::Value| c["rope_parameters"]["type"] = "default".into()),
+    ] {
+        assert!(edited(edit).is_ok(), "{what} loads");
+    }
+    // The VLM form's top-level end ids come first, as transformers' generation config reads them.
+    let path = fixture_model("vlm_bf16_sharded").join("config.json");
+    let mut vlm: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(path).expect("config")).expect("json");
+    vlm["text_config"]["eos_token_id"] = 3.into();
+    vlm["eos_token_id"] = serde_json::json!([5, 7]);
+    assert_eq!(TextConfig::from_json(&vlm.to_string()).expect("vlm").eos_token_ids, [5, 7]);
+    vlm["eos_token_id"] = serde_json::Value::Null;
+    assert_eq!(TextConfig::from_json(&vlm.to_string()).expect("vlm").eos_token_ids, [3]);
+}
+
 /// The field and the found value of a `BadConfig`.
 fn bad_config(e: &ModelError) -> (&str, &str) {
     match e {
@@ -359,6 +404,29 @@ fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
     assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("activation")), "{e}");
     let e = with("ct-bits", &|c| c[q]["config_groups"]["group_0"]["weights"]["num_bits"] = 3.into());
     assert!(matches!(&e, ModelError::BadConfig { field, .. } if field.ends_with("num_bits")), "{e}");
+    // What changes the math when present is refused, not dropped: group activation ordering
+    // (compressed-tensors 0.20 refuses it too), online rotations, a quantized KV cache or
+    // outputs, sparse compression.
+    for (tag, edit, named) in [
+        (
+            "ct-actorder",
+            &(|c: &mut serde_json::Value| c[q]["config_groups"]["group_0"]["weights"]["actorder"] = "group".into())
+                as &dyn Fn(&mut serde_json::Value),
+            "actorder",
+        ),
+        ("ct-actorder-true", &|c| c[q]["config_groups"]["group_0"]["weights"]["actorder"] = true.into(), "actorder"),
+        ("ct-transform", &|c| c[q]["transform_config"] = serde_json::json!({"config_groups": {"u": {}}}), "transform"),
+        ("ct-kv", &|c| c[q]["kv_cache_scheme"] = serde_json::json!({"num_bits": 8, "type": "float"}), "kv_cache"),
+        (
+            "ct-out",
+            &|c| c[q]["config_groups"]["group_0"]["output_activations"] = serde_json::json!({"num_bits": 8}),
+            "output_activations",
+        ),
+        ("ct-sparse", &|c| c[q]["sparsity_config"] = serde_json::json!({"format": "sparse-24-bitmask"}), "sparsity"),
+    ] {
+        let e = with(tag, edit);
+        assert!(matches!(&e, ModelError::Unsupported { what } if what.contains(named)), "{tag}: {e}");
+    }
 }
 
 #[test]
@@ -387,6 +455,11 @@ fn compressed_tensors_data_the_kernels_cannot_take_is_refused_by_name() {
             [64i64, 65].iter().flat_map(|d| d.to_le_bytes()).collect()
     });
     assert!(matches!(&e, ModelError::ShapeMismatch { found, .. } if *found == [64, 65]), "{e}");
+    // A g_idx (group activation ordering) maps columns to groups out of order.
+    let e = load("ct-g-idx", &|t| {
+        t.push((format!("{module}.weight_g_idx"), safetensors::Dtype::I32, vec![4], vec![0; 16]));
+    });
+    assert!(matches!(&e, ModelError::Unsupported { what } if what.contains("weight_g_idx")), "{e}");
     // An F16 scale of 10^4 at 4 bits: its bias -8 * 10^4 is past F16's range (infinite).
     let e = load("ct-scale-f16", &|t| {
         let s = t.iter_mut().find(|(n, ..)| *n == scale).expect("weight_scale");

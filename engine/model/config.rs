@@ -51,9 +51,10 @@ pub enum LayerType {
 
 #[derive(Deserialize)]
 struct RawRope {
-    // mlx-lm writes the key as `type`.
-    #[serde(alias = "type")]
     rope_type: Option<String>,
+    // mlx-lm writes the key as `type`; transformers re-saves such a config with both.
+    #[serde(rename = "type")]
+    legacy_type: Option<String>,
     rope_theta: Option<f64>,
     partial_rotary_factor: Option<f64>,
 }
@@ -82,6 +83,9 @@ struct RawText {
     layer_types: Option<Vec<String>>,
     full_attention_interval: Option<usize>,
     eos_token_id: Option<serde_json::Value>,
+    attention_bias: Option<bool>,
+    /// The legacy name of `rope_parameters`: transformers lets a non-null one replace them.
+    rope_scaling: Option<serde_json::Value>,
 }
 
 /// The validated text-decoder configuration.
@@ -136,7 +140,7 @@ impl TextConfig {
             |e: serde_json::Error| ModelError::BadJson { file: "config.json".into(), message: e.to_string() };
         let top: serde_json::Value = serde_json::from_str(text).map_err(bad_json)?;
         let model_type = top.get("model_type").and_then(|v| v.as_str()).unwrap_or("").to_string();
-        let (text_value, top_tie) = match model_type.as_str() {
+        let (mut text_value, top_tie) = match model_type.as_str() {
             // The VLM form nests the text model; mlx-lm writes it flat under the same model_type.
             "qwen3_5" => match top.get("text_config") {
                 Some(inner) => (inner.clone(), top.get("tie_word_embeddings").and_then(|v| v.as_bool())),
@@ -154,6 +158,12 @@ impl TextConfig {
                 })
             }
         };
+        // transformers' generation config takes the VLM form's top-level end ids first.
+        if let (Some(eos), Some(_)) = (top.get("eos_token_id").filter(|v| !v.is_null()), top.get("text_config")) {
+            if let Some(text) = text_value.as_object_mut() {
+                text.insert("eos_token_id".into(), eos.clone());
+            }
+        }
         let raw: RawText = serde_json::from_value(text_value).map_err(bad_json)?;
         if let Some(t) = &raw.model_type {
             if t.starts_with("qwen3_5_moe") {
@@ -177,8 +187,27 @@ impl TextConfig {
         if raw.num_hidden_layers == 0 || raw.num_hidden_layers > MAX_LAYERS {
             return Err(bad("num_hidden_layers", &format!("1..={MAX_LAYERS}"), raw.num_hidden_layers.to_string()));
         }
+        if raw.attention_bias == Some(true) {
+            return Err(ModelError::Unsupported {
+                what: "attention_bias: true (biases on q/k/v/o_proj, which Qwen 3.5 does not have)".into(),
+            });
+        }
+        // transformers: `rope_parameters = rope_scaling or rope_parameters`. Only plain RoPE runs.
+        if let Some(scaling) = raw.rope_scaling.as_ref().filter(|v| !v.is_null()) {
+            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|t| t.as_str());
+            if kind != Some("default") {
+                return Err(bad("rope_scaling", "null or {\"rope_type\": \"default\"}", scaling.to_string()));
+            }
+        }
         let rope = raw.rope_parameters.as_ref();
-        if let Some(t) = rope.and_then(|r| r.rope_type.as_deref()) {
+        if let Some(r) = rope {
+            if let (Some(a), Some(b)) = (&r.rope_type, &r.legacy_type) {
+                if a != b {
+                    return Err(bad("rope_parameters.type", &format!("{a:?} (as rope_type)"), format!("{b:?}")));
+                }
+            }
+        }
+        if let Some(t) = rope.and_then(|r| r.rope_type.as_deref().or(r.legacy_type.as_deref())) {
             if t != "default" {
                 return Err(bad("rope_parameters.rope_type", "\"default\"", format!("{t:?}")));
             }
@@ -215,7 +244,11 @@ impl TextConfig {
                     .collect::<Result<Vec<_>, _>>()?
             }
             None => {
-                let interval = raw.full_attention_interval.unwrap_or(4).max(1);
+                let interval = raw.full_attention_interval.unwrap_or(4);
+                if interval == 0 {
+                    // transformers and mlx-lm divide by it.
+                    return Err(bad("full_attention_interval", "a positive integer", "0".into()));
+                }
                 (0..raw.num_hidden_layers)
                     .map(|i| if (i + 1) % interval == 0 { LayerType::Full } else { LayerType::Linear })
                     .collect()

@@ -45,11 +45,25 @@ fn compressed_tensors(obj: &serde_json::Map<String, serde_json::Value>) -> Resul
     let groups = obj.get("config_groups").and_then(|g| g.as_object()).filter(|g| !g.is_empty()).ok_or_else(|| {
         bad(format!("{field}.config_groups"), "an object of schemes", format!("{:?}", obj.get("config_groups")))
     })?;
+    // Sections that change the math when present: online rotations (vLLM applies them), a
+    // quantized KV cache, quantized outputs.
+    let present = |v: &serde_json::Value| !(v.is_null() || v.as_object().is_some_and(|o| o.is_empty()));
+    for (key, what) in [
+        ("transform_config", "online rotations (Hadamard / SpinQuant transforms)"),
+        ("kv_cache_scheme", "a quantized KV cache"),
+        ("sparsity_config", "sparse compression"),
+    ] {
+        if obj.get(key).is_some_and(present) {
+            return Err(ModelError::Unsupported { what: format!("{field}.{key}: {what}") });
+        }
+    }
     let mut found: Option<QuantSpec> = None;
     for (name, g) in groups {
         let at = format!("{field}.config_groups.{name}");
-        if g.get("input_activations").is_some_and(|a| !a.is_null()) {
-            return Err(ModelError::Unsupported { what: format!("{at}.input_activations (activation quantization)") });
+        for key in ["input_activations", "output_activations"] {
+            if g.get(key).is_some_and(|a| !a.is_null()) {
+                return Err(ModelError::Unsupported { what: format!("{at}.{key} (activation quantization)") });
+            }
         }
         let w = g
             .get("weights")
@@ -63,6 +77,16 @@ fn compressed_tensors(obj: &serde_json::Map<String, serde_json::Value>) -> Resul
         }
         if w.get("symmetric").and_then(|v| v.as_bool()) != Some(true) {
             return Err(ModelError::Unsupported { what: format!("{at}.weights.symmetric false (zero points)") });
+        }
+        // compressed-tensors 0.20 refuses these (their g_idx maps columns to groups out of order);
+        // "weight" / "static" only reorder calibration and keep the format.
+        let actorder = w.get("actorder").unwrap_or(&serde_json::Value::Null);
+        let removed = actorder.as_bool() == Some(true)
+            || actorder.as_str().is_some_and(|a| a.eq_ignore_ascii_case("group") || a.eq_ignore_ascii_case("dynamic"));
+        if removed {
+            return Err(ModelError::Unsupported {
+                what: format!("{at}.weights.actorder {actorder} (group activation ordering)"),
+            });
         }
         if text("strategy") != "group" {
             return Err(ModelError::Unsupported {

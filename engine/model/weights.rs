@@ -260,6 +260,11 @@ impl Loader<'_> {
                 found: spec.group.to_string(),
             });
         }
+        if self.ckpt.get(&format!("{module}.weight_g_idx")).is_some() {
+            return Err(ModelError::Unsupported {
+                what: format!("{module}.weight_g_idx (group activation ordering: columns not in contiguous groups)"),
+            });
+        }
         if self.ckpt.get(&format!("{module}.weight_zero_point")).is_some() {
             return Err(ModelError::Unsupported { what: format!("{module}.weight_zero_point (asymmetric weights)") });
         }
