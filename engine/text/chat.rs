@@ -10,7 +10,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
-use super::python::{indent, py_str, strftime, tojson};
+use super::python::{indent, py_str, strftime, tojson, trim};
 use super::TextError;
 
 /// One chat message, as transformers takes it (a dict): `None` fields are left out.
@@ -306,10 +306,11 @@ impl ChatTemplate {
         env.add_filter("string", |value: Value| py_str(&value));
         env.add_filter(
             "indent",
-            |value: Value, width: Option<usize>, first: Option<bool>, blank: Option<bool>, kwargs: Kwargs| {
+            |value: Value, width: Option<Value>, first: Option<bool>, blank: Option<bool>, kwargs: Kwargs| {
                 indent(&value, width, first, blank, kwargs)
             },
         );
+        env.add_filter("trim", |value: Value, chars: Option<String>| trim(&value, chars));
         env.add_function("raise_exception", |msg: String| -> Result<String, Error> {
             Err(Error::new(ErrorKind::InvalidOperation, msg))
         });

@@ -343,18 +343,61 @@ pub(crate) fn py_str(v: &Value) -> Result<String, Error> {
     Ok(out)
 }
 
-/// Jinja's `indent` filter as minijinja has it (`width` spaces, `first`, `blank`, by position or
-/// keyword), with the width at most [`MAX_INDENT_WIDTH`] and the text within [`MAX_TEXT_BYTES`].
+/// Python's `str.isspace` for one character: Rust's whitespace and the four separators
+/// U+001C..U+001F.
+fn py_isspace(c: char) -> bool {
+    c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
+}
+
+/// Python's `str.splitlines()`: split at `\n`, `\r\n`, `\r`, `\v`, `\f`, U+001C..U+001E,
+/// U+0085, U+2028 and U+2029, without a last empty line after a final break.
+fn py_splitlines(s: &str) -> Vec<&str> {
+    let mut lines = Vec::new();
+    let mut start = 0;
+    let mut chars = s.char_indices().peekable();
+    while let Some((i, c)) = chars.next() {
+        let end = match c {
+            '\r' if chars.peek().is_some_and(|&(_, n)| n == '\n') => {
+                chars.next();
+                i + 2
+            }
+            '\n' | '\r' | '\u{b}' | '\u{c}' | '\u{1c}' | '\u{1d}' | '\u{1e}' | '\u{85}' | '\u{2028}' | '\u{2029}' => {
+                i + c.len_utf8()
+            }
+            _ => continue,
+        };
+        lines.push(&s[start..i]);
+        start = end;
+    }
+    if start < s.len() {
+        lines.push(&s[start..]);
+    }
+    lines
+}
+
+/// Jinja2's `trim` filter: Python's `str.strip(chars)` (whitespace as `str.isspace` has it when
+/// `chars` is none).
+pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
+    let text = py_str(value)?;
+    Ok(match chars {
+        None => text.trim_matches(py_isspace).to_string(),
+        Some(set) => text.trim_matches(|c| set.contains(c)).to_string(),
+    })
+}
+
+/// Jinja2's `indent` filter (`do_indent`: `width` spaces or a string, `first`, `blank`, by
+/// position or keyword; lines as `str.splitlines` cuts them after a `\n` is appended), with the
+/// indentation at most [`MAX_INDENT_WIDTH`] bytes and the text within [`MAX_TEXT_BYTES`].
 pub(crate) fn indent(
     value: &Value,
-    width: Option<usize>,
+    width: Option<Value>,
     first: Option<bool>,
     blank: Option<bool>,
     kwargs: Kwargs,
 ) -> Result<String, Error> {
     let width = match width {
-        Some(w) => w,
-        None => kwargs.get::<Option<usize>>("width")?.unwrap_or(4),
+        Some(w) => Some(w),
+        None => kwargs.get::<Option<Value>>("width")?,
     };
     let first = match first {
         Some(f) => f,
@@ -365,36 +408,46 @@ pub(crate) fn indent(
         None => kwargs.get::<Option<bool>>("blank")?.unwrap_or(false),
     };
     kwargs.assert_all_used()?;
-    if width > MAX_INDENT_WIDTH {
-        return Err(invalid(format!("indent: width {width}, more than {MAX_INDENT_WIDTH}")));
-    }
-    let text = py_str(value)?;
-    let strip = |s: &str| -> usize {
-        let s = s.strip_suffix('\n').unwrap_or(s);
-        s.strip_suffix('\r').unwrap_or(s).len()
+    let indention = match width {
+        None => " ".repeat(4),
+        Some(w) => match w.as_str() {
+            Some(s) if s.len() <= MAX_INDENT_WIDTH => s.to_string(),
+            Some(s) => {
+                return Err(invalid(format!("indent: width of {} bytes, more than {MAX_INDENT_WIDTH}", s.len())))
+            }
+            None => {
+                let n = usize::try_from(w.clone())
+                    .map_err(|_| invalid(format!("indent: width {w}, expected a count or a string")))?;
+                if n > MAX_INDENT_WIDTH {
+                    return Err(invalid(format!("indent: width {n}, more than {MAX_INDENT_WIDTH}")));
+                }
+                " ".repeat(n)
+            }
+        },
     };
-    let input = &text[..strip(&text)];
-    let lines = input.split('\n').count();
-    if input.len() + lines * (width + 1) > MAX_TEXT_BYTES {
+    let mut text = py_str(value)?;
+    text.push('\n');
+    let lines = py_splitlines(&text);
+    if text.len() + lines.len() * (indention.len() + 1) > MAX_TEXT_BYTES {
         return Err(too_long("indent"));
     }
-    let pad = " ".repeat(width);
-    let mut out = String::with_capacity(input.len() + lines * (width + 1));
-    let mut it = input.split('\n');
-    if !first {
-        out.push_str(it.next().unwrap_or_default());
-        out.push('\n');
+    let mut out = String::with_capacity(text.len() + lines.len() * (indention.len() + 1));
+    if first {
+        out.push_str(&indention);
     }
-    for line in it {
-        if !line.is_empty() {
-            out.push_str(&pad);
+    if blank {
+        out.push_str(&lines.join(&format!("\n{indention}")));
+    } else {
+        let mut it = lines.iter();
+        out.push_str(it.next().copied().unwrap_or_default());
+        for line in it {
+            out.push('\n');
+            if !line.is_empty() {
+                out.push_str(&indention);
+            }
             out.push_str(line);
-        } else if blank {
-            out.push_str(&pad);
         }
-        out.push('\n');
     }
-    out.truncate(strip(&out));
     Ok(out)
 }
 

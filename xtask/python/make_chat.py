@@ -98,6 +98,10 @@ def cases():
     yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r", tool_calls=[])], tools=None)
     yield "env_tools_docs", dict(template="environment.jinja", messages=[u("hi")], tools=[CLOCK], documents=[{"title": "t", "text": "x"}], add_generation_prompt=False)
     yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
+    yield "text_filters", dict(template="text_filters.jinja", messages=[
+        u("  hi\x1f\u3000"), u("a\n\nb\n"), u("a\n"), u("\nb"), u("a\nb\n"),
+        u("a\r\nb\x0bc\x1cd\u2028e\x85f\n\n"), u("xaxhellox"), u(""),
+    ], add_generation_prompt=False)
 
 
 def main():
