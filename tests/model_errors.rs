@@ -73,13 +73,20 @@ fn config_fields_that_change_the_math_are_refused_not_dropped() {
     for (what, edit) in [
         ("attention_bias false", &(|c: &mut serde_json::Value| c["attention_bias"] = false.into()) as &dyn Fn(&mut _)),
         ("rope_scaling null", &|c: &mut serde_json::Value| c["rope_scaling"] = serde_json::Value::Null),
-        ("rope_scaling default", &|c: &mut serde_json::Value| {
-            c["rope_scaling"] = serde_json::json!({"rope_type": "default"})
-        }),
         ("type beside rope_type", &|c: &mut serde_json::Value| c["rope_parameters"]["type"] = "default".into()),
+        ("rope_scaling {}", &|c: &mut serde_json::Value| c["rope_scaling"] = serde_json::json!({})),
+        ("rope_scaling without a type", &|c: &mut serde_json::Value| {
+            c["rope_scaling"] = serde_json::json!({"mrope_section": [2, 1, 1], "rope_theta": 1e7})
+        }),
     ] {
         assert!(edited(edit).is_ok(), "{what} loads");
     }
+    // A plain-RoPE rope_scaling replaces rope_parameters, as in transformers; one without a
+    // rope_theta (transformers would take its class default, 10^4) is refused.
+    let replaced = edited(&|c| c["rope_scaling"] = serde_json::json!({"rope_type": "default", "rope_theta": 5000.0}));
+    assert_eq!(replaced.expect("loads").rope_theta, 5000.0);
+    let e = edited(&|c| c["rope_scaling"] = serde_json::json!({"rope_type": "default"})).expect_err("no theta");
+    assert_eq!(bad_config(&e).0, "rope_parameters.rope_theta");
     // The VLM form's top-level end ids come first, as transformers' generation config reads them.
     let path = fixture_model("vlm_bf16_sharded").join("config.json");
     let mut vlm: serde_json::Value =
@@ -427,6 +434,15 @@ fn compressed_tensors_schemes_the_kernels_cannot_run_are_refused_by_name() {
         let e = with(tag, edit);
         assert!(matches!(&e, ModelError::Unsupported { what } if what.contains(named)), "{tag}: {e}");
     }
+    // llm-compressor's "dense" sparsity format is ordinary dense tensors.
+    let dir = scratch_copy(&fixture_model("ct_w4a16_g64"), "ct-dense");
+    let path = dir.join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&path).expect("config")).expect("json");
+    cfg[q]["sparsity_config"] =
+        serde_json::json!({"format": "dense", "global_sparsity": 0.5, "sparsity_structure": "2:4"});
+    std::fs::write(&path, cfg.to_string()).expect("write");
+    assert!(Model::load(ctx.clone(), &dir).is_ok(), "a dense sparsity_config loads");
 }
 
 #[test]

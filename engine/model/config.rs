@@ -192,14 +192,23 @@ impl TextConfig {
                 what: "attention_bias: true (biases on q/k/v/o_proj, which Qwen 3.5 does not have)".into(),
             });
         }
-        // transformers: `rope_parameters = rope_scaling or rope_parameters`. Only plain RoPE runs.
-        if let Some(scaling) = raw.rope_scaling.as_ref().filter(|v| !v.is_null()) {
-            let kind = scaling.get("rope_type").or_else(|| scaling.get("type")).and_then(|t| t.as_str());
-            if kind != Some("default") {
-                return Err(bad("rope_scaling", "null or {\"rope_type\": \"default\"}", scaling.to_string()));
+        // transformers: `rope_parameters = rope_scaling or rope_parameters` (an empty object is
+        // falsy), its type "default" when it names none. Only plain RoPE runs.
+        let scaling = raw.rope_scaling.as_ref().filter(|v| !v.is_null() && v.as_object().is_none_or(|o| !o.is_empty()));
+        let replaced = match scaling {
+            Some(v) => {
+                let kind = v.get("rope_type").or_else(|| v.get("type")).map(|t| t.as_str());
+                if !matches!(kind, None | Some(Some("default"))) {
+                    return Err(bad("rope_scaling", "null or plain RoPE (rope_type \"default\")", v.to_string()));
+                }
+                Some(
+                    serde_json::from_value::<RawRope>(v.clone())
+                        .map_err(|e| bad("rope_scaling", "an object of rope parameters", format!("{v} ({e})")))?,
+                )
             }
-        }
-        let rope = raw.rope_parameters.as_ref();
+            None => None,
+        };
+        let rope = replaced.as_ref().or(raw.rope_parameters.as_ref());
         if let Some(r) = rope {
             if let (Some(a), Some(b)) = (&r.rope_type, &r.legacy_type) {
                 if a != b {

@@ -53,7 +53,9 @@ fn compressed_tensors(obj: &serde_json::Map<String, serde_json::Value>) -> Resul
         ("kv_cache_scheme", "a quantized KV cache"),
         ("sparsity_config", "sparse compression"),
     ] {
-        if obj.get(key).is_some_and(present) {
+        // llm-compressor's "dense" sparsity format stores ordinary dense tensors.
+        let dense = |v: &serde_json::Value| v["format"].as_str().is_some_and(|f| f.eq_ignore_ascii_case("dense"));
+        if obj.get(key).is_some_and(|v| present(v) && !dense(v)) {
             return Err(ModelError::Unsupported { what: format!("{field}.{key}: {what}") });
         }
     }

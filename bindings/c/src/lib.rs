@@ -1272,7 +1272,7 @@ pub unsafe extern "C" fn qe_embeddings(
             }
             let v = b.embeddings(text)?;
             if v.len() != needed {
-                return Err(Fail::arg(format!("out: {} floats made, {needed} expected", v.len())));
+                return Err(Fail { status: QE_RUN, message: format!("{} floats made, {needed} expected", v.len()) });
             }
             // SAFETY: out is valid for `capacity` ≥ v.len() floats by the caller's contract.
             unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), out, v.len()) };

@@ -193,39 +193,17 @@ static int32_t call_back_in(const char *text, size_t len, void *user) {
     return 0;
 }
 
-/* A generation on a second thread that an engine free must stop. */
-typedef struct {
-    qe_engine engine;
-    qe_session session;
-    volatile int started;
-    qe_status status;
-} runner;
-
-static int32_t mark_started(const char *text, size_t len, void *user) {
-    (void)text;
-    (void)len;
-    ((runner *)user)->started = 1;
-    return 1;
-}
-
-static void *long_generation(void *arg) {
-    runner *r = (runner *)arg;
-    char *out = NULL;
-    r->status = qe_generate(r->engine, r->session, "Once upon a time", "{\"max_tokens\": 400, \"stop_at_eos\": false}",
-                            mark_started, r, &out);
-    qe_string_free(out);
-    return NULL;
-}
-
 /* A generation on a second thread whose callback holds the engine until released (at most 20 s),
-   then stops it. */
+   then stops it (or, with go_on, lets it go on). */
 typedef struct {
     qe_engine engine;
     qe_session session;
     volatile int started;
     volatile int release;
+    volatile int done;
     qe_status status;
     char *text;
+    int go_on;
 } holder;
 
 static int32_t hold_until_released(const char *text, size_t len, void *user) {
@@ -234,18 +212,20 @@ static int32_t hold_until_released(const char *text, size_t len, void *user) {
     (void)len;
     h->started = 1;
     for (int i = 0; i < 20000 && !h->release; i++) nanosleep(&(struct timespec){0, 1000000}, NULL);
-    return 0;
+    return h->go_on;
 }
 
 static void *held_generation(void *arg) {
     holder *h = (holder *)arg;
     h->status = qe_generate(h->engine, h->session, "Once upon a time", "{\"max_tokens\": 400, \"stop_at_eos\": false}",
                             hold_until_released, h, &h->text);
+    h->done = 1;
     return NULL;
 }
 
-static void wait_started(volatile int *started) {
-    while (!*started) nanosleep(&(struct timespec){0, 1000000}, NULL);
+/* Until the holder's callback runs (or its call ended without one). */
+static void wait_holding(holder *h) {
+    while (!h->started && !h->done) nanosleep(&(struct timespec){0, 1000000}, NULL);
 }
 
 /* From inside a callback: another engine's adapter list (its status kept). */
@@ -268,20 +248,29 @@ static int32_t probe_other_engine(const char *text, size_t len, void *user) {
 typedef struct {
     qe_engine engine;
     qe_session session;
+    volatile int calling;
     qe_status status;
     char *text;
 } waiter;
 
 static void *queued_generation(void *arg) {
     waiter *w = (waiter *)arg;
+    w->calling = 1;
     w->status = qe_generate(w->engine, w->session, "Once upon a time", PARAMS, NULL, NULL, &w->text);
     return NULL;
 }
 
 static void *queued_session_create(void *arg) {
     waiter *w = (waiter *)arg;
+    w->calling = 1;
     w->status = qe_session_create(w->engine, &w->session);
     return NULL;
+}
+
+/* Until the waiter's call is made, then 300 ms: it is waiting for the engine by then. */
+static void wait_calling(waiter *w) {
+    while (!w->calling) nanosleep(&(struct timespec){0, 1000000}, NULL);
+    nanosleep(&(struct timespec){0, 300000000}, NULL);
 }
 
 static void write_file(const char *path, const char *data, size_t len) {
@@ -705,13 +694,13 @@ int main(int argc, char **argv) {
 
     /* A callback's call on another engine that is busy returns QE_BUSY instead of waiting (two
        threads whose callbacks call each other's engine would wait for each other). */
-    holder hold = {e2, t2, 0, 0, QE_OK, NULL};
+    holder hold = {e2, t2, 0, 0, 0, QE_OK, NULL, 0};
     pthread_t holding;
     pthread_create(&holding, NULL, held_generation, &hold);
-    wait_started(&hold.started);
-    busy_probe probe = {e2, QE_OK};
+    wait_holding(&hold);
+    busy_probe probe = {e2, -1};
     reply = NULL;
-    st = qe_generate(e, s, "Hello", "{\"max_tokens\": 4}", probe_other_engine, &probe, &reply);
+    st = qe_generate(e, s, "Hello", "{\"max_tokens\": 4, \"stop_at_eos\": false}", probe_other_engine, &probe, &reply);
     qe_string_free(reply);
     hold.release = 1;
     pthread_join(holding, NULL);
@@ -719,13 +708,13 @@ int main(int argc, char **argv) {
     CHECK(st == QE_OK && probe.status == QE_BUSY, "a busy engine from a callback: %d, %d", (int)st, (int)probe.status);
 
     /* A generation cancelled while it waits for the engine runs nothing: empty text, QE_CANCELLED. */
-    holder first = {e2, t2, 0, 0, QE_OK, NULL};
-    waiter queued = {e2, t2, QE_OK, NULL};
+    holder first = {e2, t2, 0, 0, 0, QE_OK, NULL, 0};
+    waiter queued = {e2, t2, 0, QE_OK, NULL};
     pthread_t first_th, queued_th;
     pthread_create(&first_th, NULL, held_generation, &first);
-    wait_started(&first.started);
+    wait_holding(&first);
     pthread_create(&queued_th, NULL, queued_generation, &queued);
-    nanosleep(&(struct timespec){0, 300000000}, NULL);
+    wait_calling(&queued);
     MUST(qe_cancel(e2));
     first.release = 1;
     pthread_join(first_th, NULL);
@@ -738,16 +727,18 @@ int main(int argc, char **argv) {
 
     /* Freeing an engine stops the generation running on it, and a call waiting for the engine
        finds the handle closed. */
-    runner run = {e2, t2, 0, QE_OK};
+    holder run = {e2, t2, 0, 0, 0, QE_OK, NULL, 1};
     pthread_t gen, create_th;
-    pthread_create(&gen, NULL, long_generation, &run);
-    while (!run.started) nanosleep(&(struct timespec){0, 1000000}, NULL);
-    waiter creating = {e2, 0, QE_OK, NULL};
+    pthread_create(&gen, NULL, held_generation, &run);
+    wait_holding(&run);
+    waiter creating = {e2, 0, 0, QE_OK, NULL};
     pthread_create(&create_th, NULL, queued_session_create, &creating);
-    nanosleep(&(struct timespec){0, 300000000}, NULL);
+    wait_calling(&creating);
     MUST(qe_engine_free(e2));
+    run.release = 1;
     pthread_join(gen, NULL);
     pthread_join(create_th, NULL);
+    qe_string_free(run.text);
     CHECK(run.status == QE_CANCELLED, "a generation on a freed engine: status %d", (int)run.status);
     CHECK(creating.status == QE_INVALID_HANDLE, "a session create that waited on a freed engine: %d",
           (int)creating.status);
