@@ -10,7 +10,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
-use super::python::{indent, py_str, strftime, tojson, trim};
+use super::python::{indent, method, py_str, strftime, tojson, trim};
 use super::TextError;
 
 /// One chat message, as transformers takes it (a dict): `None` fields are left out.
@@ -298,7 +298,7 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.set_fuel(Some(TEMPLATE_FUEL));
-        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.set_unknown_method_callback(method);
         env.set_formatter(|out, _state, value| {
             out.write_str(&py_str(value)?).map_err(|_| Error::new(ErrorKind::WriteFailure, "writing the output"))
         });

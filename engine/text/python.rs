@@ -597,3 +597,71 @@ mod tests {
         assert_eq!(strftime(&"%c".repeat(4), 0).expect("fmt").len(), 96);
     }
 }
+
+/// Python's string methods where minijinja-contrib's `pycompat` differs from Python or has no
+/// bound: `strip` / `lstrip` / `rstrip` and `split()` with Python's whitespace, `find` / `rfind`
+/// as character indices, `splitlines` at every line boundary, `count` (of `""` too, which looped
+/// forever there) and `replace` within [`MAX_TEXT_BYTES`]. Every other method is `pycompat`'s.
+pub(crate) fn method(state: &minijinja::State, value: &Value, name: &str, args: &[Value]) -> Result<Value, Error> {
+    let Some(s) = value.as_str() else {
+        return minijinja_contrib::pycompat::unknown_method_callback(state, value, name, args);
+    };
+    let chars_arg = |at: usize| -> Result<Option<String>, Error> {
+        match args.get(at) {
+            None => Ok(None),
+            Some(v) if v.is_none() => Ok(None),
+            Some(v) => v.as_str().map(|c| Some(c.to_string())).ok_or_else(|| invalid(format!("{name}: a string"))),
+        }
+    };
+    let set = |chars: &Option<String>, c: char| chars.as_ref().map_or(py_isspace(c), |set| set.contains(c));
+    let text_arg = |at: usize| -> Result<&str, Error> {
+        args.get(at).and_then(Value::as_str).ok_or_else(|| invalid(format!("{name}: a string argument")))
+    };
+    let char_index = |byte: Option<usize>| byte.map_or(-1, |b| s[..b].chars().count() as i64);
+    let arity = |most: usize| {
+        if args.len() > most {
+            return Err(invalid(format!("{name}: at most {most} arguments, {} given", args.len())));
+        }
+        Ok(())
+    };
+    match name {
+        "strip" | "lstrip" | "rstrip" => {
+            arity(1)?;
+            let chars = chars_arg(0)?;
+            let out = match name {
+                "strip" => s.trim_matches(|c| set(&chars, c)),
+                "lstrip" => s.trim_start_matches(|c| set(&chars, c)),
+                _ => s.trim_end_matches(|c| set(&chars, c)),
+            };
+            Ok(Value::from(out))
+        }
+        "split" if args.first().is_none_or(Value::is_none) && args.len() <= 1 => {
+            Ok(s.split(py_isspace).filter(|w| !w.is_empty()).map(Value::from).collect())
+        }
+        "find" => {
+            arity(1)?;
+            Ok(Value::from(char_index(s.find(text_arg(0)?))))
+        }
+        "rfind" => {
+            arity(1)?;
+            Ok(Value::from(char_index(s.rfind(text_arg(0)?))))
+        }
+        "splitlines" if args.is_empty() => Ok(py_splitlines(s).into_iter().map(Value::from).collect()),
+        "count" => {
+            arity(1)?;
+            let what = text_arg(0)?;
+            let n = if what.is_empty() { s.chars().count() + 1 } else { s.matches(what).count() };
+            Ok(Value::from(n))
+        }
+        "replace" if args.len() == 2 => {
+            let (old, new) = (text_arg(0)?, text_arg(1)?);
+            let hits = if old.is_empty() { s.chars().count() + 1 } else { s.matches(old).count() };
+            let len = hits.checked_mul(new.len()).and_then(|grow| grow.checked_add(s.len()));
+            if len.is_none_or(|l| l > MAX_TEXT_BYTES) {
+                return Err(too_long("replace"));
+            }
+            minijinja_contrib::pycompat::unknown_method_callback(state, value, name, args)
+        }
+        _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, name, args),
+    }
+}

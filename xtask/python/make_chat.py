@@ -100,7 +100,7 @@ def cases():
     yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
     yield "text_filters", dict(template="text_filters.jinja", messages=[
         u("  hi\x1f\u3000"), u("a\n\nb\n"), u("a\n"), u("\nb"), u("a\nb\n"),
-        u("a\r\nb\x0bc\x1cd\u2028e\x85f\n\n"), u("xaxhellox"), u(""),
+        u("a\r\nb\x0bc\x1cd\u2028e\x85f\n\n"), u("xaxhellox"), u(""), u("\x1fé b\u3000éb\tb\x1c"),
     ], add_generation_prompt=False)
 
 
