@@ -554,50 +554,6 @@ pub(crate) fn strftime(format: &str, unix_seconds: i64) -> Result<String, Error>
     Ok(out)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::{float_repr, strftime};
-
-    #[test]
-    fn floats_print_as_python_repr() {
-        for (x, want) in [
-            (1.0, "1.0"),
-            (0.1, "0.1"),
-            (2.5e-5, "2.5e-05"),
-            (0.0001, "0.0001"),
-            (1e16, "1e+16"),
-            (1.5e16, "1.5e+16"),
-            (123456789012345.6, "123456789012345.6"),
-            (-0.0, "-0.0"),
-            (-3.25, "-3.25"),
-            (1e-7, "1e-07"),
-            (f64::INFINITY, "Infinity"),
-        ] {
-            assert_eq!(float_repr(x), want, "{x}");
-        }
-    }
-
-    #[test]
-    fn strftime_matches_python_on_fixed_dates() {
-        // python3 -c "import datetime as d; print(d.datetime.fromtimestamp(T, d.UTC).strftime(F))"
-        assert_eq!(strftime("%d %b %Y", 0).expect("fmt"), "01 Jan 1970");
-        assert_eq!(
-            strftime("%Y-%m-%d %H:%M:%S %a %A %B %j %p %I %y %w %%", 1_796_157_296).expect("fmt"),
-            "2026-12-01 20:34:56 Tue Tuesday December 335 PM 08 26 2 %"
-        );
-        assert_eq!(strftime("%-d %-m", 951_782_400).expect("fmt"), "29 2");
-        assert_eq!(
-            strftime("%F %T %D %R %c %x %X %u %Z %z", 1_796_157_296).expect("fmt"),
-            "2026-12-01 20:34:56 12/01/26 20:34 Tue Dec  1 20:34:56 2026 12/01/26 20:34:56 2 UTC +0000"
-        );
-        assert!(strftime("%Q", 0).is_err());
-        // Each %c writes 24 bytes: a format that would write past the text bound is refused.
-        let long = "%c".repeat(super::MAX_TEXT_BYTES / 24 + 1);
-        assert!(strftime(&long, 0).expect_err("past the bound").to_string().contains("strftime_now"));
-        assert_eq!(strftime(&"%c".repeat(4), 0).expect("fmt").len(), 96);
-    }
-}
-
 /// Python's string methods where minijinja-contrib's `pycompat` differs from Python or has no
 /// bound: `strip` / `lstrip` / `rstrip` and `split()` with Python's whitespace, `find` / `rfind`
 /// as character indices, `splitlines` at every line boundary, `count` (of `""` too, which looped
@@ -663,5 +619,49 @@ pub(crate) fn method(state: &minijinja::State, value: &Value, name: &str, args: 
             minijinja_contrib::pycompat::unknown_method_callback(state, value, name, args)
         }
         _ => minijinja_contrib::pycompat::unknown_method_callback(state, value, name, args),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{float_repr, strftime};
+
+    #[test]
+    fn floats_print_as_python_repr() {
+        for (x, want) in [
+            (1.0, "1.0"),
+            (0.1, "0.1"),
+            (2.5e-5, "2.5e-05"),
+            (0.0001, "0.0001"),
+            (1e16, "1e+16"),
+            (1.5e16, "1.5e+16"),
+            (123456789012345.6, "123456789012345.6"),
+            (-0.0, "-0.0"),
+            (-3.25, "-3.25"),
+            (1e-7, "1e-07"),
+            (f64::INFINITY, "Infinity"),
+        ] {
+            assert_eq!(float_repr(x), want, "{x}");
+        }
+    }
+
+    #[test]
+    fn strftime_matches_python_on_fixed_dates() {
+        // python3 -c "import datetime as d; print(d.datetime.fromtimestamp(T, d.UTC).strftime(F))"
+        assert_eq!(strftime("%d %b %Y", 0).expect("fmt"), "01 Jan 1970");
+        assert_eq!(
+            strftime("%Y-%m-%d %H:%M:%S %a %A %B %j %p %I %y %w %%", 1_796_157_296).expect("fmt"),
+            "2026-12-01 20:34:56 Tue Tuesday December 335 PM 08 26 2 %"
+        );
+        assert_eq!(strftime("%-d %-m", 951_782_400).expect("fmt"), "29 2");
+        assert_eq!(
+            strftime("%F %T %D %R %c %x %X %u %Z %z", 1_796_157_296).expect("fmt"),
+            "2026-12-01 20:34:56 12/01/26 20:34 Tue Dec  1 20:34:56 2026 12/01/26 20:34:56 2 UTC +0000"
+        );
+        assert!(strftime("%Q", 0).is_err());
+        // Each %c writes 24 bytes: a format that would write past the text bound is refused.
+        let long = "%c".repeat(super::MAX_TEXT_BYTES / 24 + 1);
+        assert!(strftime(&long, 0).expect_err("past the bound").to_string().contains("strftime_now"));
+        assert_eq!(strftime(&"%c".repeat(4), 0).expect("fmt").len(), 96);
     }
 }
