@@ -687,6 +687,31 @@ fn dtype_strings_the_safetensors_format_does_not_define_are_refused_even_on_igno
     }
 }
 
+/// Sub-byte dtypes get the reference parser's size check: whole bytes, and as many as the shape
+/// needs (they were accepted at any size, so a file safetensors refuses loaded).
+#[test]
+fn sub_byte_tensors_must_fill_whole_bytes_as_the_format_says() {
+    let file = |dtype: &str, shape: &str, end: usize| {
+        let header = format!(r#"{{"t":{{"dtype":"{dtype}","shape":{shape},"data_offsets":[0,{end}]}}}}"#);
+        raw_safetensors(header.len() as u64, &header, &vec![0u8; end])
+    };
+    for (tag, dtype, shape, end, want) in [
+        ("f4-odd", "F4", "[3]", 2, "not whole bytes"),
+        ("f4-long", "F4", "[4]", 4, "needs 2 bytes"),
+        ("f6-short", "F6_E2M3", "[4]", 2, "needs 3 bytes"),
+    ] {
+        let e = header_error(tag, &file(dtype, shape, end));
+        assert!(e.contains(want), "{tag}: {e}");
+    }
+    for (tag, dtype, shape, end) in [("f4-ok", "F4", "[4]", 2), ("f6-ok", "F6_E3M2", "[4]", 3)] {
+        let dir = std::env::temp_dir().join(format!("qwen35-test-hdr-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(dir.join("model.safetensors"), file(dtype, shape, end)).expect("write");
+        assert!(Checkpoint::open_dir(&dir).is_ok(), "{tag}: the format allows it");
+    }
+}
+
 /// A `Model`'s fields are public too: one edited past what its weights are (a layer type
 /// dropped or changed, a config size of 0, a matrix's shape) is refused by a session, a batch and
 /// an adapter upload, typed and naming the field or tensor, before any buffer is sized from it.

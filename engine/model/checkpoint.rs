@@ -235,19 +235,18 @@ fn read_text(path: &Path) -> Result<String, ModelError> {
     Ok(read_bounded_text(path, MAX_JSON_BYTES, "model.safetensors.index.json")?)
 }
 
-/// Bytes per element of the safetensors dtypes of whole bytes.
-fn dtype_size(dtype: &str) -> Option<u64> {
+/// Bits per element of every dtype the safetensors format defines (`Dtype::bitsize`).
+fn dtype_bits(dtype: &str) -> Option<u64> {
     Some(match dtype {
-        "C64" | "F64" | "I64" | "U64" => 8,
-        "F32" | "I32" | "U32" => 4,
-        "F16" | "BF16" | "I16" | "U16" => 2,
-        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 1,
+        "C64" | "F64" | "I64" | "U64" => 64,
+        "F32" | "I32" | "U32" => 32,
+        "F16" | "BF16" | "I16" | "U16" => 16,
+        "I8" | "U8" | "BOOL" | "F8_E4M3" | "F8_E5M2" | "F8_E8M0" => 8,
+        "F6_E2M3" | "F6_E3M2" => 6,
+        "F4" => 4,
         _ => return None,
     })
 }
-
-/// The safetensors dtypes narrower than a byte (packed; their byte counts are not checked).
-const SUB_BYTE_DTYPES: [&str; 3] = ["F4", "F6_E2M3", "F6_E3M2"];
 
 /// One tensor of the header as written: `{"dtype": …, "shape": […], "data_offsets": [b, e]}`
 /// (other fields ignored, as the reference parser does).
@@ -327,22 +326,26 @@ fn checked_entry(name: &str, e: RawEntry, file: usize, data_len: u64) -> Result<
         .map(|&d| usize::try_from(d).ok())
         .collect::<Option<_>>()
         .ok_or_else(|| format!("{name}: a dimension of shape {:?} does not fit in usize", e.shape))?;
-    // Every dtype the safetensors format defines is accepted here (the sub-byte ones without a
-    // size check); a string it does not define makes the file invalid, as the reference parser
-    // says. Whether the loader can use a tensor's dtype is checked when it is read.
-    if !SUB_BYTE_DTYPES.contains(&e.dtype.as_str()) && dtype_size(&e.dtype).is_none() {
+    // Every dtype the safetensors format defines is accepted here, each with the reference
+    // parser's size check (a sub-byte tensor ends on a byte boundary); a string it does not
+    // define makes the file invalid. Whether the loader can use a tensor's dtype is checked when
+    // it is read.
+    let Some(bits) = dtype_bits(&e.dtype) else {
         return Err(format!("{name}: dtype {:?} is not a safetensors dtype", e.dtype));
-    }
-    if let Some(size) = dtype_size(&e.dtype) {
-        let want = e.shape.iter().try_fold(size, |acc, &d| acc.checked_mul(d));
-        if want != Some(end - begin) {
-            let want = want.map_or("more than 2^64".to_string(), |w| w.to_string());
-            return Err(format!(
-                "{name}: shape {shape:?} of {} needs {want} bytes, data_offsets give {}",
-                e.dtype,
-                end - begin
-            ));
-        }
+    };
+    let nbits = e.shape.iter().try_fold(bits, |acc, &d| acc.checked_mul(d));
+    let want = nbits.filter(|b| b % 8 == 0).map(|b| b / 8);
+    if want != Some(end - begin) {
+        let want = match nbits {
+            None => "more than 2^64 bits".to_string(),
+            Some(b) if b % 8 != 0 => format!("{b} bits (not whole bytes)"),
+            Some(b) => format!("{} bytes", b / 8),
+        };
+        return Err(format!(
+            "{name}: shape {shape:?} of {} needs {want}, data_offsets give {} bytes",
+            e.dtype,
+            end - begin
+        ));
     }
     Ok(TensorEntry { dtype: e.dtype, shape, checkpoint: 0, file, begin, end })
 }
