@@ -48,13 +48,13 @@ fn compressed_tensors(obj: &serde_json::Map<String, serde_json::Value>) -> Resul
     // Sections that change the math when present: online rotations (vLLM applies them), a
     // quantized KV cache, quantized outputs.
     let present = |v: &serde_json::Value| !(v.is_null() || v.as_object().is_some_and(|o| o.is_empty()));
+    // llm-compressor's "dense" sparsity format stores ordinary dense tensors.
+    let dense = |v: &serde_json::Value| v["format"].as_str().is_some_and(|f| f.eq_ignore_ascii_case("dense"));
     for (key, what) in [
         ("transform_config", "online rotations (Hadamard / SpinQuant transforms)"),
         ("kv_cache_scheme", "a quantized KV cache"),
         ("sparsity_config", "sparse compression"),
     ] {
-        // llm-compressor's "dense" sparsity format stores ordinary dense tensors.
-        let dense = |v: &serde_json::Value| v["format"].as_str().is_some_and(|f| f.eq_ignore_ascii_case("dense"));
         if obj.get(key).is_some_and(|v| present(v) && !dense(v)) {
             return Err(ModelError::Unsupported { what: format!("{field}.{key}: {what}") });
         }

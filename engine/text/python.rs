@@ -375,14 +375,25 @@ fn py_splitlines(s: &str) -> Vec<&str> {
     lines
 }
 
-/// Jinja2's `trim` filter: Python's `str.strip(chars)` (whitespace as `str.isspace` has it when
-/// `chars` is none).
+/// The characters Python's `str.strip(chars)` removes: those of `chars`, or whitespace as
+/// `str.isspace` has it when `chars` is none.
+fn py_strip_set(chars: Option<&str>) -> impl Fn(char) -> bool + '_ {
+    move |c| chars.map_or(py_isspace(c), |set| set.contains(c))
+}
+
+/// How many times Python's `str.count(sub)` finds `sub` in `s` (`""` between every two
+/// characters and at both ends).
+fn py_count(s: &str, sub: &str) -> usize {
+    if sub.is_empty() {
+        s.chars().count() + 1
+    } else {
+        s.matches(sub).count()
+    }
+}
+
+/// Jinja2's `trim` filter: Python's `str.strip(chars)`.
 pub(crate) fn trim(value: &Value, chars: Option<String>) -> Result<String, Error> {
-    let text = py_str(value)?;
-    Ok(match chars {
-        None => text.trim_matches(py_isspace).to_string(),
-        Some(set) => text.trim_matches(|c| set.contains(c)).to_string(),
-    })
+    Ok(py_str(value)?.trim_matches(py_strip_set(chars.as_deref())).to_string())
 }
 
 /// Jinja2's `indent` filter (`do_indent`: `width` spaces or a string, `first`, `blank`, by
@@ -569,7 +580,6 @@ pub(crate) fn method(state: &minijinja::State, value: &Value, name: &str, args: 
             Some(v) => v.as_str().map(|c| Some(c.to_string())).ok_or_else(|| invalid(format!("{name}: a string"))),
         }
     };
-    let set = |chars: &Option<String>, c: char| chars.as_ref().map_or(py_isspace(c), |set| set.contains(c));
     let text_arg = |at: usize| -> Result<&str, Error> {
         args.get(at).and_then(Value::as_str).ok_or_else(|| invalid(format!("{name}: a string argument")))
     };
@@ -584,10 +594,11 @@ pub(crate) fn method(state: &minijinja::State, value: &Value, name: &str, args: 
         "strip" | "lstrip" | "rstrip" => {
             arity(1)?;
             let chars = chars_arg(0)?;
+            let set = py_strip_set(chars.as_deref());
             let out = match name {
-                "strip" => s.trim_matches(|c| set(&chars, c)),
-                "lstrip" => s.trim_start_matches(|c| set(&chars, c)),
-                _ => s.trim_end_matches(|c| set(&chars, c)),
+                "strip" => s.trim_matches(set),
+                "lstrip" => s.trim_start_matches(set),
+                _ => s.trim_end_matches(set),
             };
             Ok(Value::from(out))
         }
@@ -605,14 +616,11 @@ pub(crate) fn method(state: &minijinja::State, value: &Value, name: &str, args: 
         "splitlines" if args.is_empty() => Ok(py_splitlines(s).into_iter().map(Value::from).collect()),
         "count" => {
             arity(1)?;
-            let what = text_arg(0)?;
-            let n = if what.is_empty() { s.chars().count() + 1 } else { s.matches(what).count() };
-            Ok(Value::from(n))
+            Ok(Value::from(py_count(s, text_arg(0)?)))
         }
         "replace" if args.len() == 2 => {
             let (old, new) = (text_arg(0)?, text_arg(1)?);
-            let hits = if old.is_empty() { s.chars().count() + 1 } else { s.matches(old).count() };
-            let len = hits.checked_mul(new.len()).and_then(|grow| grow.checked_add(s.len()));
+            let len = py_count(s, old).checked_mul(new.len()).and_then(|grow| grow.checked_add(s.len()));
             if len.is_none_or(|l| l > MAX_TEXT_BYTES) {
                 return Err(too_long("replace"));
             }

@@ -912,12 +912,6 @@ impl<'a> Sink<'a> {
     }
 }
 
-/// Whether a generation call was cancelled before it got the engine (it then runs nothing and
-/// returns QE_CANCELLED with empty text).
-fn cancelled_before_start(sink: &Sink) -> bool {
-    sink.entry.cancelled()
-}
-
 fn finish(sink: &Sink, out: *mut *mut c_char, text: String, name: &str) -> Res<()> {
     // SAFETY: checked non-null by the caller of `finish`; the caller's contract.
     unsafe { put_string(out, text, name) }?;
@@ -961,7 +955,8 @@ pub unsafe extern "C" fn qe_generate(
         with_session(engine, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
-            if cancelled_before_start(&sink) {
+            // Cancelled while waiting for the engine: nothing runs.
+            if sink.entry.cancelled() {
                 return finish(&sink, text_out, String::new(), "text_out");
             }
             let text = b.generate_stream(prompt, &params, &mut |d| sink.push(d))?;
@@ -1163,7 +1158,8 @@ pub unsafe extern "C" fn qe_chat(
         with_session(engine, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
-            if cancelled_before_start(&sink) {
+            // Cancelled while waiting for the engine: nothing runs.
+            if sink.entry.cancelled() {
                 let empty = qwen35_wgpu::ChatReply::default();
                 return finish(&sink, reply_out, reply_json(&empty), "reply_out");
             }
