@@ -344,15 +344,14 @@ pub trait LlmBackend {
         on_delta: &mut dyn FnMut(ChatDelta<'_>) -> bool,
     ) -> Result<ChatReply, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
-        let prompt = tok.render_chat(request)?;
-        let ids = tok.encode_prompt(&prompt)?;
-        let mut parser = ReplyParser::new(&prompt, request.tools.as_deref());
+        let prompt = tok.encode_chat(request)?;
+        let mut parser = ReplyParser::new(&prompt.text, request.tools.as_deref());
         let mut open = true;
         let mut emit = |d: ChatDelta<'_>| {
             open = open && on_delta(d);
             open
         };
-        self.generate_stream_ids(&ids, params, &mut |delta| parser.push(delta, &mut emit))?;
+        self.generate_stream_ids(&prompt.ids, params, &mut |delta| parser.push(delta, &mut emit))?;
         Ok(parser.finish(&mut emit))
     }
 

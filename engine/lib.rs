@@ -40,5 +40,5 @@ pub use learn::{FeedbackEvent, LearnOptions, LearnReport, Signal, TokenEvent, Tr
 pub use lora::{AdapterInfo, LayerScales, LoraAdapter, Proj};
 pub use model::{LoadOptions, Model, QuantizeRecipe, TextConfig};
 pub use runtime::{ActiveAdapter, Batch, CancelFlag, GenerateParams, Logits, Sampler, Session, SessionOptions};
-pub use text::{ChatDelta, ChatMessage, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
+pub use text::{ChatDelta, ChatMessage, ChatPrompt, ChatReply, ChatRequest, TextError, TextTokenizer, ToolCall};
 pub use wgpu_backend::{SessionId, WgpuBackend, DEFAULT_SNAPSHOT_BUDGET, MAX_SESSIONS};

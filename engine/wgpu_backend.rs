@@ -352,12 +352,11 @@ impl WgpuBackend {
         on_delta: &mut dyn FnMut(usize, ChatDelta<'_>) -> bool,
     ) -> Result<Vec<ChatReply>, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
-        let prompts = requests.iter().map(|(_, r)| tok.render_chat(r)).collect::<Result<Vec<_>, _>>()?;
-        let ids = prompts.iter().map(|p| tok.encode_prompt(p)).collect::<Result<Vec<_>, _>>()?;
+        let prompts = requests.iter().map(|(_, r)| tok.encode_chat(r)).collect::<Result<Vec<_>, _>>()?;
         let by_ids: Vec<(SessionId, &[u32])> =
-            requests.iter().zip(&ids).map(|((id, _), p)| (*id, p.as_slice())).collect();
+            requests.iter().zip(&prompts).map(|((id, _), p)| (*id, p.ids.as_slice())).collect();
         let mut parsers: Vec<ReplyParser> =
-            prompts.iter().zip(requests).map(|(p, (_, r))| ReplyParser::new(p, r.tools.as_deref())).collect();
+            prompts.iter().zip(requests).map(|(p, (_, r))| ReplyParser::new(&p.text, r.tools.as_deref())).collect();
         // Once `on_delta` returned false for a request it is not called for it again.
         let mut open = vec![true; requests.len()];
         let mut emit = |i: usize, d: ChatDelta<'_>, open: &mut [bool]| {

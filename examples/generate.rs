@@ -47,6 +47,10 @@ struct Args {
     /// A template variable, `NAME=JSON` (e.g. `enable_thinking=false`); repeatable.
     #[arg(long = "template-var", value_parser = parse_var)]
     template_vars: Vec<(String, serde_json::Value)>,
+    /// Encode control tokens written in the messages (`<|im_end|>`, `<think>`, …) as plain text,
+    /// as transformers' `sanitize_control_tokens=True`.
+    #[arg(long)]
+    sanitize_control_tokens: bool,
     /// Print the rendered prompt and exit.
     #[arg(long)]
     print_prompt: bool,
@@ -81,7 +85,7 @@ fn main() -> Result<()> {
     let request = request(&args)?;
     if args.print_prompt {
         let tok = TextTokenizer::from_dir(&dir)?;
-        print!("{}", tok.render_chat(&request)?);
+        print!("{}", tok.encode_chat(&request)?.text);
         return Ok(());
     }
     let mut backend = WgpuBackend::new(SessionOptions { max_context: 1024, max_batch: 128 })?;
@@ -146,7 +150,7 @@ fn request(args: &Args) -> Result<ChatRequest> {
         None => vec![ChatMessage::new("user", &args.prompt)],
     };
     // OpenAI-shaped files carry tool-call arguments as JSON strings; Qwen's templates want objects.
-    let mut request = ChatRequest::new(messages).parse_tool_arguments();
+    let mut request = ChatRequest::new(messages).parse_tool_arguments().sanitized(args.sanitize_control_tokens);
     if let Some(path) = &args.tools {
         let tools: Vec<serde_json::Value> =
             serde_json::from_value(read(path)?).with_context(|| format!("tools in {}", path.display()))?;

@@ -184,6 +184,75 @@ fn the_parser_inverts_what_the_template_writes_for_an_assistant_turn() {
     assert!(text.ends_with("<|im_start|>assistant\n<think>\nHmm.\n</think>\n\nFour.<|im_end|>\n"), "{text:?}");
 }
 
+/// The tokenizer of a `sanitize` case of chat.json, in a directory of its own: the fixture's
+/// tokenizer with the case's extra added tokens, its config with the case's
+/// `chat_control_tokens`, and the case's template.
+fn sanitize_tokenizer(r: &Value, case: &Value, dir: &Path) -> TextTokenizer {
+    let fixture = root().join(r["sanitize_tokenizer"].as_str().expect("dir"));
+    let read = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(fixture.join(name)).expect("fixture")).expect("json")
+    };
+    let mut tokenizer = read("tokenizer.json");
+    let added = tokenizer["added_tokens"].as_array_mut().expect("added_tokens");
+    for extra in case["extra_added"].as_array().expect("extra_added") {
+        let mut t = json!({"single_word": false, "lstrip": false, "rstrip": false, "normalized": false});
+        t.as_object_mut().expect("object").extend(extra.as_object().expect("token").clone());
+        added.push(t);
+    }
+    let mut config = read("tokenizer_config.json");
+    if !case["chat_control_tokens"].is_null() {
+        config["chat_control_tokens"] = case["chat_control_tokens"].clone();
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    std::fs::create_dir_all(dir).expect("dir");
+    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("write");
+    std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).expect("write");
+    let source = root().join("tests/fixtures/chat").join(case["template"].as_str().expect("template"));
+    std::fs::copy(source, dir.join("chat_template.jinja")).expect("copy");
+    TextTokenizer::from_dir(dir).expect("tokenizer")
+}
+
+fn ids(v: &Value) -> Vec<u32> {
+    serde_json::from_value(v.clone()).expect("ids")
+}
+
+#[test]
+fn prompts_encode_as_transformers_encodes_them_with_and_without_sanitized_control_tokens() {
+    let r = reference();
+    let dir = std::env::temp_dir().join(format!("qwen35-test-sanitize-{}", std::process::id()));
+    for case in r["sanitize"].as_array().expect("sanitize cases") {
+        let name = case["name"].as_str().expect("name");
+        let tok = sanitize_tokenizer(&r, case, &dir);
+        let plain = tok.encode_chat(&request(case)).expect(name);
+        assert_eq!(plain.ids, ids(&case["ids"]), "{name}: ids without sanitize_control_tokens");
+        let sanitized = tok.encode_chat(&request(case).sanitized(true));
+        match (&case["sanitized_ids"], &case["sanitized_error"]) {
+            (Value::Array(_), _) => {
+                let sanitized = sanitized.expect(name);
+                assert_eq!(sanitized.ids, ids(&case["sanitized_ids"]), "{name}: sanitized ids");
+                let markers = ['\u{F0000}', '\u{F0001}'];
+                assert!(!sanitized.text.contains(markers), "{name}: no marker is left in the prompt text");
+            }
+            (_, Value::String(error)) => {
+                let e = sanitized.expect_err(name).to_string();
+                let named = error.split_once("sanitize '").and_then(|(_, rest)| rest.split_once('\''));
+                let token = named.expect("the token transformers names").0;
+                assert!(e.contains(&format!("{token:?}")), "{name}: {e:?} should name {token:?} as {error:?} does");
+            }
+            _ => panic!("{name}: no reference"),
+        }
+    }
+    // A config's chat_control_tokens must be a list of strings, as transformers requires.
+    let case = r["sanitize"].as_array().expect("cases")[0].clone();
+    let mut bad = case.clone();
+    bad["chat_control_tokens"] = json!("<think>");
+    let tok = std::panic::catch_unwind(|| sanitize_tokenizer(&r, &bad, &dir));
+    assert!(tok.is_err(), "a string for chat_control_tokens is refused");
+    let e = TextTokenizer::from_dir(&dir).err().expect("refused").to_string();
+    assert!(e.contains("chat_control_tokens") && e.contains("list of strings"), "{e}");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
 #[test]
 fn tokenizer_directories_are_read_with_bounds() {
     let dir = std::env::temp_dir().join(format!("qwen35-test-tokenizer-bounds-{}", std::process::id()));

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use super::python::{indent, method, py_str, strftime, tojson, trim};
+use super::sanitize::ControlTokens;
 use super::TextError;
 
 /// One chat message, as transformers takes it (a dict): `None` fields are left out.
@@ -154,6 +155,10 @@ pub struct ChatRequest {
     /// Template variables (`enable_thinking`, `add_vision_id`, …); they override the tokenizer's
     /// special tokens of the same name.
     pub vars: Map<String, Json>,
+    /// Encode the control tokens (`<|im_end|>`, `<think>`, …) written in the request's strings as
+    /// plain text, as transformers' `sanitize_control_tokens=True` does (off by default, as there):
+    /// see [`crate::TextTokenizer::encode_chat`].
+    pub sanitize_control_tokens: bool,
 }
 
 impl ChatRequest {
@@ -166,7 +171,15 @@ impl ChatRequest {
             add_generation_prompt: true,
             continue_final_message: None,
             vars: Map::new(),
+            sanitize_control_tokens: false,
         }
+    }
+
+    /// Encode control tokens written in the request's strings as text (see
+    /// [`ChatRequest::sanitize_control_tokens`]).
+    pub fn sanitized(mut self, on: bool) -> Self {
+        self.sanitize_control_tokens = on;
+        self
     }
 
     /// Set `enable_thinking` (Qwen 3 / 3.5: `false` ends the prompt with an empty think block).
@@ -268,6 +281,28 @@ fn template_error(e: Error) -> TextError {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
+    /// The template's literal text (its text outside tags and its string constants), joined by
+    /// NUL so that no search matches across two: where transformers looks for the added tokens
+    /// that are control tokens.
+    literals: String,
+}
+
+/// transformers' `_get_template_literal_text`: the template data and string constants of
+/// `source`, as the lexer that compiles it reads them (comments are not literals).
+fn literal_text(source: &str) -> Result<String, TextError> {
+    use minijinja::machinery::{tokenize, Token, WhitespaceConfig};
+    let whitespace = WhitespaceConfig { keep_trailing_newline: false, lstrip_blocks: true, trim_blocks: true };
+    let mut literals: Vec<String> = Vec::new();
+    for token in tokenize(source, false, Default::default(), whitespace) {
+        let (token, _) = token.map_err(template_error)?;
+        let text = match token {
+            Token::TemplateData(s) | Token::Str(s) => s.to_string(),
+            Token::String(s) => s.into_string(),
+            _ => continue,
+        };
+        literals.push(text);
+    }
+    Ok(literals.join("\0"))
 }
 
 /// `{% generation %}` / `{% endgeneration %}` (transformers' `AssistantTracker` extension, which
@@ -321,8 +356,16 @@ impl ChatTemplate {
                 .unwrap_or(0);
             strftime(&format, now)
         });
-        env.add_template_owned("chat", without_generation_tags(&source)).map_err(template_error)?;
-        Ok(Self { env, source })
+        let source_run = without_generation_tags(&source);
+        let literals = literal_text(&source_run)?;
+        env.add_template_owned("chat", source_run).map_err(template_error)?;
+        Ok(Self { env, source, literals })
+    }
+
+    /// Whether `text` occurs in the template's literal text: its text outside tags or one of its
+    /// string constants.
+    pub(crate) fn writes_literally(&self, text: &str) -> bool {
+        self.literals.contains(text)
     }
 
     /// Render `messages` with the generation prompt and no variables (see
@@ -334,6 +377,18 @@ impl ChatTemplate {
     /// Render a request as `tokenizer.apply_chat_template(messages, tools=…, documents=…,
     /// add_generation_prompt=…, continue_final_message=…, tokenize=False, **vars)` does.
     pub fn render_request(&self, req: &ChatRequest, special: &SpecialTokens) -> Result<String, TextError> {
+        self.render_marked(req, special, None)
+    }
+
+    /// [`ChatTemplate::render_request`] with every string of the request (message fields, tools,
+    /// documents, template variables; not the special tokens) marked by `control` first, as
+    /// transformers' `_mark_chat_inputs`.
+    pub(crate) fn render_marked(
+        &self,
+        req: &ChatRequest,
+        special: &SpecialTokens,
+        control: Option<&ControlTokens>,
+    ) -> Result<String, TextError> {
         if req.messages.is_empty() {
             return Err(TextError::BadRequest("the conversation has no messages".into()));
         }
@@ -351,6 +406,12 @@ impl ChatTemplate {
             }
         }
         let mut chat = req.messages.iter().map(message_json).collect::<Result<Vec<_>, _>>()?;
+        let mut tools = req.tools.clone().map_or(Json::Null, Json::Array);
+        let mut documents = req.documents.clone().map_or(Json::Null, Json::Array);
+        let mut vars = req.vars.clone();
+        if let Some(control) = control {
+            chat.iter_mut().chain([&mut tools, &mut documents]).chain(vars.values_mut()).for_each(|v| control.mark(v));
+        }
         let continued = match &req.continue_final_message {
             Some(field) => Some(mark_continued(&mut chat, field, &self.source)?),
             None => None,
@@ -359,12 +420,10 @@ impl ChatTemplate {
         for (name, token) in &special.0 {
             ctx.insert(name.clone(), Json::String(token.clone()));
         }
-        for (name, value) in &req.vars {
-            ctx.insert(name.clone(), value.clone());
-        }
+        ctx.extend(vars);
         ctx.insert("messages".into(), Json::Array(chat));
-        ctx.insert("tools".into(), req.tools.clone().map_or(Json::Null, Json::Array));
-        ctx.insert("documents".into(), req.documents.clone().map_or(Json::Null, Json::Array));
+        ctx.insert("tools".into(), tools);
+        ctx.insert("documents".into(), documents);
         ctx.insert("add_generation_prompt".into(), Json::Bool(req.add_generation_prompt));
         let t = self.env.get_template("chat").map_err(template_error)?;
         let mut out = BoundedOutput::default();

@@ -6,6 +6,7 @@
 mod chat;
 mod python;
 mod reply;
+mod sanitize;
 
 use std::path::Path;
 
@@ -66,6 +67,18 @@ pub struct TextTokenizer {
     templates: Vec<(String, ChatTemplate)>,
     special: SpecialTokens,
     eos_token: Option<String>,
+    /// `tokenizer_config.json`'s `chat_control_tokens`: the added tokens besides the special ones
+    /// that `sanitize_control_tokens` encodes as text (by default, those the template writes).
+    chat_control_tokens: Option<Vec<String>>,
+}
+
+/// A chat request rendered and encoded (see [`TextTokenizer::encode_chat`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatPrompt {
+    /// The rendered prompt.
+    pub text: String,
+    /// Its token ids.
+    pub ids: Vec<u32>,
 }
 
 fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
@@ -153,7 +166,19 @@ impl TextTokenizer {
                 })
                 .collect(),
         );
-        Ok(Self { inner, templates, eos_token: token_string(config.get("eos_token")), special })
+        let chat_control_tokens = match config.get("chat_control_tokens") {
+            None | Some(serde_json::Value::Null) => None,
+            Some(serde_json::Value::Array(list)) if list.iter().all(|t| t.is_string()) => {
+                Some(list.iter().filter_map(|t| t.as_str().map(String::from)).collect())
+            }
+            Some(other) => {
+                return Err(TextError::Io {
+                    path: config_path,
+                    message: format!("chat_control_tokens: expected a list of strings, found {other}"),
+                })
+            }
+        };
+        Ok(Self { inner, templates, eos_token: token_string(config.get("eos_token")), special, chat_control_tokens })
     }
 
     /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
@@ -228,6 +253,45 @@ impl TextTokenizer {
     /// `continue_final_message`) with the checkpoint's chat template.
     pub fn render_chat(&self, request: &ChatRequest) -> Result<String, TextError> {
         self.chat_template_for(request)?.render_request(request, &self.special)
+    }
+
+    /// Render `request` and encode it as transformers' `apply_chat_template(..., tokenize=True)`.
+    ///
+    /// With [`ChatRequest::sanitize_control_tokens`] set, the control tokens in the request's
+    /// strings are encoded as the text they are, as transformers'
+    /// `sanitize_control_tokens=True`: a user who writes `<|im_end|>` cannot end the turn. The
+    /// control tokens are the special added tokens and, unless `tokenizer_config.json` lists
+    /// `chat_control_tokens`, the other added tokens the template writes literally (Qwen's
+    /// `<think>`, `<tool_call>`, …); the rest of the added vocabulary stays as it is. The prompt
+    /// text returned is the render without the markers: it can differ from the render without
+    /// the option where the template trims or splits a string that held a control token.
+    pub fn encode_chat(&self, request: &ChatRequest) -> Result<ChatPrompt, TextError> {
+        let template = self.chat_template_for(request)?;
+        if !request.sanitize_control_tokens {
+            let text = template.render_request(request, &self.special)?;
+            let ids = self.encode_prompt(&text)?;
+            return Ok(ChatPrompt { text, ids });
+        }
+        let mut added: Vec<(u32, String, bool)> =
+            self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content, t.special)).collect();
+        added.sort_by_key(|(id, _, _)| *id);
+        let control: Vec<String> = added
+            .iter()
+            .filter(|(_, content, special)| {
+                *special
+                    || match &self.chat_control_tokens {
+                        Some(listed) => listed.contains(content),
+                        None => !python::py_isspace_str(content) && template.writes_literally(content),
+                    }
+            })
+            .map(|(_, content, _)| content.clone())
+            .collect();
+        let marker = sanitize::ControlTokens::new(&control)?;
+        let marked = template.render_marked(request, &self.special, Some(&marker))?;
+        let all: Vec<String> = added.into_iter().map(|(_, content, _)| content).collect();
+        let ids = sanitize::encode_marked(&self.inner, &all, &marked)?;
+        let text = marked.chars().filter(|c| *c != sanitize::MARK_START && *c != sanitize::MARK_END).collect();
+        Ok(ChatPrompt { text, ids })
     }
 
     /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a

@@ -349,6 +349,11 @@ fn py_isspace(c: char) -> bool {
     c.is_whitespace() || ('\u{1c}'..='\u{1f}').contains(&c)
 }
 
+/// Python's `str.isspace()`: not empty, and every character whitespace.
+pub(crate) fn py_isspace_str(s: &str) -> bool {
+    !s.is_empty() && s.chars().all(py_isspace)
+}
+
 /// Python's `str.splitlines()`: split at `\n`, `\r\n`, `\r`, `\v`, `\f`, U+001C..U+001E,
 /// U+0085, U+2028 and U+2029, without a last empty line after a final break.
 fn py_splitlines(s: &str) -> Vec<&str> {

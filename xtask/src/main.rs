@@ -118,6 +118,7 @@ fn main() -> Result<()> {
                 "make_peft_semantics.py",
                 "make_sampling.py",
                 "make_long_context.py",
+                "make_chat.py",
             ])?;
             mlx_fixtures()
         }

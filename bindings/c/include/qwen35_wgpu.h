@@ -253,9 +253,11 @@ qe_status qe_generate(qe_engine engine, qe_session session, const char *prompt, 
 qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const char *const *prompts, size_t n, const char *params_json, qe_batch_delta_fn on_delta, void *user, char **texts_out);
 
 // One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
-// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...}}` (OpenAI / transformers
-// message dicts, tool-call arguments as an object or, as OpenAI sends them, a JSON string; the
-// model's chat template renders them). `params_json` and `on_delta` as in
+// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...},
+// "sanitize_control_tokens": false}` (OpenAI / transformers message dicts, tool-call arguments as
+// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them;
+// `sanitize_control_tokens: true` encodes control tokens written in the request's strings, like
+// a user's `<|im_end|>`, as plain text, as transformers' option of that name). `params_json` and `on_delta` as in
 // qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 // Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 // "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only

@@ -1111,6 +1111,8 @@ struct Chat {
     enable_thinking: Option<bool>,
     #[serde(default)]
     vars: serde_json::Map<String, Value>,
+    #[serde(default)]
+    sanitize_control_tokens: bool,
 }
 
 impl Chat {
@@ -1120,6 +1122,7 @@ impl Chat {
         let mut request = ChatRequest::new(self.messages).parse_tool_arguments();
         request.tools = self.tools;
         request.vars = self.vars;
+        request.sanitize_control_tokens = self.sanitize_control_tokens;
         if let Some(on) = self.enable_thinking {
             request = request.thinking(on);
         }
@@ -1128,9 +1131,11 @@ impl Chat {
 }
 
 /// One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
-/// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...}}` (OpenAI / transformers
-/// message dicts, tool-call arguments as an object or, as OpenAI sends them, a JSON string; the
-/// model's chat template renders them). `params_json` and `on_delta` as in
+/// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...},
+/// "sanitize_control_tokens": false}` (OpenAI / transformers message dicts, tool-call arguments as
+/// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them;
+/// `sanitize_control_tokens: true` encodes control tokens written in the request's strings, like
+/// a user's `<|im_end|>`, as plain text, as transformers' option of that name). `params_json` and `on_delta` as in
 /// qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 /// Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 /// "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only

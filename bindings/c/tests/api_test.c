@@ -313,6 +313,18 @@ int main(int argc, char **argv) {
     /* Base, shout, unload, french (through the active-set call). */
     char *base = ask_ok(e, s);
     CHECK(strcmp(base, want_base) == 0, "the base answer %s, transformers' %s", base, want_base);
+    {
+        /* The question holds no control token: sanitized, it is the same prompt and answer. */
+        const char *sanitized =
+            "{\"messages\": [{\"role\": \"user\", \"content\": \"What color is the sky?\"}], "
+            "\"sanitize_control_tokens\": true}";
+        char *reply = NULL;
+        MUST(qe_chat(e, s, sanitized, PARAMS, NULL, NULL, &reply));
+        char *content = content_of(reply);
+        CHECK(strcmp(content, want_base) == 0, "the sanitized request's answer %s, transformers' %s", content, want_base);
+        free(content);
+        qe_string_free(reply);
+    }
     char *id = NULL;
     snprintf(path, sizeof path, "%s/adapters/shout", demo);
     MUST(qe_adapter_load(e, path, "shout", &id));
