@@ -856,7 +856,8 @@ fn a_learning_step_between_batches_reaches_the_next_batch() {
 /// A `CancelFlag` in the params stops a generation at the next token it chooses (handed to the
 /// callback, and the last), whoever raises it and whether or not a callback would stop: a
 /// session's greedy (run-ahead off and on) and sampled generation, every row of a batch, and
-/// the backend's token generation.
+/// the backend's token generation; a flag raised before the first choice stops the prefill
+/// between chunks and chooses nothing.
 #[test]
 fn a_raised_cancel_flag_ends_generation_at_its_next_token() {
     use qwen35_wgpu::{CancelFlag, LlmBackend};
@@ -908,11 +909,40 @@ fn a_raised_cancel_flag_ends_generation_at_its_next_token() {
         })
         .expect("batch");
     assert!(out.iter().all(|o| !o.is_empty() && o.len() <= 2), "rows end at their next token: {out:?}");
-    // The backend: a flag raised before the call gives the first token only.
+    // Raised before the generation starts: nothing runs, also where the prompt spans several
+    // prefill chunks (max_batch 16), greedy, sampled and batched.
+    let long: Vec<u32> = f.ids.iter().cycle().take(40).copied().collect();
+    for sampled in [false, true] {
+        let flag = CancelFlag::new();
+        flag.raise();
+        let mut s = session(&f, &sets[0]);
+        let out = s.generate(&long, &flagged(&flag, sampled), |_| true).expect("generate");
+        assert_eq!((out.len(), s.position()), (0, 0), "raised before a {}-token prompt, sampled {sampled}", long.len());
+    }
+    let flag = CancelFlag::new();
+    flag.raise();
+    let mut rows: Vec<Session> = sets.iter().map(|set| session(&f, set)).collect();
+    let mut refs: Vec<&mut Session> = rows.iter_mut().collect();
+    let prompts = vec![long.as_slice(); refs.len()];
+    let out = batch.generate_with(&mut refs, &prompts, &fed, &flagged(&flag, false), &mut |_, _| true).expect("batch");
+    assert!(out.iter().all(Vec::is_empty), "a batch raised before it starts: {out:?}");
+    assert!(rows.iter().all(|r| r.position() == 0), "no row ran a chunk");
+    // prefill_until runs every chunk while the flag is down, the state prefill's own, and none
+    // once it is raised.
+    let flag = CancelFlag::new();
+    let (mut a, mut b) = (session(&f, &sets[0]), session(&f, &sets[0]));
+    assert_eq!(a.prefill_until(&long, Some(&flag)).expect("prefill_until"), long.len());
+    b.prefill(&long).expect("prefill");
+    let (la, lb) = (a.feed(&long[..1]).expect("feed"), b.feed(&long[..1]).expect("feed"));
+    assert_eq!(la.data, lb.data, "the same state as prefill's");
+    flag.raise();
+    assert_eq!(a.prefill_until(&long[..20], Some(&flag)).expect("raised"), 0);
+    assert_eq!(a.position(), long.len() + 1, "nothing ran after the raise");
+    // The backend: a flag raised before the call runs nothing.
     let Some(ctx) = gpu() else { return };
     let mut b = fixture_backend(&ctx, &[]);
     let flag = CancelFlag::new();
     flag.raise();
     let got = b.generate_ids(prompt, &flagged(&flag.clone(), false)).expect("backend");
-    assert_eq!(got.len(), 1, "raised before the call: one token");
+    assert!(got.is_empty(), "raised before the call: no token, found {got:?}");
 }

@@ -265,6 +265,14 @@ impl GpuContext {
         self.queue.submit([commands])
     }
 
+    /// Wait until submission `index` has run (not for anything submitted after it).
+    pub fn wait_for(&self, index: wgpu::SubmissionIndex) -> Result<(), GpuError> {
+        self.device
+            .poll(wgpu::PollType::Wait { submission_index: Some(index), timeout: None })
+            .map(|_| ())
+            .map_err(|e| GpuError::Readback(e.to_string()))
+    }
+
     /// Count `bytes` read back to the host.
     pub fn count_read_back(&self, bytes: u64) {
         self.read_back.fetch_add(bytes, Ordering::Relaxed);

@@ -55,7 +55,9 @@ pub struct GenerateParams {
     /// Stop at the model's EOS ids (the EOS token is returned, as transformers does).
     pub stop_at_eos: bool,
     /// Stop once this flag is raised (from any thread): checked at every generated token, which
-    /// is handed to the callback and is the last, as when the callback returns false.
+    /// is handed to the callback and is the last, as when the callback returns false, and
+    /// between the prefill's chunks (raised before the first choice, no token is chosen; the
+    /// session holds the chunks that ran).
     pub cancel: Option<CancelFlag>,
 }
 
@@ -194,7 +196,9 @@ impl Session {
         k: usize,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
-        let last = self.prefill_leading(&prompt[fed..])?;
+        let Some(last) = self.prefill_leading(&prompt[fed..], params.cancel.as_ref())? else {
+            return Ok(Vec::new());
+        };
         let eos = self.model.eos_token_ids.clone();
         let vocab = self.model.config.vocab_size;
         let mut history: Vec<u32> = prompt.to_vec();
@@ -243,7 +247,9 @@ impl Session {
         params: &GenerateParams,
         mut on_token: impl FnMut(u32, &mut Session) -> Result<bool, E>,
     ) -> Result<Vec<u32>, E> {
-        let last = self.prefill_leading(prompt)?;
+        let Some(last) = self.prefill_leading(prompt, params.cancel.as_ref())? else {
+            return Ok(Vec::new());
+        };
         let eos = self.model.eos_token_ids.clone();
         let mut slot = 0;
         let mut pending = self.submit_choice(Input::Ids(last), slot)?;

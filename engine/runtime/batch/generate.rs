@@ -92,10 +92,15 @@ impl Batch {
         let mut next: Vec<u32> = Vec::with_capacity(n);
         for (i, s) in sessions.iter_mut().enumerate() {
             let rest = &prompts[i][fed[i]..];
-            if rest.len() > 1 {
-                s.prefill(&rest[..rest.len() - 1])?;
+            let leading = &rest[..rest.len() - 1];
+            // A cancel stops the prefills between chunks (each session keeps what ran).
+            if !leading.is_empty() && s.prefill_until(leading, cancel.as_ref())? < leading.len() {
+                return Ok(vec![Vec::new(); n]);
             }
             next.push(rest[rest.len() - 1]);
+        }
+        if cancel.as_ref().is_some_and(CancelFlag::is_raised) {
+            return Ok(vec![Vec::new(); n]);
         }
         // The rows' GDN states and KV caches go into the pools for the steps and back after
         // them, also when a step fails (the sessions keep the tokens committed so far).

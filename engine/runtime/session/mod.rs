@@ -13,7 +13,7 @@ use crate::model::Model;
 use crate::runtime::adapters::{ActiveAdapter, LoraState};
 use crate::runtime::cache::{layer_states, rope_table, rope_table_bytes, LayerState, Scratch};
 use crate::runtime::sampler::{Candidates, Sampler};
-use crate::runtime::GenerateParams;
+use crate::runtime::{CancelFlag, GenerateParams};
 
 mod snapshot;
 mod step;
@@ -400,12 +400,30 @@ impl Session {
     /// Run `ids` through the model at the current position without reading anything back (a
     /// prompt's prefix whose logits nobody needs), in chunks of at most `max_batch`.
     pub fn prefill(&mut self, ids: &[u32]) -> Result<(), RunError> {
+        self.prefill_until(ids, None).map(|_| ())
+    }
+
+    /// [`Session::prefill`] that stops between chunks once `cancel` is raised and returns how
+    /// many ids ran (all of them when it is not raised; the session holds those). With a flag,
+    /// each chunk is submitted before the one ahead of it is waited for, so the device stays
+    /// busy while a cancel waits for at most the chunk that runs and the one queued behind it,
+    /// not for the whole prompt.
+    pub fn prefill_until(&mut self, ids: &[u32], cancel: Option<&CancelFlag>) -> Result<usize, RunError> {
         self.check(ids)?;
+        let mut ran = 0;
+        let mut previous = None;
         for chunk in ids.chunks(self.opts.max_batch) {
-            self.step(Input::Ids(chunk), Rows::Hidden, Capture::None)?;
+            if cancel.is_some_and(CancelFlag::is_raised) {
+                break;
+            }
+            let index = self.step(Input::Ids(chunk), Rows::Hidden, Capture::None)?.index;
             self.commit(chunk.len());
+            ran += chunk.len();
+            if let Some(ahead) = previous.replace(index).filter(|_| cancel.is_some()) {
+                self.ctx().wait_for(ahead)?;
+            }
         }
-        Ok(())
+        Ok(ran)
     }
 
     /// Time every dispatch of the following steps on the GPU (one list per submit) until
@@ -510,14 +528,20 @@ impl Session {
 
     /// Check `prompt`, run and commit every chunk of it but the last (rows that need no logits),
     /// and return the last chunk: the step that makes the first choice is the caller's.
-    pub(crate) fn prefill_leading<'p>(&mut self, prompt: &'p [u32]) -> Result<&'p [u32], RunError> {
+    /// `None` when `cancel` was raised before the last chunk's step (the session holds the
+    /// chunks that ran).
+    pub(crate) fn prefill_leading<'p>(
+        &mut self,
+        prompt: &'p [u32],
+        cancel: Option<&CancelFlag>,
+    ) -> Result<Option<&'p [u32]>, RunError> {
         self.check(prompt)?;
         let batch = self.opts.max_batch;
         let head = (prompt.len() - 1) / batch * batch;
-        if head > 0 {
-            self.prefill(&prompt[..head])?;
+        if head > 0 && self.prefill_until(&prompt[..head], cancel)? < head {
+            return Ok(None);
         }
-        Ok(&prompt[head..])
+        Ok((!cancel.is_some_and(CancelFlag::is_raised)).then_some(&prompt[head..]))
     }
 
     /// What generating from `prompt` (a whole conversation, from position 0) with `params`
