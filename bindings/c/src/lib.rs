@@ -289,9 +289,15 @@ fn with_session<T>(
     f: impl FnOnce(&mut WgpuBackend, Entry) -> Res<T>,
 ) -> Res<T> {
     let e = engine(handle)?;
-    let entry = Entry::new(&e);
-    let mut st = lock(&e)?;
-    let (_, id) = st.session(handle, session)?;
+    with_entry(Entry::new(&e), session, f)
+}
+
+/// [`with_session`] for a call armed before it read its arguments: a generating call looks its
+/// engine up and arms its cancel flag first, so a qe_cancel made once the call began stops it.
+fn with_entry<T>(entry: Entry, session: qe_session, f: impl FnOnce(&mut WgpuBackend, Entry) -> Res<T>) -> Res<T> {
+    let e = entry.engine;
+    let mut st = lock(e)?;
+    let (_, id) = st.session(e.id, session)?;
     st.backend.select_session(id)?;
     f(&mut st.backend, entry)
 }
@@ -947,12 +953,14 @@ pub unsafe extern "C" fn qe_generate(
     text_out: *mut *mut c_char,
 ) -> qe_status {
     guard(|| {
+        let e = self::engine(engine)?;
+        let entry = Entry::new(&e);
         // SAFETY: the caller's contract.
         let prompt = unsafe { text(prompt, "prompt") }?;
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         need(text_out, "text_out")?;
-        with_session(engine, session, |b, entry| {
+        with_entry(entry, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
             // Cancelled while waiting for the engine: nothing runs.
@@ -998,7 +1006,8 @@ impl BatchSink<'_> {
     }
 }
 
-/// The course qe_generate_batch and qe_chat_batch share: the `n` sessions and the `n` strings
+/// The course qe_generate_batch and qe_chat_batch share, for the call's `entry` (its engine,
+/// armed before the call read its arguments): the `n` sessions and the `n` strings
 /// at `inputs` (named `input` in errors, `input[i]`) checked and each made a request by `parse`,
 /// then under the engine's lock the sessions' backend ids found, `run` over them with a sink on
 /// the callback, and the `n` texts it returns written to `out` (also after a cancel, which then
@@ -1009,14 +1018,14 @@ impl BatchSink<'_> {
 /// string, none changing during the call; `out` is null or valid for `n` writes; `cb` is null or
 /// a function that may be called with `user` during the call.
 unsafe fn run_batch<'a, T>(
-    engine: qe_engine,
+    entry: Entry,
     (sessions, inputs, n, input): (*const qe_session, *const *const c_char, usize, &str),
     parse: impl Fn(usize, &'a str) -> Res<T>,
     (cb, user): (qe_batch_delta_fn, *mut c_void),
     (out, out_name, empty): (*mut *mut c_char, &str, String),
     run: impl FnOnce(&mut WgpuBackend, Vec<(SessionId, T)>, &mut BatchSink) -> Res<Vec<String>>,
 ) -> Res<()> {
-    let e = self::engine(engine)?;
+    let e = entry.engine;
     if n == 0 {
         return Ok(());
     }
@@ -1034,11 +1043,10 @@ unsafe fn run_batch<'a, T>(
         let s: &'a str = unsafe { text(p, &format!("{input}[{i}]")) }?;
         parsed.push(parse(i, s)?);
     }
-    let entry = Entry::new(&e);
-    let mut st = lock(&e)?;
+    let mut st = lock(e)?;
     let mut requests = Vec::with_capacity(n);
     for (&handle, request) in handles.iter().zip(parsed) {
-        requests.push((st.session(engine, handle)?.1, request));
+        requests.push((st.session(e.id, handle)?.1, request));
     }
     let mut sink = BatchSink { cb, user, entry, stopped: vec![false; n] };
     // Cancelled while waiting for the engine: nothing runs, each output is the empty one.
@@ -1081,13 +1089,15 @@ pub unsafe extern "C" fn qe_generate_batch(
     texts_out: *mut *mut c_char,
 ) -> qe_status {
     guard(|| {
+        let e = self::engine(engine)?;
+        let entry = Entry::new(&e);
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         let params = params.into();
         // SAFETY: the caller's contract, as run_batch's.
         unsafe {
             run_batch(
-                engine,
+                entry,
                 (sessions, prompts, n, "prompts"),
                 |_, prompt| Ok(prompt),
                 (on_delta, user),
@@ -1154,13 +1164,15 @@ pub unsafe extern "C" fn qe_chat(
     reply_out: *mut *mut c_char,
 ) -> qe_status {
     guard(|| {
+        let e = self::engine(engine)?;
+        let entry = Entry::new(&e);
         // SAFETY: the caller's contract.
         let chat: Chat = unsafe { parse(request_json, "request_json", false) }?;
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         need(reply_out, "reply_out")?;
         let request = chat.request();
-        with_session(engine, session, |b, entry| {
+        with_entry(entry, session, |b, entry| {
             let params = entry.params(&params.into());
             let mut sink = Sink::new(on_delta, user, entry);
             // Cancelled while waiting for the engine: nothing runs.
@@ -1211,6 +1223,8 @@ pub unsafe extern "C" fn qe_chat_batch(
     replies_out: *mut *mut c_char,
 ) -> qe_status {
     guard(|| {
+        let e = self::engine(engine)?;
+        let entry = Entry::new(&e);
         // SAFETY: the caller's contract.
         let params: Params = unsafe { parse(params_json, "params_json", true) }?;
         let params = params.into();
@@ -1222,7 +1236,7 @@ pub unsafe extern "C" fn qe_chat_batch(
         // SAFETY: the caller's contract, as run_batch's.
         unsafe {
             run_batch(
-                engine,
+                entry,
                 (sessions, requests_json, n, "requests_json"),
                 parse,
                 (on_delta, user),
