@@ -250,6 +250,16 @@ pub(crate) fn tojson(value: &Value, args: &[Value], kwargs: Kwargs) -> Result<St
     Ok(out)
 }
 
+/// Python's `str.isprintable()` for one character: not a control, format, private-use or
+/// surrogate character nor a separator, the space excepted. Unassigned code points, which
+/// Python also escapes, are printed as they are, and so are the few format characters newer
+/// than `unicode_categories`' tables (U+0890, U+0891 of Unicode 14): which are which depends on
+/// the Unicode version, and Python's tables differ from this crate's.
+fn py_printable(c: char) -> bool {
+    use unicode_categories::UnicodeCategories;
+    c == ' ' || !(c.is_other_control() || c.is_other_format() || c.is_other_private_use() || c.is_separator())
+}
+
 /// Python's `repr(str)`.
 fn str_repr(out: &mut String, s: &str) {
     let quote = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
@@ -264,8 +274,12 @@ fn str_repr(out: &mut String, s: &str) {
                 out.push('\\');
                 out.push(c);
             }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
-                let _ = write!(out, "\\x{:02x}", c as u32);
+            c if !py_printable(c) => {
+                let _ = match c as u32 {
+                    n @ 0..=0xff => write!(out, "\\x{n:02x}"),
+                    n @ 0x100..=0xffff => write!(out, "\\u{n:04x}"),
+                    n => write!(out, "\\U{n:08x}"),
+                };
             }
             c => out.push(c),
         }

@@ -99,6 +99,11 @@ def cases():
     yield "env", dict(template="environment.jinja", messages=[u("hi"), a("yo", reasoning_content="r", tool_calls=[])], tools=None)
     yield "env_tools_docs", dict(template="environment.jinja", messages=[u("hi")], tools=[CLOCK], documents=[{"title": "t", "text": "x"}], add_generation_prompt=False)
     yield "env_fail", dict(template="environment.jinja", messages=[u("hi")], vars={"fail": "yes"})
+    # Python's repr of strings in a printed list: non-printable characters (controls, format
+    # characters, separators, private use) escaped, the rest as they are.
+    yield "env_repr", dict(template="environment.jinja", messages=[u("hi")], vars={"reprs": [
+        "\u3000", "a\u200db", "\xad", "\x85", "\x9f", "\ue000", "😀", "\U000f0000", "\u2028", "\u2029", "\x7f", "é",
+        "'\"", "\u00a0", "\ufeff", "\U000e0001", "x\u0600", "\U0001f972", "ok"]})
     yield "text_filters", dict(template="text_filters.jinja", messages=[
         u("  hi\x1f\u3000"), u("a\n\nb\n"), u("a\n"), u("\nb"), u("a\nb\n"),
         u("a\r\nb\x0bc\x1cd\u2028e\x85f\n\n"), u("xaxhellox"), u(""), u("\x1fé b\u3000éb\tb\x1c"),
