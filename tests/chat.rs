@@ -185,8 +185,8 @@ fn the_parser_inverts_what_the_template_writes_for_an_assistant_turn() {
 }
 
 /// The tokenizer of a `sanitize` case of chat.json, in a directory of its own: the fixture's
-/// tokenizer with the case's extra added tokens, its config with the case's
-/// `chat_control_tokens`, and the case's template.
+/// tokenizer with the case's extra added tokens, its config with the case's settings, and the
+/// case's template.
 fn sanitize_tokenizer(r: &Value, case: &Value, dir: &Path) -> TextTokenizer {
     let fixture = root().join(r["sanitize_tokenizer"].as_str().expect("dir"));
     let read = |name: &str| -> Value {
@@ -200,9 +200,7 @@ fn sanitize_tokenizer(r: &Value, case: &Value, dir: &Path) -> TextTokenizer {
         added.push(t);
     }
     let mut config = read("tokenizer_config.json");
-    if !case["chat_control_tokens"].is_null() {
-        config["chat_control_tokens"] = case["chat_control_tokens"].clone();
-    }
+    config.as_object_mut().expect("config").extend(case["config"].as_object().expect("config").clone());
     let _ = std::fs::remove_dir_all(dir);
     std::fs::create_dir_all(dir).expect("dir");
     std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).expect("write");
@@ -242,14 +240,13 @@ fn prompts_encode_as_transformers_encodes_them_with_and_without_sanitized_contro
             _ => panic!("{name}: no reference"),
         }
     }
-    // A config's chat_control_tokens must be a list of strings, as transformers requires.
-    let case = r["sanitize"].as_array().expect("cases")[0].clone();
-    let mut bad = case.clone();
-    bad["chat_control_tokens"] = json!("<think>");
+    // A config's chat_control_tokens must be a list, as transformers requires.
+    let mut bad = r["sanitize"].as_array().expect("cases")[0].clone();
+    bad["config"] = json!({"chat_control_tokens": "<think>"});
     let tok = std::panic::catch_unwind(|| sanitize_tokenizer(&r, &bad, &dir));
     assert!(tok.is_err(), "a string for chat_control_tokens is refused");
     let e = TextTokenizer::from_dir(&dir).err().expect("refused").to_string();
-    assert!(e.contains("chat_control_tokens") && e.contains("list of strings"), "{e}");
+    assert!(e.contains("chat_control_tokens") && e.contains("expected a list"), "{e}");
     std::fs::remove_dir_all(&dir).expect("cleanup");
 }
 

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value as Json};
 
 use super::python::{indent, method, py_str, strftime, tojson, trim};
-use super::sanitize::ControlTokens;
+use super::sanitize::Sanitizer;
 use super::TextError;
 
 /// One chat message, as transformers takes it (a dict): `None` fields are left out.
@@ -293,14 +293,24 @@ fn literal_text(source: &str) -> Result<String, TextError> {
     use minijinja::machinery::{tokenize, Token, WhitespaceConfig};
     let whitespace = WhitespaceConfig { keep_trailing_newline: false, lstrip_blocks: true, trim_blocks: true };
     let mut literals: Vec<String> = Vec::new();
+    // Adjacent string constants are one constant ('<tool' '_call>'), as Jinja2's parser joins them.
+    let mut in_string = false;
     for token in tokenize(source, false, Default::default(), whitespace) {
         let (token, _) = token.map_err(template_error)?;
-        let text = match token {
-            Token::TemplateData(s) | Token::Str(s) => s.to_string(),
-            Token::String(s) => s.into_string(),
-            _ => continue,
+        let (text, string) = match token {
+            Token::TemplateData(s) => (s.to_string(), false),
+            Token::Str(s) => (s.to_string(), true),
+            Token::String(s) => (s.into_string(), true),
+            _ => {
+                in_string = false;
+                continue;
+            }
         };
-        literals.push(text);
+        match literals.last_mut() {
+            Some(last) if string && in_string => last.push_str(&text),
+            _ => literals.push(text),
+        }
+        in_string = string;
     }
     Ok(literals.join("\0"))
 }
@@ -362,10 +372,10 @@ impl ChatTemplate {
         Ok(Self { env, source, literals })
     }
 
-    /// Whether `text` occurs in the template's literal text: its text outside tags or one of its
-    /// string constants.
-    pub(crate) fn writes_literally(&self, text: &str) -> bool {
-        self.literals.contains(text)
+    /// The template's literal text: its text outside tags and its string constants, joined by
+    /// NUL.
+    pub(crate) fn literals(&self) -> &str {
+        &self.literals
     }
 
     /// Render `messages` with the generation prompt and no variables (see
@@ -387,7 +397,7 @@ impl ChatTemplate {
         &self,
         req: &ChatRequest,
         special: &SpecialTokens,
-        control: Option<&ControlTokens>,
+        control: Option<&Sanitizer>,
     ) -> Result<String, TextError> {
         if req.messages.is_empty() {
             return Err(TextError::BadRequest("the conversation has no messages".into()));

@@ -8,7 +8,11 @@ mod python;
 mod reply;
 mod sanitize;
 
+use std::collections::HashSet;
 use std::path::Path;
+use std::sync::OnceLock;
+
+use sanitize::Sanitizer;
 
 pub use chat::{
     ChatMessage, ChatRequest, ChatTemplate, Content, ContentPart, FunctionCall, SpecialTokens, ToolCall,
@@ -70,6 +74,12 @@ pub struct TextTokenizer {
     /// `tokenizer_config.json`'s `chat_control_tokens`: the added tokens besides the special ones
     /// that `sanitize_control_tokens` encodes as text (by default, those the template writes).
     chat_control_tokens: Option<Vec<String>>,
+    /// Tokens the configuration makes special besides `tokenizer.json`'s flags, as transformers
+    /// does: the named special tokens, `extra_special_tokens`' named ones and
+    /// `added_tokens_decoder`'s entries marked special.
+    config_special: HashSet<String>,
+    /// Per template (in `templates`' order), what sanitizing needs, built on first use.
+    sanitizers: Vec<OnceLock<Result<Sanitizer, String>>>,
 }
 
 /// A chat request rendered and encoded (see [`TextTokenizer::encode_chat`]).
@@ -166,19 +176,38 @@ impl TextTokenizer {
                 })
                 .collect(),
         );
+        // transformers requires a list and compares its entries with the tokens' text (other
+        // entries match nothing).
         let chat_control_tokens = match config.get("chat_control_tokens") {
             None | Some(serde_json::Value::Null) => None,
-            Some(serde_json::Value::Array(list)) if list.iter().all(|t| t.is_string()) => {
+            Some(serde_json::Value::Array(list)) => {
                 Some(list.iter().filter_map(|t| t.as_str().map(String::from)).collect())
             }
             Some(other) => {
                 return Err(TextError::Io {
                     path: config_path,
-                    message: format!("chat_control_tokens: expected a list of strings, found {other}"),
+                    message: format!("chat_control_tokens: expected a list, found {other}"),
                 })
             }
         };
-        Ok(Self { inner, templates, eos_token: token_string(config.get("eos_token")), special, chat_control_tokens })
+        let mut config_special: HashSet<String> = special.0.iter().map(|(_, t)| t.clone()).collect();
+        if let Some(serde_json::Value::Object(named)) = config.get("extra_special_tokens") {
+            config_special.extend(named.values().filter_map(|t| token_string(Some(t))));
+        }
+        if let Some(serde_json::Value::Object(decoder)) = config.get("added_tokens_decoder") {
+            let marked = decoder.values().filter(|t| t.get("special").and_then(|v| v.as_bool()) == Some(true));
+            config_special.extend(marked.filter_map(|t| token_string(Some(t))));
+        }
+        let sanitizers = templates.iter().map(|_| OnceLock::new()).collect();
+        Ok(Self {
+            inner,
+            templates,
+            eos_token: token_string(config.get("eos_token")),
+            special,
+            chat_control_tokens,
+            config_special,
+            sanitizers,
+        })
     }
 
     /// Token ids of `text` (special tokens written in the text, like `<|im_start|>`, become their
@@ -219,13 +248,46 @@ impl TextTokenizer {
     /// The chat template a request uses, as transformers picks it: `tool_use` when the request
     /// has tools and the checkpoint names one, else `default`, else the only one.
     pub fn chat_template_for(&self, request: &ChatRequest) -> Result<&ChatTemplate, TextError> {
-        let named = |name: &str| self.templates.iter().find(|(n, _)| n == name).map(|(_, t)| t);
+        Ok(&self.templates[self.template_index(request)?].1)
+    }
+
+    fn template_index(&self, request: &ChatRequest) -> Result<usize, TextError> {
+        let named = |name: &str| self.templates.iter().position(|(n, _)| n == name);
         let tool_use = request.tools.is_some().then(|| named("tool_use")).flatten();
-        let single = (self.templates.len() == 1).then(|| &self.templates[0].1);
+        let single = (self.templates.len() == 1).then_some(0);
         tool_use
             .or_else(|| named("default"))
             .or(single)
             .ok_or_else(|| TextError::NoTemplate(Path::new("<model>").to_path_buf()))
+    }
+
+    /// What sanitizing with template `index` needs (see [`TextTokenizer::encode_chat`]).
+    fn sanitizer(&self, index: usize) -> Result<&Sanitizer, TextError> {
+        let built = self.sanitizers[index].get_or_init(|| {
+            let template = &self.templates[index].1;
+            let mut added: Vec<(u32, String, bool)> =
+                self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content, t.special)).collect();
+            added.sort_by_key(|(id, _, _)| *id);
+            let contents: Vec<&str> = added.iter().map(|(_, c, _)| c.as_str()).collect();
+            let literal = sanitize::occurring(&contents, template.literals()).map_err(|e| e.to_string())?;
+            let control: Vec<&str> = added
+                .iter()
+                .enumerate()
+                .filter(|(i, (_, content, special))| {
+                    *special
+                        || self.config_special.contains(content)
+                        || match &self.chat_control_tokens {
+                            Some(listed) => listed.contains(content),
+                            None => !python::py_isspace_str(content) && literal.contains(i),
+                        }
+                })
+                .map(|(_, (_, content, _))| content.as_str())
+                .collect();
+            Sanitizer::new(&control, &contents).map_err(|e| e.to_string())
+        });
+        built
+            .as_ref()
+            .map_err(|message| TextError::Tokenizer { during: "sanitize_control_tokens", message: message.clone() })
     }
 
     /// The default chat template, if the checkpoint has one.
@@ -260,36 +322,24 @@ impl TextTokenizer {
     /// With [`ChatRequest::sanitize_control_tokens`] set, the control tokens in the request's
     /// strings are encoded as the text they are, as transformers'
     /// `sanitize_control_tokens=True`: a user who writes `<|im_end|>` cannot end the turn. The
-    /// control tokens are the special added tokens and, unless `tokenizer_config.json` lists
-    /// `chat_control_tokens`, the other added tokens the template writes literally (Qwen's
-    /// `<think>`, `<tool_call>`, …); the rest of the added vocabulary stays as it is. The prompt
+    /// control tokens are the special added tokens (special in `tokenizer.json`, named as a
+    /// special token or marked special in `tokenizer_config.json`) and, unless
+    /// `tokenizer_config.json` lists `chat_control_tokens`, the other added tokens the template
+    /// writes literally (Qwen's `<think>`, `<tool_call>`, …); the rest of the added vocabulary
+    /// stays as it is. What this needs of the template is built on its first sanitized request. The prompt
     /// text returned is the render without the markers: it can differ from the render without
     /// the option where the template trims or splits a string that held a control token.
     pub fn encode_chat(&self, request: &ChatRequest) -> Result<ChatPrompt, TextError> {
-        let template = self.chat_template_for(request)?;
+        let index = self.template_index(request)?;
+        let template = &self.templates[index].1;
         if !request.sanitize_control_tokens {
             let text = template.render_request(request, &self.special)?;
             let ids = self.encode_prompt(&text)?;
             return Ok(ChatPrompt { text, ids });
         }
-        let mut added: Vec<(u32, String, bool)> =
-            self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content, t.special)).collect();
-        added.sort_by_key(|(id, _, _)| *id);
-        let control: Vec<String> = added
-            .iter()
-            .filter(|(_, content, special)| {
-                *special
-                    || match &self.chat_control_tokens {
-                        Some(listed) => listed.contains(content),
-                        None => !python::py_isspace_str(content) && template.writes_literally(content),
-                    }
-            })
-            .map(|(_, content, _)| content.clone())
-            .collect();
-        let marker = sanitize::ControlTokens::new(&control)?;
-        let marked = template.render_marked(request, &self.special, Some(&marker))?;
-        let all: Vec<String> = added.into_iter().map(|(_, content, _)| content).collect();
-        let ids = sanitize::encode_marked(&self.inner, &all, &marked)?;
+        let sanitizer = self.sanitizer(index)?;
+        let marked = template.render_marked(request, &self.special, Some(sanitizer))?;
+        let ids = sanitizer.encode(&self.inner, &marked)?;
         let text = marked.chars().filter(|c| *c != sanitize::MARK_START && *c != sanitize::MARK_END).collect();
         Ok(ChatPrompt { text, ids })
     }

@@ -11,7 +11,9 @@
 //! text, so the pieces on either side cannot join into a token. Each piece after the first is
 //! encoded after a newline that is then removed, as transformers does.
 
-use regex::Regex;
+use std::collections::HashSet;
+
+use aho_corasick::{AhoCorasick, MatchKind};
 use serde_json::Value as Json;
 use tokenizers::{
     Model, NormalizedString, Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer,
@@ -24,38 +26,57 @@ pub(crate) const MARK_START: char = '\u{F0000}';
 /// Closes it.
 pub(crate) const MARK_END: char = '\u{F0001}';
 
-/// `tokens` as one alternation, longest first, so a token wins over the tokens it contains.
-fn alternation(tokens: &[String]) -> String {
-    let mut sorted: Vec<&String> = tokens.iter().filter(|t| !t.is_empty()).collect();
-    // Python's sort is stable: ties keep the given order.
-    sorted.sort_by_key(|t| std::cmp::Reverse(t.chars().count()));
-    sorted.iter().map(|t| regex::escape(t)).collect::<Vec<_>>().join("|")
-}
-
-fn compile(pattern: &str) -> Result<Regex, TextError> {
-    Regex::new(pattern).map_err(|e| TextError::Tokenizer {
+fn matcher(kind: MatchKind, tokens: &[&str]) -> Result<AhoCorasick, TextError> {
+    AhoCorasick::builder().match_kind(kind).build(tokens).map_err(|e| TextError::Tokenizer {
         during: "matching the control tokens (sanitize_control_tokens)",
         message: e.to_string(),
     })
 }
 
-/// Wraps the control tokens in the strings a template is given.
-pub(crate) struct ControlTokens(Option<Regex>);
+/// Which of `tokens` occur in `text` (overlaps counted): one pass over the text.
+pub(crate) fn occurring(tokens: &[&str], text: &str) -> Result<HashSet<usize>, TextError> {
+    let tokens: Vec<&str> = tokens.iter().map(|t| if t.is_empty() { "\u{F0000}\u{F0000}" } else { t }).collect();
+    let ac = matcher(MatchKind::Standard, &tokens)?;
+    Ok(ac.find_overlapping_iter(text).map(|m| m.pattern().as_usize()).collect())
+}
 
-impl ControlTokens {
-    /// The control tokens of one render.
-    pub(crate) fn new(tokens: &[String]) -> Result<Self, TextError> {
-        let pattern = alternation(tokens);
-        Ok(Self(if pattern.is_empty() { None } else { Some(compile(&pattern)?) }))
+/// What sanitizing needs of one tokenizer and template, built once: the control tokens to wrap
+/// in the request's strings and the added tokens a wrapped piece may be.
+pub(crate) struct Sanitizer {
+    /// The control tokens, longest first at each position (Python's alternation sorted by
+    /// length); `None` when there are none.
+    control: Option<AhoCorasick>,
+    /// Every added token (a wrapped string that is not one is text between two lone markers).
+    /// Tokens holding a marker character are left out: they never match wrapped.
+    added: HashSet<String>,
+}
+
+impl Sanitizer {
+    /// For the `control` tokens among the tokenizer's `added` ones (empty contents ignored).
+    pub(crate) fn new(control: &[&str], added: &[&str]) -> Result<Self, TextError> {
+        let control: Vec<&str> = control.iter().copied().filter(|t| !t.is_empty()).collect();
+        let has_marker = |t: &str| t.contains([MARK_START, MARK_END]);
+        Ok(Self {
+            control: if control.is_empty() { None } else { Some(matcher(MatchKind::LeftmostLongest, &control)?) },
+            added: added.iter().filter(|t| !t.is_empty() && !has_marker(t)).map(|t| t.to_string()).collect(),
+        })
     }
 
     /// `s` without markers, each control token in it wrapped.
     fn mark_str(&self, s: &str) -> String {
         let clean: String = s.chars().filter(|c| *c != MARK_START && *c != MARK_END).collect();
-        match &self.0 {
-            Some(re) => re.replace_all(&clean, format!("{MARK_START}${{0}}{MARK_END}").as_str()).into_owned(),
-            None => clean,
+        let Some(ac) = &self.control else { return clean };
+        let mut out = String::with_capacity(clean.len());
+        let mut last = 0;
+        for m in ac.find_iter(&clean) {
+            out.push_str(&clean[last..m.start()]);
+            out.push(MARK_START);
+            out.push_str(&clean[m.start()..m.end()]);
+            out.push(MARK_END);
+            last = m.end();
         }
+        out.push_str(&clean[last..]);
+        out
     }
 
     /// Every string in `value` marked, in place: the values of objects and the items of arrays,
@@ -68,31 +89,86 @@ impl ControlTokens {
             _ => {}
         }
     }
+
+    /// The pieces of `chat` as Python's `re.split` on `START(token…)END|[START END]` gives them:
+    /// a wrapped added token is a piece of its own, a lone marker leaves no piece but ends the
+    /// text before it. One pass (the next end marker is looked up once per end marker).
+    fn split<'a>(&self, chat: &'a str) -> Vec<Piece<'a>> {
+        let width = MARK_START.len_utf8();
+        let mut pieces = Vec::new();
+        let (mut last, mut at) = (0, 0);
+        let mut next_end: Option<usize> = None;
+        while let Some(found) = chat[at..].find([MARK_START, MARK_END]) {
+            let p = at + found;
+            if chat[p..].starts_with(MARK_START) {
+                if next_end.is_none_or(|e| e < p) {
+                    next_end = chat[p..].find(MARK_END).map(|e| p + e);
+                }
+                let wrapped = next_end.map(|e| &chat[p + width..e]).filter(|t| self.added.contains(*t));
+                if let (Some(token), Some(e)) = (wrapped, next_end) {
+                    pieces.push(Piece::Text(&chat[last..p]));
+                    pieces.push(Piece::Marked(token));
+                    (last, at) = (e + width, e + width);
+                    continue;
+                }
+            }
+            pieces.push(Piece::Text(&chat[last..p]));
+            (last, at) = (p + width, p + width);
+        }
+        pieces.push(Piece::Text(&chat[last..]));
+        pieces
+    }
+
+    /// transformers' `encode_marked_chat`: ids of a chat rendered from marked strings, each
+    /// wrapped token as text.
+    pub(crate) fn encode(&self, tokenizer: &tokenizers::Tokenizer, chat: &str) -> Result<Vec<u32>, TextError> {
+        let encode = |text: &str| -> Result<Vec<u32>, TextError> {
+            let enc = tokenizer
+                .encode(text, false)
+                .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
+            Ok(enc.get_ids().to_vec())
+        };
+        let newline = encode("\n")?;
+        let mut ids = Vec::new();
+        for (i, piece) in self.split(chat).iter().enumerate() {
+            let (text, as_text) = match piece {
+                Piece::Text(t) => (*t, false),
+                Piece::Marked(t) => (*t, true),
+            };
+            if i == 0 {
+                ids.extend(encode(text)?);
+                continue;
+            }
+            if text.is_empty() {
+                continue;
+            }
+            let run = |t: &str| if as_text { encode_plain(tokenizer, t) } else { encode(t) };
+            let after_newline = run(&format!("\n{text}"))?;
+            let piece_ids = match after_newline.strip_prefix(newline.as_slice()) {
+                Some(rest) => rest.to_vec(),
+                None => run(text)?,
+            };
+            if as_text {
+                if let Some(id) = tokenizer.token_to_id(text).filter(|id| piece_ids.contains(id)) {
+                    return Err(TextError::BadRequest(format!(
+                        "sanitize_control_tokens: cannot encode {text:?} as text, the tokenizer makes its token \
+                         (id {id}) from the plain text"
+                    )));
+                }
+            }
+            ids.extend(piece_ids);
+        }
+        Ok(ids)
+    }
 }
 
 /// One piece of a rendered chat between markers.
+#[derive(Debug, PartialEq)]
 enum Piece<'a> {
     /// Template text and unmarked user text: encoded with the added vocabulary.
     Text(&'a str),
     /// A control token a user wrote: encoded as plain text.
     Marked(&'a str),
-}
-
-/// The pieces of `chat` as Python's `re.split` gives them (a lone marker leaves no piece but
-/// ends the text before it).
-fn split_marked<'a>(chat: &'a str, markers: &Regex) -> Vec<Piece<'a>> {
-    let mut pieces = Vec::new();
-    let mut last = 0;
-    for caps in markers.captures_iter(chat) {
-        let Some(whole) = caps.get(0) else { continue };
-        pieces.push(Piece::Text(&chat[last..whole.start()]));
-        if let Some(token) = caps.get(1) {
-            pieces.push(Piece::Marked(token.as_str()));
-        }
-        last = whole.end();
-    }
-    pieces.push(Piece::Text(&chat[last..]));
-    pieces
 }
 
 /// transformers' `_encode_without_added_tokens`: the normalizer, the pre-tokenizer and the model,
@@ -117,83 +193,35 @@ fn encode_plain(tokenizer: &tokenizers::Tokenizer, text: &str) -> Result<Vec<u32
     Ok(ids)
 }
 
-/// transformers' `encode_marked_chat`: ids of a chat rendered from marked strings, each wrapped
-/// token as text. `added` are all the tokenizer's added tokens (a wrapped string that is not
-/// one of them is text with two lone markers).
-pub(crate) fn encode_marked(
-    tokenizer: &tokenizers::Tokenizer,
-    added: &[String],
-    chat: &str,
-) -> Result<Vec<u32>, TextError> {
-    let tokens = alternation(added);
-    let markers = compile(&if tokens.is_empty() {
-        format!("[{MARK_START}{MARK_END}]")
-    } else {
-        format!("{MARK_START}({tokens}){MARK_END}|[{MARK_START}{MARK_END}]")
-    })?;
-    let encode = |text: &str| -> Result<Vec<u32>, TextError> {
-        let enc = tokenizer
-            .encode(text, false)
-            .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
-        Ok(enc.get_ids().to_vec())
-    };
-    let newline = encode("\n")?;
-    let pieces = split_marked(chat, &markers);
-    let mut ids = Vec::new();
-    for (i, piece) in pieces.iter().enumerate() {
-        let (text, as_text) = match piece {
-            Piece::Text(t) => (*t, false),
-            Piece::Marked(t) => (*t, true),
-        };
-        if i == 0 {
-            ids.extend(encode(text)?);
-            continue;
-        }
-        if text.is_empty() {
-            continue;
-        }
-        let run = |t: &str| if as_text { encode_plain(tokenizer, t) } else { encode(t) };
-        let after_newline = run(&format!("\n{text}"))?;
-        let piece_ids = match after_newline.strip_prefix(newline.as_slice()) {
-            Some(rest) => rest.to_vec(),
-            None => run(text)?,
-        };
-        if as_text {
-            if let Some(id) = tokenizer.token_to_id(text).filter(|id| piece_ids.contains(id)) {
-                return Err(TextError::BadRequest(format!(
-                    "sanitize_control_tokens: cannot encode {text:?} as text, the tokenizer makes its token \
-                     (id {id}) from the plain text"
-                )));
-            }
-        }
-        ids.extend(piece_ids);
-    }
-    Ok(ids)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
     fn longest_tokens_win_and_old_markers_are_dropped() {
-        let c = ControlTokens::new(&["<a>".into(), "<a><b>".into(), "".into()]).expect("compiles");
+        let c = Sanitizer::new(&["<a>", "<a><b>", ""], &[]).expect("builds");
         let s = format!("x<a><b>y{MARK_END}<a>");
         assert_eq!(c.mark_str(&s), format!("x{MARK_START}<a><b>{MARK_END}y{MARK_START}<a>{MARK_END}"));
-        assert_eq!(ControlTokens::new(&[]).expect("empty").mark_str("<a>"), "<a>");
+        assert_eq!(Sanitizer::new(&[], &[]).expect("empty").mark_str("<a>"), "<a>");
     }
 
     #[test]
     fn lone_markers_split_the_text_and_leave_no_piece() {
-        let markers = compile(&format!("{MARK_START}(<a>){MARK_END}|[{MARK_START}{MARK_END}]")).expect("compiles");
-        let chat = format!("p{MARK_START}<a>{MARK_END}q{MARK_END}r{MARK_START}<b>{MARK_END}");
-        let got: Vec<(bool, &str)> = split_marked(&chat, &markers)
-            .iter()
-            .map(|p| match p {
-                Piece::Text(t) => (false, *t),
-                Piece::Marked(t) => (true, *t),
-            })
-            .collect();
-        assert_eq!(got, vec![(false, "p"), (true, "<a>"), (false, "q"), (false, "r"), (false, "<b>"), (false, "")]);
+        let c = Sanitizer::new(&[], &["<a>"]).expect("builds");
+        let (s, e) = (MARK_START, MARK_END);
+        let chat = format!("p{s}<a>{e}q{e}r{s}<b>{e}{s}{s}<a>{e}");
+        use Piece::{Marked, Text};
+        let want = vec![
+            Text("p"),
+            Marked("<a>"),
+            Text("q"),
+            Text("r"),
+            Text("<b>"),
+            Text(""),
+            Text(""),
+            Marked("<a>"),
+            Text(""),
+        ];
+        assert_eq!(c.split(&chat), want);
     }
 }

@@ -6,10 +6,10 @@ tokens). Writes tests/fixtures/reference/chat.json: each case's inputs and the r
 the error transformers raises."""
 
 import json
+import tempfile
 from pathlib import Path
 
-from tokenizers import Tokenizer
-from transformers import AutoTokenizer, TokenizersBackend
+from transformers import AutoTokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = ROOT / "tests/fixtures/chat"
@@ -111,6 +111,7 @@ def cases():
 
 
 SANITIZE = CHAT / "sanitize"
+VOCAB_SIZE = len(json.loads((ROOT / "examples/assets/demo/tokenizer.json").read_text())["model"]["vocab"])
 # Added tokens as Qwen's tokenizers have them (not special), beside the demo's three special ones:
 # four the Qwen 3.5 template writes, one no template writes.
 EXTRA_ADDED = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<extra_x>"]
@@ -156,7 +157,19 @@ def sanitize_cases():
                                          add_generation_prompt=False, continue_final_message=True)
     yield "demo_template_writes_no_think", dict(template="../../../examples/assets/demo/chat_template.jinja",
                                                 messages=[u("x <think> y <|im_end|> z")])
-    yield "listed_control_tokens", dict(chat_control_tokens=["<extra_x>"], messages=[u("<extra_x> <think> <|im_end|>")])
+    yield "listed_control_tokens", dict(config={"chat_control_tokens": ["<extra_x>", 5]},
+                                        messages=[u("<extra_x> <think> <|im_end|>")])
+    # Tokens the configuration makes special are control tokens whatever tokenizer.json says.
+    demo = "../../../examples/assets/demo/chat_template.jinja"
+    for case, config in [("pad_token", {"pad_token": "<extra_x>"}),
+                         ("extra_special_tokens_named", {"extra_special_tokens": {"x_token": "<extra_x>"}}),
+                         ("extra_special_tokens_list", {"extra_special_tokens": ["<extra_x>"]}),
+                         ("added_tokens_decoder", {"added_tokens_decoder": {str(VOCAB_SIZE + 4): {
+                             "content": "<extra_x>", "special": True, "lstrip": False, "rstrip": False,
+                             "normalized": False, "single_word": False}}})]:
+        yield f"config_{case}", dict(template=demo, config=config, messages=[u("a <extra_x> b <think> c")])
+    # Jinja2 joins adjacent string constants: '<tool' '_call>' is a literal <tool_call>.
+    yield "joined_string_constants", dict(template="sanitize_joined.jinja", messages=[u("x<tool_call>y<think>")])
     yield "no_control_token_in_text", dict(messages=[u("plain words"), a("fine"), u("more")])
     # A special token whose text the vocabulary makes by itself: transformers refuses to sanitize it.
     yield "token_made_from_text", dict(extra_added=[{"id": VOCAB["q"], "content": "q", "special": True}],
@@ -166,24 +179,28 @@ def sanitize_cases():
 VOCAB = json.loads((ROOT / "examples/assets/demo/tokenizer.json").read_text())["model"]["vocab"]
 
 
+def case_tokenizer(case, scratch):
+    """The sanitize fixture with the case's extra added tokens and configuration, as a directory."""
+    tok = json.loads((SANITIZE / "tokenizer.json").read_text())
+    tok["added_tokens"] += [{"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, **t}
+                            for t in case.get("extra_added", [])]
+    config = {**json.loads((SANITIZE / "tokenizer_config.json").read_text()), **case.get("config", {})}
+    (scratch / "tokenizer.json").write_text(json.dumps(tok))
+    (scratch / "tokenizer_config.json").write_text(json.dumps(config))
+    return AutoTokenizer.from_pretrained(scratch)
+
+
 def sanitize_reference():
     write_sanitize_tokenizer()
-    base = AutoTokenizer.from_pretrained(SANITIZE)
     out = []
     for name, case in sanitize_cases():
-        tok = base
-        if "extra_added" in case:
-            patched = json.loads((SANITIZE / "tokenizer.json").read_text())
-            patched["added_tokens"] += [{"single_word": False, "lstrip": False, "rstrip": False, "normalized": False, **t}
-                                        for t in case["extra_added"]]
-            tok = TokenizersBackend(tokenizer_object=Tokenizer.from_str(json.dumps(patched)), eos_token="<|im_end|>")
-        if "chat_control_tokens" in case:
-            tok = AutoTokenizer.from_pretrained(SANITIZE, chat_control_tokens=case["chat_control_tokens"])
+        with tempfile.TemporaryDirectory() as scratch:
+            tok = case_tokenizer(case, Path(scratch))
         template = (CHAT / case.get("template", "qwen35.jinja")).read_text()
         row = {
             "name": name,
             "template": case.get("template", "qwen35.jinja"),
-            "chat_control_tokens": case.get("chat_control_tokens"),
+            "config": case.get("config", {}),
             "extra_added": case.get("extra_added", []),
             "messages": case["messages"],
             "tools": case.get("tools"),
