@@ -222,7 +222,8 @@ impl ChatRequest {
 }
 
 /// The tokenizer's named special tokens (`bos_token`, `eos_token`, `unk_token`, `sep_token`,
-/// `pad_token`, `cls_token`, `mask_token`), passed to the template when set.
+/// `pad_token`, `cls_token`, `mask_token`, and the names `extra_special_tokens` gives), passed
+/// to the template when set.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct SpecialTokens(pub Vec<(String, String)>);
 

@@ -166,7 +166,7 @@ impl TextTokenizer {
                 .map_err(|e| TextError::Io { path: dir.join("special_tokens_map.json"), message: e.to_string() })?,
             None => serde_json::Value::Null,
         };
-        let special = SpecialTokens(
+        let mut special = SpecialTokens(
             ["bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"]
                 .iter()
                 .filter_map(|name| {
@@ -176,6 +176,15 @@ impl TextTokenizer {
                 })
                 .collect(),
         );
+        // Named extra special tokens (`{"image_token": "<|image_pad|>"}`) are in transformers'
+        // special_tokens_map too, so templates see them.
+        if let Some(serde_json::Value::Object(named)) = config.get("extra_special_tokens") {
+            for (name, token) in named {
+                if let (Some(token), false) = (token_string(Some(token)), special.0.iter().any(|(n, _)| n == name)) {
+                    special.0.push((name.clone(), token));
+                }
+            }
+        }
         // transformers requires a list and compares its entries with the tokens' text (other
         // entries match nothing).
         let chat_control_tokens = match config.get("chat_control_tokens") {
@@ -191,9 +200,6 @@ impl TextTokenizer {
             }
         };
         let mut config_special: HashSet<String> = special.0.iter().map(|(_, t)| t.clone()).collect();
-        if let Some(serde_json::Value::Object(named)) = config.get("extra_special_tokens") {
-            config_special.extend(named.values().filter_map(|t| token_string(Some(t))));
-        }
         if let Some(serde_json::Value::Object(decoder)) = config.get("added_tokens_decoder") {
             let marked = decoder.values().filter(|t| t.get("special").and_then(|v| v.as_bool()) == Some(true));
             config_special.extend(marked.filter_map(|t| token_string(Some(t))));

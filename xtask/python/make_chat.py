@@ -168,6 +168,9 @@ def sanitize_cases():
                              "content": "<extra_x>", "special": True, "lstrip": False, "rstrip": False,
                              "normalized": False, "single_word": False}}})]:
         yield f"config_{case}", dict(template=demo, config=config, messages=[u("a <extra_x> b <think> c")])
+    # Named extra special tokens are template variables, and control tokens.
+    yield "extra_special_token_variable", dict(template="environment.jinja", config={"extra_special_tokens": {
+        "x_token": "<extra_x>"}}, messages=[u("hi <extra_x>")])
     # Jinja2 joins adjacent string constants: '<tool' '_call>' is a literal <tool_call>.
     yield "joined_string_constants", dict(template="sanitize_joined.jinja", messages=[u("x<tool_call>y<think>")])
     yield "no_control_token_in_text", dict(messages=[u("plain words"), a("fine"), u("more")])
