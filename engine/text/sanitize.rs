@@ -224,4 +224,50 @@ mod tests {
         ];
         assert_eq!(c.split(&chat), want);
     }
+
+    /// The one-pass split against Python's `re.split` on `S(tok…)E|[SE]` (the `regex` crate's
+    /// leftmost-first alternation, longest token first, is Python's here) over random strings of
+    /// markers, tokens, prefixes of tokens and text.
+    #[test]
+    fn the_split_is_the_regex_split() {
+        let added = ["<a>", "<a><b>", "<b>", "ab"];
+        let c = Sanitizer::new(&[], &added).expect("builds");
+        let (s, e) = (MARK_START, MARK_END);
+        let mut sorted = added.to_vec();
+        sorted.sort_by_key(|t| std::cmp::Reverse(t.len()));
+        let alternation: Vec<String> = sorted.iter().map(|t| regex::escape(t)).collect();
+        let re = regex::Regex::new(&format!("{s}({}){e}|[{s}{e}]", alternation.join("|"))).expect("regex");
+        let atoms = [
+            s.to_string(),
+            e.to_string(),
+            "<a>".into(),
+            "<b>".into(),
+            "<a".into(),
+            "b>".into(),
+            "a".into(),
+            "x".into(),
+        ];
+        let mut seed = 0x9e37_79b9_7f4a_7c15_u64;
+        for _ in 0..3000 {
+            let mut chat = String::new();
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            for k in 0..(seed % 12) {
+                chat.push_str(&atoms[((seed >> (4 * k)) % atoms.len() as u64) as usize]);
+            }
+            let mut want = Vec::new();
+            let mut last = 0;
+            for caps in re.captures_iter(&chat) {
+                let whole = caps.get(0).expect("match");
+                want.push(Piece::Text(&chat[last..whole.start()]));
+                if let Some(token) = caps.get(1) {
+                    want.push(Piece::Marked(token.as_str()));
+                }
+                last = whole.end();
+            }
+            want.push(Piece::Text(&chat[last..]));
+            assert_eq!(c.split(&chat), want, "{chat:?}");
+        }
+    }
 }
