@@ -254,10 +254,14 @@ qe_status qe_generate_batch(qe_engine engine, const qe_session *sessions, const 
 
 // One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
 // "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...},
-// "sanitize_control_tokens": false}` (OpenAI / transformers message dicts, tool-call arguments as
-// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them;
+// "sanitize_control_tokens": false, "documents": [...], "add_generation_prompt": true,
+// "continue_final_message": false}` (OpenAI / transformers message dicts, tool-call arguments as
+// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them, with
+// transformers' `apply_chat_template` arguments of the same names;
 // `sanitize_control_tokens: true` encodes control tokens written in the request's strings, like
-// a user's `<|im_end|>`, as plain text, as transformers' option of that name). `params_json` and `on_delta` as in
+// a user's `<|im_end|>`, as plain text; `continue_final_message` is `true` for the final
+// message's content or the name of the field to continue, and then `add_generation_prompt`
+// defaults to false). `params_json` and `on_delta` as in
 // qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 // Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 // "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only

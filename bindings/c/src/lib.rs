@@ -1123,6 +1123,21 @@ struct Chat {
     vars: serde_json::Map<String, Value>,
     #[serde(default)]
     sanitize_control_tokens: bool,
+    #[serde(default)]
+    documents: Option<Vec<Value>>,
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    #[serde(default)]
+    continue_final_message: Option<Continue>,
+}
+
+/// `continue_final_message`: `true` continues the final message's content, a string names the
+/// field to continue (`"reasoning_content"`), `false` is the default.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Continue {
+    Flag(bool),
+    Field(String),
 }
 
 impl Chat {
@@ -1133,6 +1148,15 @@ impl Chat {
         request.tools = self.tools;
         request.vars = self.vars;
         request.sanitize_control_tokens = self.sanitize_control_tokens;
+        request.documents = self.documents;
+        request.continue_final_message = match self.continue_final_message {
+            Some(Continue::Flag(true)) => Some("content".into()),
+            Some(Continue::Field(field)) => Some(field),
+            Some(Continue::Flag(false)) | None => None,
+        };
+        // Continuing the final message starts no new turn unless the request says so (and then
+        // the template refuses the two together, as transformers does).
+        request.add_generation_prompt = self.add_generation_prompt.unwrap_or(request.continue_final_message.is_none());
         if let Some(on) = self.enable_thinking {
             request = request.thinking(on);
         }
@@ -1142,10 +1166,14 @@ impl Chat {
 
 /// One chat turn in `session`: `request_json` = `{"messages": [{"role": "user", "content":
 /// "..."}, ...], "tools": [...], "enable_thinking": false, "vars": {...},
-/// "sanitize_control_tokens": false}` (OpenAI / transformers message dicts, tool-call arguments as
-/// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them;
+/// "sanitize_control_tokens": false, "documents": [...], "add_generation_prompt": true,
+/// "continue_final_message": false}` (OpenAI / transformers message dicts, tool-call arguments as
+/// an object or, as OpenAI sends them, a JSON string; the model's chat template renders them, with
+/// transformers' `apply_chat_template` arguments of the same names;
 /// `sanitize_control_tokens: true` encodes control tokens written in the request's strings, like
-/// a user's `<|im_end|>`, as plain text, as transformers' option of that name). `params_json` and `on_delta` as in
+/// a user's `<|im_end|>`, as plain text; `continue_final_message` is `true` for the final
+/// message's content or the name of the field to continue, and then `add_generation_prompt`
+/// defaults to false). `params_json` and `on_delta` as in
 /// qe_generate (`on_delta` gets the answer's text; reasoning and tool calls are in the reply).
 /// Writes the reply to `reply_out` as JSON `{"content", "reasoning_content", "tool_calls",
 /// "text"}` (free with qe_string_free), also after QE_CANCELLED. A conversation that grows turn by turn prefills only
@@ -1484,6 +1512,40 @@ mod tests {
         let request = chat.request();
         let calls = request.messages[1].tool_calls.as_ref().expect("the assistant's calls");
         assert_eq!(calls[0].function.arguments, serde_json::json!({"city": "Paris"}));
+    }
+
+    /// The request's fields reach the ChatRequest the template renders (transformers'
+    /// `apply_chat_template` arguments), `continue_final_message` without a new turn by default.
+    #[test]
+    fn apply_chat_template_arguments_reach_the_request() {
+        let parse = |json: &str| serde_json::from_str::<Chat>(json).expect("request").request();
+        let base = parse(r#"{"messages": [{"role": "user", "content": "Hi"}]}"#);
+        assert!(base.add_generation_prompt && base.continue_final_message.is_none() && base.documents.is_none());
+        assert!(!base.sanitize_control_tokens);
+        let all = parse(
+            r#"{"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}],
+                "documents": [{"title": "t", "text": "x"}], "continue_final_message": true,
+                "sanitize_control_tokens": true, "enable_thinking": false}"#,
+        );
+        assert_eq!(all.continue_final_message.as_deref(), Some("content"));
+        assert!(!all.add_generation_prompt && all.sanitize_control_tokens);
+        assert_eq!(all.documents, Some(vec![serde_json::json!({"title": "t", "text": "x"})]));
+        assert_eq!(all.vars.get("enable_thinking"), Some(&serde_json::json!(false)));
+        let field = parse(
+            r#"{"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": "reasoning_content"}"#,
+        );
+        assert_eq!(field.continue_final_message.as_deref(), Some("reasoning_content"));
+        let both = parse(
+            r#"{"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": true, "add_generation_prompt": true}"#,
+        );
+        assert!(
+            both.add_generation_prompt && both.continue_final_message.is_some(),
+            "as asked: the template refuses it"
+        );
+        let off = parse(
+            r#"{"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": false, "add_generation_prompt": false}"#,
+        );
+        assert!(!off.add_generation_prompt && off.continue_final_message.is_none());
     }
 }
 
