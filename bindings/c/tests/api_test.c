@@ -325,6 +325,24 @@ int main(int argc, char **argv) {
         free(content);
         qe_string_free(reply);
     }
+    {
+        /* Continuing the answer's first words gives the rest of it (greedy, the same tokens). */
+        const char *space = strchr(want_base, ' ');
+        size_t cut = space ? (size_t)(space - want_base) : strlen(want_base);
+        char request[512];
+        snprintf(request, sizeof request,
+                 "{\"messages\": [{\"role\": \"user\", \"content\": \"What color is the sky?\"}, "
+                 "{\"role\": \"assistant\", \"content\": \"%.*s\"}], \"continue_final_message\": true}",
+                 (int)cut, want_base);
+        char *reply = NULL;
+        MUST(qe_chat(e, s, request, PARAMS, NULL, NULL, &reply));
+        char *content = content_of(reply);
+        char joined[512];
+        snprintf(joined, sizeof joined, "%.*s%s", (int)cut, want_base, content);
+        CHECK(strcmp(joined, want_base) == 0, "continued: %s, transformers' whole answer %s", joined, want_base);
+        free(content);
+        qe_string_free(reply);
+    }
     char *id = NULL;
     snprintf(path, sizeof path, "%s/adapters/shout", demo);
     MUST(qe_adapter_load(e, path, "shout", &id));
