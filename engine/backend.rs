@@ -11,7 +11,7 @@ use crate::learn::{FeedbackEvent, LearnOptions, LearnReport, TrainSpec};
 use crate::lora::{AdapterInfo, LayerScales};
 use crate::model::TextConfig;
 use crate::runtime::GenerateParams;
-use crate::text::{ChatDelta, ChatReply, ChatRequest, ReplyParser, TextError, TextStream, TextTokenizer};
+use crate::text::{ChatDelta, ChatReply, ChatRequest, TextError, TextStream, TextTokenizer};
 
 /// The id of a resident adapter.
 pub type AdapterId = String;
@@ -345,7 +345,7 @@ pub trait LlmBackend {
     ) -> Result<ChatReply, BackendError> {
         let tok = self.tokenizer().ok_or_else(|| BackendError::NoTokenizer { backend: self.backend_name().into() })?;
         let prompt = tok.encode_chat(request)?;
-        let mut parser = ReplyParser::new(&prompt.text, request.tools.as_deref());
+        let mut parser = prompt.reply_parser(request.tools.as_deref());
         let mut open = true;
         let mut emit = |d: ChatDelta<'_>| {
             open = open && on_delta(d);

@@ -356,7 +356,7 @@ impl WgpuBackend {
         let by_ids: Vec<(SessionId, &[u32])> =
             requests.iter().zip(&prompts).map(|((id, _), p)| (*id, p.ids.as_slice())).collect();
         let mut parsers: Vec<ReplyParser> =
-            prompts.iter().zip(requests).map(|(p, (_, r))| ReplyParser::new(&p.text, r.tools.as_deref())).collect();
+            prompts.iter().zip(requests).map(|(p, (_, r))| p.reply_parser(r.tools.as_deref())).collect();
         // Once `on_delta` returned false for a request it is not called for it again.
         let mut open = vec![true; requests.len()];
         let mut emit = |i: usize, d: ChatDelta<'_>, open: &mut [bool]| {

@@ -240,6 +240,21 @@ fn prompts_encode_as_transformers_encodes_them_with_and_without_sanitized_contro
             _ => panic!("{name}: no reference"),
         }
     }
+    // A continued message ending in a `<think>` the user wrote: the model read it as text when
+    // sanitized, so the reply is content; unsanitized it is the token and the reply reasoning.
+    let case = r["sanitize"].as_array().expect("cases").iter().find(|c| c["name"] == "continue_final_message");
+    let case = case.expect("the continue_final_message case");
+    let tok = sanitize_tokenizer(&r, case, &dir);
+    let reply = |prompt: qwen35_wgpu::ChatPrompt| {
+        let mut p = prompt.reply_parser(None);
+        p.push(" more", &mut |_| true);
+        let reply = p.finish(&mut |_| true);
+        (reply.reasoning_content, reply.content)
+    };
+    let sanitized = tok.encode_chat(&request(case).sanitized(true)).expect("sanitized");
+    assert!(sanitized.text.ends_with("<think>"), "{:?}", sanitized.text);
+    assert_eq!(reply(sanitized), (None, " more".to_string()), "sanitized: content");
+    assert_eq!(reply(tok.encode_chat(&request(case)).expect("plain")), (Some(" more".into()), String::new()));
     // A config's chat_control_tokens must be a list, as transformers requires.
     let mut bad = r["sanitize"].as_array().expect("cases")[0].clone();
     bad["config"] = json!({"chat_control_tokens": "<think>"});

@@ -89,6 +89,17 @@ pub struct ChatPrompt {
     pub text: String,
     /// Its token ids.
     pub ids: Vec<u32>,
+    /// With sanitized control tokens, the prompt as the reply parser reads it: each control
+    /// token a user wrote (text to the model) replaced by U+FFFC, so that a `<think>` typed at
+    /// the end of a continued message does not open the reply's reasoning.
+    parser_view: Option<String>,
+}
+
+impl ChatPrompt {
+    /// The parser of the reply generated after this prompt (see [`ReplyParser::new`]).
+    pub fn reply_parser(&self, tools: Option<&[serde_json::Value]>) -> ReplyParser {
+        ReplyParser::new(self.parser_view.as_deref().unwrap_or(&self.text), tools)
+    }
 }
 
 fn token_string(v: Option<&serde_json::Value>) -> Option<String> {
@@ -341,13 +352,13 @@ impl TextTokenizer {
         if !request.sanitize_control_tokens {
             let text = template.render_request(request, &self.special)?;
             let ids = self.encode_prompt(&text)?;
-            return Ok(ChatPrompt { text, ids });
+            return Ok(ChatPrompt { text, ids, parser_view: None });
         }
         let sanitizer = self.sanitizer(index)?;
         let marked = template.render_marked(request, &self.special, Some(sanitizer))?;
         let ids = sanitizer.encode(&self.inner, &marked)?;
         let text = marked.chars().filter(|c| *c != sanitize::MARK_START && *c != sanitize::MARK_END).collect();
-        Ok(ChatPrompt { text, ids })
+        Ok(ChatPrompt { text, ids, parser_view: Some(sanitizer.parser_view(&marked)) })
     }
 
     /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a

@@ -119,6 +119,18 @@ impl Sanitizer {
         pieces
     }
 
+    /// `chat` without its markers, each wrapped token replaced by U+FFFC (what a reader of the
+    /// prompt's structure, such as the reply parser, should see: no tag where the model saw text).
+    pub(crate) fn parser_view(&self, chat: &str) -> String {
+        self.split(chat)
+            .iter()
+            .map(|piece| match piece {
+                Piece::Text(t) => t,
+                Piece::Marked(_) => "\u{FFFC}",
+            })
+            .collect()
+    }
+
     /// transformers' `encode_marked_chat`: ids of a chat rendered from marked strings, each
     /// wrapped token as text.
     pub(crate) fn encode(&self, tokenizer: &tokenizers::Tokenizer, chat: &str) -> Result<Vec<u32>, TextError> {
