@@ -282,10 +282,6 @@ fn template_error(e: Error) -> TextError {
 pub struct ChatTemplate {
     env: Environment<'static>,
     source: String,
-    /// The template's literal text (its text outside tags and its string constants), joined by
-    /// NUL so that no search matches across two: where transformers looks for the added tokens
-    /// that are control tokens.
-    literals: String,
 }
 
 /// transformers' `_get_template_literal_text`: the template data and string constants of
@@ -367,16 +363,15 @@ impl ChatTemplate {
                 .unwrap_or(0);
             strftime(&format, now)
         });
-        let source_run = without_generation_tags(&source);
-        let literals = literal_text(&source_run)?;
-        env.add_template_owned("chat", source_run).map_err(template_error)?;
-        Ok(Self { env, source, literals })
+        env.add_template_owned("chat", without_generation_tags(&source)).map_err(template_error)?;
+        Ok(Self { env, source })
     }
 
-    /// The template's literal text: its text outside tags and its string constants, joined by
-    /// NUL.
-    pub(crate) fn literals(&self) -> &str {
-        &self.literals
+    /// The template's literal text (its text outside tags and its string constants), joined by
+    /// NUL so that no search matches across two: where transformers looks for the added tokens
+    /// that are control tokens. Lexed on demand (sanitizing asks once per template).
+    pub(crate) fn literal_text(&self) -> Result<String, TextError> {
+        literal_text(&without_generation_tags(&self.source))
     }
 
     /// Render `messages` with the generation prompt and no variables (see

@@ -286,7 +286,8 @@ impl TextTokenizer {
                 self.inner.get_added_tokens_decoder().into_iter().map(|(id, t)| (id, t.content, t.special)).collect();
             added.sort_by_key(|(id, _, _)| *id);
             let contents: Vec<&str> = added.iter().map(|(_, c, _)| c.as_str()).collect();
-            let literal = sanitize::occurring(&contents, template.literals()).map_err(|e| e.to_string())?;
+            let literal = sanitize::occurring(&contents, &template.literal_text().map_err(|e| e.to_string())?)
+                .map_err(|e| e.to_string())?;
             let control: Vec<&str> = added
                 .iter()
                 .enumerate()
@@ -343,9 +344,10 @@ impl TextTokenizer {
     /// special token or marked special in `tokenizer_config.json`) and, unless
     /// `tokenizer_config.json` lists `chat_control_tokens`, the other added tokens the template
     /// writes literally (Qwen's `<think>`, `<tool_call>`, …); the rest of the added vocabulary
-    /// stays as it is. What this needs of the template is built on its first sanitized request. The prompt
-    /// text returned is the render without the markers: it can differ from the render without
-    /// the option where the template trims or splits a string that held a control token.
+    /// stays as it is. What this needs of the template is built on its first sanitized request.
+    /// The prompt text returned is the render without the markers: it can differ from the
+    /// render without the option where the template trims or splits a string that held a
+    /// control token.
     pub fn encode_chat(&self, request: &ChatRequest) -> Result<ChatPrompt, TextError> {
         let index = self.template_index(request)?;
         let template = &self.templates[index].1;
@@ -355,10 +357,7 @@ impl TextTokenizer {
             return Ok(ChatPrompt { text, ids, parser_view: None });
         }
         let sanitizer = self.sanitizer(index)?;
-        let marked = template.render_marked(request, &self.special, Some(sanitizer))?;
-        let ids = sanitizer.encode(&self.inner, &marked)?;
-        let text = marked.chars().filter(|c| *c != sanitize::MARK_START && *c != sanitize::MARK_END).collect();
-        Ok(ChatPrompt { text, ids, parser_view: Some(sanitizer.parser_view(&marked)) })
+        sanitizer.prompt(self, &template.render_marked(request, &self.special, Some(sanitizer))?)
     }
 
     /// A streaming decoder: feed ids one at a time, get text deltas that never end inside a

@@ -19,12 +19,12 @@ use tokenizers::{
     Model, NormalizedString, Normalizer, OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer,
 };
 
-use super::TextError;
+use super::{ChatPrompt, TextError, TextTokenizer};
 
 /// Opens a control token found in a user's string.
-pub(crate) const MARK_START: char = '\u{F0000}';
+const MARK_START: char = '\u{F0000}';
 /// Closes it.
-pub(crate) const MARK_END: char = '\u{F0001}';
+const MARK_END: char = '\u{F0001}';
 
 fn matcher(kind: MatchKind, tokens: &[&str]) -> Result<AhoCorasick, TextError> {
     AhoCorasick::builder().match_kind(kind).build(tokens).map_err(|e| TextError::Tokenizer {
@@ -33,11 +33,13 @@ fn matcher(kind: MatchKind, tokens: &[&str]) -> Result<AhoCorasick, TextError> {
     })
 }
 
-/// Which of `tokens` occur in `text` (overlaps counted): one pass over the text.
+/// Which of `tokens` occur in `text` (overlaps counted), by index; an empty token never does.
+/// One pass over the text.
 pub(crate) fn occurring(tokens: &[&str], text: &str) -> Result<HashSet<usize>, TextError> {
-    let tokens: Vec<&str> = tokens.iter().map(|t| if t.is_empty() { "\u{F0000}\u{F0000}" } else { t }).collect();
+    let (index, tokens): (Vec<usize>, Vec<&str>) =
+        tokens.iter().copied().enumerate().filter(|(_, t)| !t.is_empty()).unzip();
     let ac = matcher(MatchKind::Standard, &tokens)?;
-    Ok(ac.find_overlapping_iter(text).map(|m| m.pattern().as_usize()).collect())
+    Ok(ac.find_overlapping_iter(text).map(|m| index[m.pattern().as_usize()]).collect())
 }
 
 /// What sanitizing needs of one tokenizer and template, built once: the control tokens to wrap
@@ -119,61 +121,46 @@ impl Sanitizer {
         pieces
     }
 
-    /// `chat` without its markers, each wrapped token replaced by U+FFFC (what a reader of the
-    /// prompt's structure, such as the reply parser, should see: no tag where the model saw text).
-    pub(crate) fn parser_view(&self, chat: &str) -> String {
-        self.split(chat)
-            .iter()
-            .map(|piece| match piece {
-                Piece::Text(t) => t,
-                Piece::Marked(_) => "\u{FFFC}",
-            })
-            .collect()
-    }
-
-    /// transformers' `encode_marked_chat`: ids of a chat rendered from marked strings, each
-    /// wrapped token as text.
-    pub(crate) fn encode(&self, tokenizer: &tokenizers::Tokenizer, chat: &str) -> Result<Vec<u32>, TextError> {
-        let encode = |text: &str| -> Result<Vec<u32>, TextError> {
-            let enc = tokenizer
-                .encode(text, false)
-                .map_err(|e| TextError::Tokenizer { during: "encoding", message: e.to_string() })?;
-            Ok(enc.get_ids().to_vec())
-        };
-        let newline = encode("\n")?;
-        let mut ids = Vec::new();
+    /// transformers' `encode_marked_chat`: the prompt of a chat rendered from marked strings, its
+    /// ids with each wrapped token encoded as text; its text without the markers; and the view
+    /// the reply parser reads, each wrapped token replaced by U+FFFC (no tag where the model saw
+    /// text). One split of the chat gives all three.
+    pub(crate) fn prompt(&self, tok: &TextTokenizer, chat: &str) -> Result<ChatPrompt, TextError> {
+        let newline = tok.encode_prompt("\n")?;
+        let (mut ids, mut text, mut view) = (Vec::new(), String::with_capacity(chat.len()), String::new());
         for (i, piece) in self.split(chat).iter().enumerate() {
-            let (text, as_text) = match piece {
+            let (part, as_text) = match piece {
                 Piece::Text(t) => (*t, false),
                 Piece::Marked(t) => (*t, true),
             };
+            text.push_str(part);
+            view.push_str(if as_text { "\u{FFFC}" } else { part });
             if i == 0 {
-                ids.extend(encode(text)?);
+                ids.extend(tok.encode_prompt(part)?);
                 continue;
             }
-            if text.is_empty() {
+            if part.is_empty() {
                 continue;
             }
-            let run = |t: &str| if as_text { encode_plain(tokenizer, t) } else { encode(t) };
-            let after_newline = run(&format!("\n{text}"))?;
+            let run = |t: &str| if as_text { encode_plain(&tok.inner, t) } else { tok.encode_prompt(t) };
+            let after_newline = run(&format!("\n{part}"))?;
             let piece_ids = match after_newline.strip_prefix(newline.as_slice()) {
                 Some(rest) => rest.to_vec(),
-                None => run(text)?,
+                None => run(part)?,
             };
             if as_text {
-                if let Some(id) = tokenizer.token_to_id(text).filter(|id| piece_ids.contains(id)) {
+                if let Some(id) = tok.token_id(part).filter(|id| piece_ids.contains(id)) {
                     return Err(TextError::BadRequest(format!(
-                        "sanitize_control_tokens: cannot encode {text:?} as text, the tokenizer makes its token \
+                        "sanitize_control_tokens: cannot encode {part:?} as text, the tokenizer makes its token \
                          (id {id}) from the plain text"
                     )));
                 }
             }
             ids.extend(piece_ids);
         }
-        Ok(ids)
+        Ok(ChatPrompt { text, ids, parser_view: Some(view) })
     }
 }
-
 /// One piece of a rendered chat between markers.
 #[derive(Debug, PartialEq)]
 enum Piece<'a> {
