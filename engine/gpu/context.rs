@@ -246,8 +246,9 @@ impl GpuContext {
     }
 
     /// Bytes of storage buffers created through this context so far (weights, adapters, caches,
-    /// scratch; buffers are never freed individually while a model lives, so this is the peak of
-    /// what the engine asked the device for, uniform and readback buffers aside).
+    /// scratch; uniform and readback buffers aside): a running total, which buffers dropped since
+    /// (a closed session's caches, an unloaded adapter) do not lower. Read it before and after
+    /// creating something to learn what that holds.
     pub fn bytes_allocated(&self) -> u64 {
         self.allocated.load(Ordering::Relaxed)
     }

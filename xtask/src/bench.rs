@@ -28,6 +28,11 @@ fn capture(mut cmd: Command) -> Result<Value> {
     Ok(serde_json::from_str(line)?)
 }
 
+/// MB of GPU buffers a bench run's model, adapters and one session hold (`gpu_bytes_resident`).
+fn resident_mb(run: &Value) -> f64 {
+    run["gpu_bytes_resident"].as_f64().unwrap_or(f64::NAN) / 1e6
+}
+
 fn med(v: &Value) -> f64 {
     v["median"].as_f64().unwrap_or(f64::NAN)
 }
@@ -122,7 +127,7 @@ fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Valu
     let mut md = String::from(
         "Quantized weights (the same random weights; q8/q4 are mlx-lm's conversions of the bf16 checkpoint, \
          which the engine loads as they are and decodes in its kernels):\n\n\
-         | weights | weight MB read per decode token | vs bf16 | prefill tok/s | decode tok/s | GPU MB allocated |\n\
+         | weights | weight MB read per decode token | vs bf16 | prefill tok/s | decode tok/s | GPU MB resident (model, adapters, a session) |\n\
          |---|---|---|---|---|---|\n",
     );
     for (name, r) in &runs {
@@ -133,7 +138,7 @@ fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Valu
             bytes / base_bytes,
             spread(&r["prefill_tok_s"], 2),
             spread(&r["decode_tok_s"], 3),
-            r["gpu_bytes_allocated"].as_f64().unwrap_or(f64::NAN) / 1e6
+            resident_mb(r)
         ));
     }
     // mlx-lm's CPU quantized matmul runs ~5 s per token here (single-threaded, no faster for 16
@@ -197,7 +202,7 @@ fn quantized_section(root: &Path, mlx_python: &Path, model: &Path, engine: &Valu
     }
     let tiny = Sizes { prompt: 8, decode: 2, repeats: 1 };
     let b = quantized_run(root, &big, &tiny)?;
-    let gpu = b["gpu_bytes_allocated"].as_f64().unwrap_or(f64::NAN);
+    let gpu = resident_mb(&b) * 1e6;
     md.push_str(&format!(
         "4B dimensions at 4 bits (random weights, mlx-lm layout, `{}`): loaded in {:.1} s, {:.0} MB of GPU buffers \
          allocated by the engine (weights, a session of {} tokens, scratch; counted by the engine), {:.0} MB \
@@ -468,10 +473,14 @@ pub fn run(root: &Path, python: &Path, mlx_python: &Path, opts: &Options) -> Res
         ));
     }
     md.push_str(&format!(
-        "Memory: the engine allocated {:.0} MB of GPU buffers (weights, two resident copies of the \
-         adapter, caches, scratch); peak process RSS {:.0} MB.\n\n",
-        engine["gpu_bytes_allocated"].as_f64().unwrap_or(0.0) / 1e6,
-        engine["peak_rss_bytes"].as_f64().unwrap_or(0.0) / 1e6
+        "Memory (the engine's own count of GPU buffers): the model, two resident copies of the adapter and \
+         a session of {} positions that has run (its caches, the scratch) hold {:.0} MB; over the whole run \
+         the engine created {:.0} MB (a running total: the sessions and adapter loads it dropped count \
+         too). Peak process RSS {:.0} MB.\n\n",
+        engine["session_positions"],
+        resident_mb(&engine),
+        engine["gpu_bytes_allocated"].as_f64().unwrap_or(f64::NAN) / 1e6,
+        engine["peak_rss_bytes"].as_f64().unwrap_or(f64::NAN) / 1e6
     ));
     match quantized_section(root, mlx_python, &model, &engine, &sizes) {
         Ok(q) => md.push_str(&q),
