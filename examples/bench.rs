@@ -465,8 +465,9 @@ fn main() -> Result<()> {
         session.set_run_ahead(on);
     }
     // The adapter (loaded three times: its load time) and a second copy of it, loaded first so
-    // that the base model, the adapter and the two stacked run interleaved. The GPU bytes of the
-    // two timed loads that are dropped again are left out of the resident count below.
+    // that the base model, the adapter and the two stacked run interleaved. Each load creates the
+    // same buffers, so the bytes of a load that replaces the one before stand for the dropped
+    // load's, which the resident count below leaves out.
     let mut dropped_bytes = 0;
     let loaded = match &args.adapter {
         Some(path) => {

@@ -161,6 +161,7 @@ impl Sanitizer {
         Ok(ChatPrompt { text, ids, parser_view: Some(view) })
     }
 }
+
 /// One piece of a rendered chat between markers.
 #[derive(Debug, PartialEq)]
 enum Piece<'a> {
